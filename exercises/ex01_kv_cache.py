@@ -1,0 +1,38 @@
+"""Exercise 01 - the KV cache.
+
+Two seams of the reference package:
+- `append_kv` is what `tinyllm.kv_cache.KVCache.update` calls to store a layer's new keys and
+  values;
+- `decode_loop` is what `tinyllm.generate.generate` calls once it has checked the prompt:
+  prefill, then one token at a time.
+
+Check your work with `make check EX=01` (or `check_exercise("01")` in notebook 01). The tests
+plug your functions into the engine and compare every token with generation without a cache.
+"""
+
+from typing import Callable
+
+from torch import Tensor
+
+from tinyllm.kv_cache import KVCache
+from tinyllm.model import Transformer
+
+
+def append_kv(cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor,
+              pos: int) -> tuple[Tensor, Tensor]:
+    """Write k, v (B, n_kv, T, hd) into cache_k, cache_v (B, n_kv, max_len, hd) at positions
+    pos .. pos+T-1, and return views of everything written so far, (B, n_kv, pos+T, hd)."""
+    raise NotImplementedError("exercise 01: store k and v at positions pos..pos+T-1, "
+                              "return the filled part of the cache")
+
+
+def decode_loop(model: Transformer, idx: Tensor, max_new_tokens: int, eos_id: int | None,
+                pick: Callable[[Tensor], Tensor]) -> list[int]:
+    """The cached generate loop: prefill idx (1, T) into a fresh KVCache, then feed back one
+    token at a time. pick maps last-position logits (1, V) to a token (1, 1). Stops after
+    max_new_tokens tokens or at eos_id (which is returned as the last token).
+
+    The cache: KVCache(model.cfg.n_layers, max_len) with room for prompt and new tokens.
+    The model: logits, _ = model(ids, cache=cache) returns logits (1, T, V) for T new ids."""
+    raise NotImplementedError("exercise 01: prefill the prompt into a KVCache, then decode "
+                              "one token at a time")

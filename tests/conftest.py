@@ -1,0 +1,40 @@
+"""Shared fixtures: a tiny random model for fast exact checks, and the bundled checkpoint."""
+
+import pytest
+import torch
+
+import tinyllm
+from tinyllm.model import ModelConfig, Transformer
+
+def pytest_addoption(parser):
+    parser.addoption("--impl", choices=["solutions", "exercises"], default="solutions",
+                     help="exercise tests: run solutions/ (default) or exercises/ (your code)")
+
+
+TINY = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                   head_dim=16, d_ff=160, max_seq_len=96, tie_embeddings=False)
+
+
+def make_tiny(seed: int = 0, dtype=torch.float64, **overrides) -> Transformer:
+    """A random-weight Llama, small enough that hypothesis can run it hundreds of times."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(**{**TINY.to_dict(), **overrides})
+    return Transformer(cfg).to(dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return make_tiny()
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    """The bundled checkpoint in float32 on the CPU, and its tokenizer."""
+    return tinyllm.load(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def bundled64(bundled):
+    """The bundled model in float64: batched and solo paths must then agree token for token."""
+    model, tok = tinyllm.load(device="cpu", dtype=torch.float64)
+    return model, tok

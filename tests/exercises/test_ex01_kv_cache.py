@@ -1,0 +1,131 @@
+"""Exercise 01 - the KV cache: your append_kv and decode_loop, plugged into tinyllm."""
+
+import importlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tinyllm import kv_cache
+from tinyllm.check import divergence
+from tinyllm.generate import generate, generate_uncached
+from tests.conftest import make_tiny
+
+EXERCISE = "ex01_kv_cache"
+gen = importlib.import_module("tinyllm.generate")   # the module (tinyllm.generate is also a function)
+TINY = make_tiny()
+
+
+def test_append_kv_writes_at_pos(impl):
+    """append_kv stores k, v at positions pos..pos+T-1 and returns the filled prefix."""
+    B, n_kv, max_len, hd, pos, T = 2, 3, 10, 4, 3, 2
+    cache_k, cache_v = torch.zeros(B, n_kv, max_len, hd), torch.zeros(B, n_kv, max_len, hd)
+    cache_k[:, :, :pos], cache_v[:, :, :pos] = 7.0, 8.0              # what earlier steps wrote
+    k, v = torch.randn(B, n_kv, T, hd), torch.randn(B, n_kv, T, hd)
+    keys, values = impl.append_kv(cache_k, cache_v, k, v, pos)
+    assert keys.shape == (B, n_kv, pos + T, hd), \
+        f"returned keys should be (B, n_kv, pos+T, hd) = {(B, n_kv, pos + T, hd)}, got {tuple(keys.shape)}"
+    assert values.shape == keys.shape, f"returned values have shape {tuple(values.shape)}"
+    assert torch.equal(cache_k[:, :, pos:pos + T], k), "the new keys are not at positions pos..pos+T-1 of cache_k"
+    assert torch.equal(cache_v[:, :, pos:pos + T], v), "the new values are not at positions pos..pos+T-1 of cache_v"
+    assert (cache_k[:, :, :pos] == 7).all() and (cache_v[:, :, :pos] == 8).all(), \
+        "positions before pos were overwritten: earlier tokens' keys/values must stay"
+    assert (cache_k[:, :, pos + T:] == 0).all(), "positions after pos+T-1 were written"
+    assert torch.equal(keys, cache_k[:, :, :pos + T]) and torch.equal(values, cache_v[:, :, :pos + T]), \
+        "return everything written so far: cache[:, :, :pos+T]"
+
+
+def test_append_kv_writes_into_the_cache_in_place(impl):
+    """The cache tensors themselves hold the new keys (a copy would be lost after the call)."""
+    cache_k, cache_v = torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2)
+    impl.append_kv(cache_k, cache_v, torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), 0)
+    impl.append_kv(cache_k, cache_v, 2 * torch.ones(1, 1, 1, 2), 2 * torch.ones(1, 1, 1, 2), 1)
+    assert cache_k[0, 0, :, 0].tolist() == [1, 2, 0, 0], \
+        f"after writes at pos 0 and 1 the cache should hold [1, 2, 0, 0], holds {cache_k[0, 0, :, 0].tolist()}"
+
+
+def test_your_append_kv_gives_uncached_logits(impl, monkeypatch):
+    """KVCache with your append_kv: prefill + 6 decode steps give the logits of no cache."""
+    monkeypatch.setattr(kv_cache, "append_kv", impl.append_kv)
+    torch.manual_seed(1)
+    ids = torch.randint(0, TINY.cfg.vocab_size, (2, 12))
+    full, _ = TINY(ids)                                                   # (2, 12, V)
+    cache = kv_cache.KVCache(TINY.cfg.n_layers, 12)
+    with torch.no_grad():
+        pre, _ = TINY(ids[:, :6], cache=cache)
+        steps = [TINY(ids[:, t:t + 1], cache=cache)[0] for t in range(6, 12)]
+    got = torch.cat([pre] + steps, dim=1)
+    err = (got - full).abs().max().item()
+    assert err < 1e-9, f"cached logits differ from uncached ones by up to {err:.3g}"
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 17])
+def test_decode_loop_matches_uncached_generate(impl, monkeypatch, max_new):
+    """generate() with your decode_loop gives the tokens of generation without a cache."""
+    monkeypatch.setattr(gen, "decode_loop", impl.decode_loop)
+    for i, n in enumerate([1, 5, 30]):
+        prompt = torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(i)).tolist()
+        expected = generate_uncached(TINY, prompt, max_new)
+        msg = divergence(f"prompt {i} ({n} tokens)", expected, generate(TINY, prompt, max_new))
+        assert msg is None, msg
+
+
+def test_decode_loop_feeds_one_token_at_a_time(impl, monkeypatch):
+    """Prefill runs the prompt once; each later step runs exactly one new token."""
+    monkeypatch.setattr(gen, "decode_loop", impl.decode_loop)
+    seen = []
+    forward = TINY.forward
+    monkeypatch.setattr(TINY, "forward", lambda idx, cache=None, targets=None:
+                        seen.append((idx.shape[1], cache is not None)) or forward(idx, cache, targets))
+    generate(TINY, list(range(10)), 5)
+    assert seen and all(c for _, c in seen), "call the model with cache=your KVCache every time"
+    assert [t for t, _ in seen] == [10, 1, 1, 1, 1], \
+        f"expected one prefill of 10 tokens then 4 single-token steps, the model saw {[t for t, _ in seen]}"
+
+
+def test_decode_loop_stops_at_eos(impl, monkeypatch):
+    """Generation stops right after eos_id, which is the last token returned."""
+    prompt = [3, 1, 4, 1, 5]
+    full = generate_uncached(TINY, prompt, 12)
+    eos = full[4]
+    expected = full[:full.index(eos) + 1]
+    monkeypatch.setattr(gen, "decode_loop", impl.decode_loop)
+    got = generate(TINY, prompt, 12, eos_id=eos)
+    assert got == expected, f"with eos_id={eos}: expected {expected}, got {got}"
+
+
+def test_decode_loop_uses_pick(impl, monkeypatch):
+    """Sampling goes through pick: a seeded sampled run equals the reference's."""
+    prompt = [7, 8, 9]
+    expected = generate_uncached(TINY, prompt, 10, temperature=1.0, top_k=20,
+                                 generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(gen, "decode_loop", impl.decode_loop)
+    got = generate(TINY, prompt, 10, temperature=1.0, top_k=20,
+                   generator=torch.Generator().manual_seed(0))
+    msg = divergence("sampled run (temperature 1, top_k 20, seed 0)", expected, got)
+    assert msg is None, msg
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(0, 96), min_size=1, max_size=40), max_new=st.integers(1, 30))
+def test_both_functions_match_uncached_on_random_prompts(impl, monkeypatch, prompt, max_new):
+    """Your append_kv and decode_loop together, on random prompts: exactly the uncached tokens."""
+    with monkeypatch.context() as m:
+        m.setattr(kv_cache, "append_kv", impl.append_kv)
+        m.setattr(gen, "decode_loop", impl.decode_loop)
+        got = generate(TINY, prompt, max_new)
+    expected = generate_uncached(TINY, prompt, max_new)
+    msg = divergence(f"prompt {prompt}", expected, got)
+    assert msg is None, msg
+
+
+def test_bundled_model_with_your_cache(impl, monkeypatch, bundled64):
+    """The bundled model, your code: a Shakespeare speech token for token as without a cache."""
+    model, tok = bundled64
+    prompt = tok.encode("Ham.\nTo be, or not to be")
+    expected = generate_uncached(model, prompt, 40, eos_id=tok.eos_id)
+    monkeypatch.setattr(kv_cache, "append_kv", impl.append_kv)
+    monkeypatch.setattr(gen, "decode_loop", impl.decode_loop)
+    msg = divergence("the Hamlet prompt", expected, generate(model, prompt, 40, eos_id=tok.eos_id))
+    assert msg is None, msg

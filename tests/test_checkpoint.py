@@ -1,0 +1,176 @@
+"""Step 00 - checkpoints: a Hugging Face Llama directory in and out, and every way it can be bad."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import tinyllm
+from tinyllm.checkpoint import CheckpointError, save
+from tinyllm.train import train_tokenizer
+from tests.conftest import make_tiny
+
+TEXT = ["Ham.\nTo be, or not to be, that is the question.",
+        "Oph.\nGood my lord, how does your honour for this many a day?"] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(TEXT, 300)
+
+
+@pytest.fixture
+def ckpt(tmp_path, tokenizer):
+    """A freshly saved tiny checkpoint (float32, untied head) in its own folder."""
+    model = make_tiny(vocab_size=300, dtype=torch.float32)
+    save(model, tokenizer, tmp_path / "ckpt", dtype=torch.float32)
+    return tmp_path / "ckpt", model
+
+
+def test_round_trip_same_logits(ckpt):
+    path, model = ckpt
+    loaded, tok = tinyllm.load(path, device="cpu")
+    idx = torch.randint(0, 300, (2, 10))
+    assert torch.equal(loaded(idx)[0], model(idx)[0])
+    assert tok.eos_id == 0 and tok.encode("Ham.")[0] == 0
+
+
+def test_round_trip_tied_bf16(tmp_path, tokenizer):
+    """A tied head is written once; bf16 storage loads back as the bf16-rounded weights."""
+    model = make_tiny(vocab_size=300, dtype=torch.float32, tie_embeddings=True)
+    save(model, tokenizer, tmp_path, dtype=torch.bfloat16)
+    names = load_file(tmp_path / "model.safetensors").keys()
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    loaded, _ = tinyllm.load(tmp_path, device="cpu")
+    assert loaded.lm_head.weight is loaded.embed_tokens.weight
+    want = model.layers[0].mlp.up_proj.weight.to(torch.bfloat16).float()
+    assert torch.equal(loaded.layers[0].mlp.up_proj.weight, want)
+
+
+def test_config_uses_llama_field_names(ckpt):
+    cfg = json.loads((ckpt[0] / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
+    for field in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "intermediate_size",
+                  "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings"):
+        assert field in cfg
+
+
+def expect_error(path, *words):
+    with pytest.raises(CheckpointError) as e:
+        tinyllm.load(path, device="cpu")
+    for w in words:
+        assert w in str(e.value), f"{w!r} not in: {e.value}"
+
+
+def test_missing_files_are_named(ckpt):
+    path, _ = ckpt
+    expect_error(path.parent / "nowhere", "nowhere", "not a checkpoint directory")
+    (path / "model.safetensors").unlink()
+    expect_error(path, "model.safetensors", "missing")
+    (path / "config.json").unlink()
+    expect_error(path, "config.json", "missing")
+
+
+def test_missing_tokenizer_is_named(ckpt):
+    (ckpt[0] / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        tinyllm.load(ckpt[0], device="cpu")
+
+
+def test_corrupt_safetensors_is_named(ckpt):
+    path, _ = ckpt
+    (path / "model.safetensors").write_bytes(b"\x13\x00\x00\x00\x00\x00\x00\x00not json at all....")
+    expect_error(path, "model.safetensors", "corrupt or truncated")
+
+
+def test_truncated_safetensors_is_named(ckpt):
+    path, _ = ckpt
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:len(data) // 2])
+    expect_error(path, "model.safetensors", "corrupt or truncated")
+
+
+def test_empty_safetensors_is_named(ckpt):
+    (ckpt[0] / "model.safetensors").write_bytes(b"")
+    expect_error(ckpt[0], "model.safetensors", "corrupt or truncated")
+
+
+def test_bad_config_json_is_named(ckpt):
+    (ckpt[0] / "config.json").write_text("{ not json")
+    expect_error(ckpt[0], "config.json", "not valid JSON")
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(model_type="gpt2"), ["unsupported architecture", "gpt2"]),
+    (dict(hidden_act="gelu"), ["unsupported hidden_act"]),
+    (dict(attention_bias=True), ["attention_bias"]),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["RoPE scaling"]),
+    (dict(num_hidden_layers=None), ["num_hidden_layers"]),
+])
+def test_unsupported_config_is_named(ckpt, change, words):
+    path, _ = ckpt
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(change)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (path / "config.json").write_text(json.dumps(cfg))
+    expect_error(path, "config.json", *words)
+
+
+def test_shape_mismatch_is_named(ckpt):
+    path, _ = ckpt
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (path / "config.json").write_text(json.dumps(cfg))
+    expect_error(path, "mlp", "has shape", "(160, 64)", "(128, 64)")
+
+
+def test_missing_and_unexpected_tensors_are_named(ckpt, tmp_path):
+    path, _ = ckpt
+    tensors = load_file(path / "model.safetensors")
+    good = dict(tensors)
+    del tensors["model.norm.weight"]
+    save_file(tensors, path / "model.safetensors")
+    expect_error(path, "missing tensor", "model.norm.weight")
+    good["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2)
+    save_file(good, path / "model.safetensors")
+    expect_error(path, "unexpected tensor", "model.layers.9")
+
+
+def test_non_finite_weights_are_named(ckpt):
+    path, _ = ckpt
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.norm.weight"][3] = float("nan")
+    save_file(tensors, path / "model.safetensors")
+    expect_error(path, "model.norm.weight", "NaN")
+
+
+def test_tokenizer_larger_than_vocab_is_named(tmp_path, tokenizer):
+    save(make_tiny(vocab_size=97, dtype=torch.float32), tokenizer, tmp_path)
+    expect_error(tmp_path, "tokenizer.json", "300 tokens")
+
+
+def test_sharded_checkpoint_loads(ckpt):
+    """Shards listed in model.safetensors.index.json load like one file (real checkpoints)."""
+    path, model = ckpt
+    tensors = load_file(path / "model.safetensors")
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"a.safetensors": names[:half], "b.safetensors": names[half:]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, path / file)
+    (path / "model.safetensors").unlink()
+    index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    loaded, _ = tinyllm.load(path, device="cpu")
+    idx = torch.randint(0, 300, (1, 6))
+    assert torch.equal(loaded(idx)[0], model(idx)[0])
+    (path / "b.safetensors").unlink()
+    expect_error(path, "b.safetensors", "missing")
+
+
+def test_default_is_the_bundled_checkpoint(bundled):
+    model, tok = bundled
+    assert model.cfg.vocab_size == tok.vocab_size == 2048
+    assert next(model.parameters()).dtype == torch.float32

@@ -1,0 +1,38 @@
+"""Step 00 - the bundled model is a real Llama: transformers loads it and agrees with tinyllm."""
+
+import pytest
+import torch
+
+from tinyllm.checkpoint import DEFAULT
+from tinyllm.generate import generate
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = ["Ham.\nTo be, or not to be", "Rom.\nBut soft, what light", "First Citizen.\n",
+           "Lady Macbeth.\nCome, you spirits", "Fool.\n"]
+
+
+@pytest.fixture(scope="module")
+def peer():
+    return transformers.LlamaForCausalLM.from_pretrained(DEFAULT).float().eval()
+
+
+def test_same_logits_as_transformers(bundled, peer):
+    """float32 logits of tinyllm and transformers' LlamaForCausalLM agree to 1e-4."""
+    model, tok = bundled
+    ids = torch.tensor([tok.encode(PROMPTS[0] + ", that is the question.")])
+    with torch.no_grad():
+        ours, theirs = model(ids)[0], peer(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def test_same_greedy_tokens_as_transformers(bundled, peer):
+    """transformers' own generate() (greedy, its KV cache) gives tinyllm's tokens."""
+    model, tok = bundled
+    for text in PROMPTS:
+        prompt = tok.encode(text)
+        ours = generate(model, prompt, 40, eos_id=tok.eos_id)
+        out = peer.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                            eos_token_id=tok.eos_id, pad_token_id=tok.eos_id)
+        theirs = out[0, len(prompt):].tolist()
+        assert ours == theirs, f"{text!r}: tinyllm {ours} vs transformers {theirs}"

@@ -1,0 +1,123 @@
+"""Course tooling - checking tokens against the oracle, and checking an exercise.
+
+`divergence()` says where a batched path left solo generate, in words a learner can act on.
+`check_exercise("01")` runs an exercise's tests on the learner's file (exercises/) and prints
+a short report; a notebook calls it, so it never raises. `python -m tinyllm.check 01` does
+the same from a shell, and `python -m tinyllm.check --stubs-fail` proves that every exercise
+test fails on the untouched stubs (no test can pass vacuously).
+"""
+
+import ast
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def divergence(name: str, expected: list[int], got: list[int]) -> str | None:
+    """None if got == expected, else e.g. 'request 3 diverged from solo generate at token 5:
+    expected 104, got 32'."""
+    if list(expected) == list(got):
+        return None
+    for i, (e, g) in enumerate(zip(expected, got)):
+        if e != g:
+            return f"{name} diverged from solo generate at token {i}: expected {e}, got {g}"
+    return (f"{name}: solo generate gave {len(expected)} tokens, got {len(got)} "
+            f"(the first {min(len(expected), len(got))} agree)")
+
+
+def exercise_files() -> dict[str, Path]:
+    """{'01': exercises/ex01_kv_cache.py, ...}"""
+    return {p.name[2:4]: p for p in sorted((ROOT / "exercises").glob("ex[0-9][0-9]_*.py"))}
+
+
+def run_tests(nn: str, impl: str = "exercises") -> list[tuple[str, str, str]]:
+    """Run tests/exercises/test_exNN_*.py on exercises/ or solutions/.
+    Returns (test name, 'passed' | 'failed' | 'skipped', first line of the message)."""
+    files = exercise_files()
+    if nn not in files:
+        raise ValueError(f"no exercise {nn!r}; there are {sorted(files)}")
+    test = ROOT / "tests" / "exercises" / f"test_{files[nn].name}"
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "report.xml"
+        subprocess.run([sys.executable, "-m", "pytest", str(test), f"--impl={impl}", "-q",
+                        "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", "junit_family=xunit1"],
+                       cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+        if not xml.exists():
+            return [(test.name, "failed", "the tests could not be collected")]
+        return [_outcome(case) for case in ET.parse(xml).iter("testcase")]
+
+
+def _outcome(case: ET.Element) -> tuple[str, str, str]:
+    for tag in ("failure", "error", "skipped"):
+        el = case.find(tag)
+        if el is not None:
+            msg = (el.get("message") or el.text or "").strip().splitlines()
+            status = "skipped" if tag == "skipped" else "failed"
+            return case.get("name"), status, msg[0] if msg else ""
+    return case.get("name"), "passed", ""
+
+
+def check_exercise(nn: str, impl: str = "exercises") -> bool:
+    """Run exercise nn's tests on your code and print a short report. Never raises."""
+    try:
+        outcomes = run_tests(str(nn).zfill(2), impl)
+    except Exception as e:  # a notebook cell should print, not crash
+        print(f"could not run exercise {nn}'s tests: {e}")
+        return False
+    passed = sum(s == "passed" for _, s, _ in outcomes)
+    for name, status, msg in outcomes:
+        mark = {"passed": "ok  ", "failed": "FAIL", "skipped": "skip"}[status]
+        print(f"{mark} {name}" + (f"\n       {msg}" if msg else ""))
+    ok = passed == len(outcomes) > 0
+    print(f"exercise {nn}: {passed}/{len(outcomes)} tests pass" + (" - done!" if ok else ""))
+    return ok
+
+
+def is_untouched(path: Path) -> bool:
+    """True if every public function of an exercise file is still a stub: a docstring and
+    one `raise NotImplementedError(...)`."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            body = node.body[1:] if ast.get_docstring(node) else node.body
+            if not (len(body) == 1 and isinstance(body[0], ast.Raise)
+                    and "NotImplementedError" in ast.unparse(body[0])):
+                return False
+    return True
+
+
+def prove_stubs_fail() -> bool:
+    """Every exercise test must fail on the untouched stubs. In CI (CI set) a worked-on stub
+    is an error; on a learner's machine it is reported and left out."""
+    ok = True
+    for nn, path in exercise_files().items():
+        if not is_untouched(path):
+            if os.environ.get("CI"):
+                print(f"FAIL {path.name}: not an untouched stub (a solution in exercises/?)")
+                ok = False
+            else:
+                print(f"note {path.name}: you have worked on it, so it is no proof; "
+                      "CI proves the untouched stubs fail")
+            continue
+        outcomes = run_tests(nn, "exercises")
+        passing = [n for n, s, _ in outcomes if s != "failed"]
+        if not outcomes or passing:
+            print(f"FAIL {path.name}: tests that do not fail on the stub: {passing or 'none ran'}")
+            ok = False
+        else:
+            print(f"ok   {path.name}: all {len(outcomes)} tests fail on the untouched stub")
+    return ok
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args == ["--stubs-fail"]:
+        sys.exit(0 if prove_stubs_fail() else 1)
+    if len(args) == 1:
+        sys.exit(0 if check_exercise(args[0]) else 1)
+    sys.exit("usage: python -m tinyllm.check NN | --stubs-fail")

@@ -1,0 +1,107 @@
+"""Step 01 - the KV cache.
+
+Decoding without a cache recomputes every earlier token's keys and values at every step, so
+token t costs O(t). A KV cache keeps them: the prompt is run once (prefill), then each new
+token attends to the stored keys/values and adds its own (decode), O(1) new work per layer.
+
+This module writes down the protocol every cache implements (`Cache`), and the simplest
+cache, `KVCache`: one contiguous buffer per layer for a batch that starts together. It is
+pad-aware, so step 02 can left-pad prompts of different lengths into one batch.
+"""
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class Cache(Protocol):
+    """What the model asks of a KV cache. KVCache (01), SlotKVCache (04), PagedKVCache (05)
+    and the graph decoder's static cache (06) all implement it."""
+
+    def positions(self, T: int) -> Tensor:
+        """RoPE positions (B, T) of the T new tokens about to be written, per row."""
+        ...
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Store layer's new keys/values k, v (B, n_kv, T, hd). Returns the keys and values
+        to attend to (B, n_kv, S, hd) and a boolean mask (B, 1, T, S), True = attend, or
+        None when every new token may attend to every returned key. The last layer's update
+        ends the step (the cache then counts the T tokens as written)."""
+        ...
+
+
+def append_kv(cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor,
+              pos: int) -> tuple[Tensor, Tensor]:
+    """Write k, v (B, n_kv, T, hd) into cache_k, cache_v (B, n_kv, max_len, hd) at positions
+    pos .. pos+T-1, and return views of everything written so far, (B, n_kv, pos+T, hd)."""
+    T = k.size(2)
+    cache_k[:, :, pos:pos + T] = k                 # cache (B, n_kv, max_len, hd)
+    cache_v[:, :, pos:pos + T] = v
+    return cache_k[:, :, :pos + T], cache_v[:, :, :pos + T]
+
+
+def attention_mask(pos: int, T: int, pad_lens: Tensor | None, device) -> Tensor | None:
+    """Mask (B or 1, 1, T, pos+T) for T new tokens at cache positions pos.. over all keys so far.
+
+    Causal (a token sees keys at its own position and before) and pad-aware (nobody sees a
+    row's left padding). A token always sees itself, so even a pad token's softmax has one
+    finite entry and no NaN can reach the cache. None when nothing needs masking."""
+    if T == 1 and pad_lens is None:
+        return None
+    q_pos = torch.arange(pos, pos + T, device=device)[:, None]          # (T, 1)
+    k_pos = torch.arange(pos + T, device=device)[None, :]               # (1, S)
+    mask = k_pos <= q_pos                                               # (T, S) causal
+    if pad_lens is not None:
+        real = k_pos[None] >= pad_lens[:, None, None]                   # (B, 1, S)
+        mask = mask & (real | (k_pos == q_pos))                         # (B, T, S)
+    return mask.view(-1, 1, T, pos + T)                                 # (B or 1, 1, T, S)
+
+
+class KVCache:
+    """One buffer per layer, (B, n_kv, max_len, hd), for a batch whose rows start together.
+
+    `pos` counts the positions written so far, left padding included: after a padded prefill
+    of length L it is L for every row. `pad_lens` (B,) is each row's number of left pad tokens;
+    a row's first real token has RoPE position 0, so a padded row computes exactly what it
+    would alone. Storage is allocated at the first write, when dtype, device and head sizes
+    are known.
+    """
+
+    def __init__(self, n_layers: int, max_len: int, pad_lens: Tensor | None = None):
+        self.n_layers = n_layers
+        self.max_len = max_len
+        self.pad_lens = pad_lens
+        self.pos = 0
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+
+    def positions(self, T: int) -> Tensor:
+        if self.pos + T > self.max_len:
+            raise ValueError(f"KV cache full: {self.pos} positions written + {T} new "
+                             f"> max_len {self.max_len}")
+        pos = torch.arange(self.pos, self.pos + T)[None, :]                # (1, T)
+        if self.pad_lens is None:
+            return pos
+        pad = self.pad_lens.to(pos.device)[:, None]                       # (B, 1)
+        return (pos - pad).clamp(min=0)                                   # (B, T)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        if not self.k:
+            self._allocate(k)
+        T = k.size(2)
+        keys, values = append_kv(self.k[layer], self.v[layer], k, v, self.pos)
+        mask = attention_mask(self.pos, T, self.pad_lens, k.device)
+        if layer == self.n_layers - 1:
+            self.pos += T
+        return keys, values, mask
+
+    def _allocate(self, k: Tensor) -> None:
+        B, n_kv, _, hd = k.shape
+        shape = (B, n_kv, self.max_len, hd)                               # (B, n_kv, max_len, hd)
+        self.k = [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in range(self.n_layers)]
+        self.v = [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in range(self.n_layers)]
+
+    def nbytes(self) -> int:
+        """Bytes the cache really holds (allocated storage, all layers, keys and values)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -1,0 +1,189 @@
+"""Step 00 - the model.
+
+A Llama-architecture decoder written to be read: token embedding, RMSNorm, rotary position
+embeddings (RoPE), grouped-query attention through `scaled_dot_product_attention`, a SwiGLU
+MLP and a tied or untied output head. Module names follow Hugging Face's `LlamaForCausalLM`,
+so a checkpoint's tensor names map one to one (see `checkpoint.py`).
+
+The model never knows which KV cache it is given: it asks the cache for the positions of the
+new tokens and hands it each layer's new keys and values (`kv_cache.Cache`). With no cache it
+is plain causal attention over the whole input: the slow reference every fast path is
+checked against.
+"""
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 2048
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 64
+    d_ff: int = 688
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of "
+                             f"n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 as Llama does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_table(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin for every position, each (max_len, head_dim), in Llama's half-split layout."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    freqs = torch.arange(max_len).float()[:, None] * inv_freq[None, :]    # (max_len, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)                                 # (max_len, hd)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, H, T, hd), cos/sin (B, 1, T, hd): rotate each pair by its position's angle."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def cache_bytes_per_token(self, elem_bytes: int) -> int:
+        """Bytes this layer's KV cache holds per token: a key and a value per KV head."""
+        return 2 * self.n_kv_heads * self.head_dim * elem_bytes
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache=None) -> Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q = self.q_proj(x).view(B, T, self.n_heads, hd).transpose(1, 2)       # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, hd).transpose(1, 2)    # (B, n_kv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, hd).transpose(1, 2)    # (B, n_kv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            mask, causal = None, True
+        else:
+            k, v, mask = cache.update(self.layer, k, v)        # (B, n_kv, S, hd), mask (B, 1, T, S)
+            causal = False
+        rep = self.n_heads // self.n_kv_heads
+        k = k.repeat_interleave(rep, dim=1)                    # (B, H, S, hd)
+        v = v.repeat_interleave(rep, dim=1)                    # (B, H, S, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, H * hd)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache=None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """`model(idx, cache=None, targets=None)` -> (logits (B, T, V), loss or None).
+
+    idx holds token ids (B, T). With a cache, the cache supplies the RoPE positions of these
+    T tokens and what each layer attends to; without one, idx is the whole sequence from
+    position 0. Token ids are not range-checked here (that would cost a device sync on every
+    step); `generate()` and the engines check prompts before they reach the model.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)               # (max_len, hd)
+        self.register_buffer("rope_sin", sin, persistent=False)               # (max_len, hd)
+
+    def forward(self, idx: Tensor, cache=None, targets: Tensor | None = None):
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (batch, time) token ids, got shape {tuple(idx.shape)}")
+        B, T = idx.shape
+        if cache is None:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
+            pos = torch.arange(T, device=idx.device)[None]                    # (1, T)
+        else:
+            pos = cache.positions(T).to(idx.device)                           # (B or 1, T)
+        dtype = self.embed_tokens.weight.dtype
+        cos = self.rope_cos[pos].to(dtype).unsqueeze(1)                       # (B or 1, 1, T, hd)
+        sin = self.rope_sin[pos].to(dtype).unsqueeze(1)                       # (B or 1, 1, T, hd)
+        x = self.embed_tokens(idx)                                            # (B, T, d)
+        for block in self.layers:
+            x = block(x, cos, sin, cache)
+        logits = self.lm_head(self.norm(x))                                   # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=-100)
+        return logits, loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
