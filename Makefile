@@ -8,8 +8,10 @@ STAMP  := $(VENV)/.installed
 # requirement is the open torch>=2.3). Pick another with e.g. `make lab TORCH=torch`.
 TORCH  ?= torch==2.13.0
 NBVAL  := --nbval-lax --nbval-current-env
+# Jupyter refuses to run as root (containers often are) unless told to.
+ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test test-fast check stubs-fail notebooks bench clean
+.PHONY: lab test test-fast check bench notebooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lab: $(STAMP)                     ## open the course in JupyterLab
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab $(ROOT_OK) notebooks/
 
 test: $(STAMP)                    ## every test: package, exercises (solutions), notebooks, stub proof
 	$(BIN)/python -m tinyllm.check --stubs-fail
@@ -29,6 +31,9 @@ test-fast: $(STAMP)               ## the package and exercise tests only
 
 check: $(STAMP)                   ## check your exercise: make check EX=01
 	$(BIN)/python -m tinyllm.check $(EX)
+
+bench: $(STAMP)                   ## static against continuous batching on a long-tailed workload
+	$(BIN)/python -m tinyllm bench --workload longtail --batch 16
 
 notebooks: $(STAMP)               ## re-execute every notebook in place, outputs committed
 	$(BIN)/jupyter nbconvert --to notebook --execute --inplace notebooks/[0-9]*.ipynb

@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from tinyllm import engine, kv_cache
 from tinyllm.check import ROOT, exercise_files, is_untouched
+
+generate_module = importlib.import_module("tinyllm.generate")
+SEAMS = [kv_cache, generate_module, engine]     # where the reference's seams live
 
 FILES = exercise_files()
 
@@ -33,6 +37,18 @@ def test_stub_and_solution_share_signatures_and_docstrings(nn):
     for fn in fs:
         assert inspect.signature(fs[fn]) == inspect.signature(fo[fn]), f"{fn}: signatures differ"
         assert fs[fn].__doc__ == fo[fn].__doc__, f"{fn}: docstrings differ"
+
+
+@pytest.mark.parametrize("nn", sorted(FILES))
+def test_each_exercise_function_is_a_seam_of_the_reference(nn):
+    """The reference package calls a function of the same name, signature and docstring,
+    so the tests can put the learner's in its place."""
+    sol = importlib.import_module(f"solutions.{FILES[nn].stem}")
+    for name, fn in public_functions(sol).items():
+        ref = [getattr(m, name) for m in SEAMS if hasattr(m, name)]
+        assert ref, f"{name} is not a function of the reference package"
+        assert inspect.signature(ref[0]) == inspect.signature(fn), f"{name}: signature differs"
+        assert ref[0].__doc__ == fn.__doc__, f"{name}: docstring differs from the reference"
 
 
 @pytest.mark.parametrize("nn", sorted(FILES))

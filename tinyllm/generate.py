@@ -92,7 +92,10 @@ def decode_loop(model: Transformer, idx: Tensor, max_new_tokens: int, eos_id: in
                 pick: Callable[[Tensor], Tensor]) -> list[int]:
     """The cached generate loop: prefill idx (1, T) into a fresh KVCache, then feed back one
     token at a time. pick maps last-position logits (1, V) to a token (1, 1). Stops after
-    max_new_tokens tokens or at eos_id (which is returned as the last token)."""
+    max_new_tokens tokens or at eos_id (which is returned as the last token).
+
+    The cache: KVCache(model.cfg.n_layers, max_len) with room for prompt and new tokens.
+    The model: logits, _ = model(ids, cache=cache) returns logits (1, T, V) for T new ids."""
     cache = kv_cache.KVCache(model.cfg.n_layers, idx.size(1) + max_new_tokens)
     logits, _ = model(idx, cache=cache)                                      # (1, T, V)
     out: list[int] = []

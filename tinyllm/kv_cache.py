@@ -41,6 +41,16 @@ def append_kv(cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor,
     return cache_k[:, :, :pos + T], cache_v[:, :, :pos + T]
 
 
+def rope_positions(pos: int, T: int, pad_lens: Tensor | None) -> Tensor:
+    """RoPE positions of T new tokens at cache positions pos..pos+T-1: (1, T) without padding,
+    else (B, T) with each row shifted by its pad count, so its first real token is at 0.
+    Pad tokens get position 0 (their keys are masked out anyway)."""
+    pos_t = torch.arange(pos, pos + T)[None, :]                         # (1, T)
+    if pad_lens is None:
+        return pos_t
+    return (pos_t - pad_lens.to(pos_t.device)[:, None]).clamp(min=0)    # (B, T)
+
+
 def attention_mask(pos: int, T: int, pad_lens: Tensor | None, device) -> Tensor | None:
     """Mask (B or 1, 1, T, pos+T) for T new tokens at cache positions pos.. over all keys so far.
 
@@ -80,11 +90,7 @@ class KVCache:
         if self.pos + T > self.max_len:
             raise ValueError(f"KV cache full: {self.pos} positions written + {T} new "
                              f"> max_len {self.max_len}")
-        pos = torch.arange(self.pos, self.pos + T)[None, :]                # (1, T)
-        if self.pad_lens is None:
-            return pos
-        pad = self.pad_lens.to(pos.device)[:, None]                       # (B, 1)
-        return (pos - pad).clamp(min=0)                                   # (B, T)
+        return rope_positions(self.pos, T, self.pad_lens)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         if not self.k:
@@ -105,3 +111,99 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes the cache really holds (allocated storage, all layers, keys and values)."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class SlotKVCache:
+    """Step 04 - a fixed set of slots that requests join and leave (continuous batching).
+
+    Each slot holds one request's keys/values, (n_kv, max_len, hd) per layer, reserved up
+    front. A request enters through `admit` (its padded prefill copied in, padding dropped, so
+    its first real token sits at slot position 0) and leaves through `release`, freeing the slot
+    for the next one at once. A decode step runs one token for every slot: `positions` and
+    `update` serve all n_slots rows; a free slot computes a harmless row nobody reads.
+    """
+
+    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device=None):
+        self.n_layers, self.n_slots, self.max_len = n_layers, n_slots, max_len
+        shape = (n_slots, n_kv_heads, max_len, head_dim)                 # (S, n_kv, max_len, hd)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.active = [False] * n_slots
+        self.lens = [0] * n_slots                     # tokens stored per slot
+        self._lens = torch.zeros(n_slots, dtype=torch.long, device=device)
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.n_slots) if not self.active[s]]
+
+    def can_admit(self, lens: list[int]) -> bool:
+        """Room for requests whose contexts have these lengths (one slot each)."""
+        return len(lens) <= len(self.free_slots()) and all(n < self.max_len for n in lens)
+
+    def admit(self, slots: list[int], pre: KVCache, pad: list[int]) -> None:
+        """Copy row i of a padded prefill (pre.pos = L) into slots[i], without its pad[i] pads."""
+        for s in slots:
+            if self.active[s]:
+                raise ValueError(f"slot {s} is already serving a request")
+        move_prefill(self.k, self.v, pre, slots, pad)
+        for s, p in zip(slots, pad):
+            self.active[s] = True
+            self.lens[s] = pre.pos - p
+        self._sync()
+
+    def reserve_step(self) -> list[int]:
+        """Make room for one more token per active slot; returns preempted slots (never any
+        here: every slot reserved max_len positions at admission)."""
+        return []
+
+    def release(self, s: int) -> None:
+        self.active[s] = False
+        self.lens[s] = 0
+        self._sync()
+
+    def used_tokens(self) -> int:
+        return sum(self.lens)
+
+    def reserved_tokens(self) -> int:
+        return self.n_slots * self.max_len
+
+    def allocated_tokens(self) -> int:
+        return self.reserved_tokens()
+
+    def _sync(self) -> None:
+        self._lens.copy_(torch.tensor(self.lens))
+
+    # ---- the cache protocol ----------------------------------------------------------------
+    def positions(self, T: int) -> Tensor:
+        if T != 1:
+            raise ValueError("SlotKVCache decodes one token per slot; prefill goes through KVCache")
+        full = [s for s in range(self.n_slots) if self.active[s] and self.lens[s] >= self.max_len]
+        if full:
+            raise ValueError(f"slot {full[0]} is full ({self.max_len} positions)")
+        return self._lens[:, None]                                      # (S, 1)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        rows = torch.arange(self.n_slots, device=k.device)
+        self.k[layer][rows, :, self._lens] = k[:, :, 0]                 # (S, n_kv, hd) at lens
+        self.v[layer][rows, :, self._lens] = v[:, :, 0]
+        W = max(self.lens) + 1                                          # attention window
+        mask = torch.arange(W, device=k.device)[None, :] <= self._lens[:, None]   # (S, W)
+        if layer == self.n_layers - 1:
+            for s in range(self.n_slots):
+                if self.active[s]:
+                    self.lens[s] += 1
+            self._sync()
+        return self.k[layer][:, :, :W], self.v[layer][:, :, :W], mask[:, None, None, :]
+
+
+def move_prefill(slot_k: list[Tensor], slot_v: list[Tensor], pre: KVCache, slots: list[int],
+                 pad: list[int]) -> None:
+    """Copy row i of a padded prefill (pre.k[layer][i] is (n_kv, L, hd), L = pre.pos) into
+    slot slots[i] of slot_k[layer] (S, n_kv, max_len, hd), in every layer, keys and values,
+    dropping its pad[i] left pads: its first real token lands at slot position 0."""
+    L = pre.pos
+    for layer in range(len(slot_k)):
+        for i, (s, p) in enumerate(zip(slots, pad)):
+            slot_k[layer][s, :, :L - p] = pre.k[layer][i, :, p:L]       # (n_kv, L - p, hd)
+            slot_v[layer][s, :, :L - p] = pre.v[layer][i, :, p:L]

@@ -1,0 +1,36 @@
+"""Exercise 02 - padded prefill: prompts of different lengths in one batch.
+
+Three seams of the reference package:
+- `left_pad` is what `tinyllm.engine.prefill_padded` calls to build the batch;
+- `rope_positions` is what `tinyllm.kv_cache.KVCache.positions` calls: each row's positions,
+  so that its first real token has position 0;
+- `attention_mask` is what `tinyllm.kv_cache.KVCache.update` calls: causal, and nobody
+  attends to a row's left padding.
+
+Check your work with `make check EX=02` (or `check_exercise("02")` in notebook 02). The tests
+plug your functions into the engine and compare every request's tokens with solo generate().
+"""
+
+import torch
+from torch import Tensor
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad to the longest prompt. Returns idx (B, L) and pad_lens (B,)."""
+    raise NotImplementedError("exercise 02: left-pad each prompt to the longest one")
+
+
+def rope_positions(pos: int, T: int, pad_lens: Tensor | None) -> Tensor:
+    """RoPE positions of T new tokens at cache positions pos..pos+T-1: (1, T) without padding,
+    else (B, T) with each row shifted by its pad count, so its first real token is at 0.
+    Pad tokens get position 0 (their keys are masked out anyway)."""
+    raise NotImplementedError("exercise 02: positions pos..pos+T-1, shifted back by each row's pad count")
+
+
+def attention_mask(pos: int, T: int, pad_lens: Tensor | None, device) -> Tensor | None:
+    """Mask (B or 1, 1, T, pos+T) for T new tokens at cache positions pos.. over all keys so far.
+
+    Causal (a token sees keys at its own position and before) and pad-aware (nobody sees a
+    row's left padding). A token always sees itself, so even a pad token's softmax has one
+    finite entry and no NaN can reach the cache. None when nothing needs masking."""
+    raise NotImplementedError("exercise 02: a causal mask that also hides each row's left padding")

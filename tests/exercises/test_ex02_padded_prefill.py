@@ -1,0 +1,110 @@
+"""Exercise 02 - padded prefill: your left_pad, rope_positions and attention_mask in the engine."""
+
+import random
+
+import pytest
+import torch
+
+from tinyllm import engine, kv_cache
+from tinyllm.check import divergence
+from tinyllm.engine import Request, prefill_padded, run_static
+from tinyllm.generate import generate
+from tests.conftest import make_tiny
+
+EXERCISE = "ex02_padded_prefill"
+TINY = make_tiny(seed=4)
+
+
+def test_left_pad_puts_padding_on_the_left(impl):
+    idx, pad_lens = impl.left_pad([[1, 2, 3], [4], [5, 6]], 0)
+    assert idx.tolist() == [[1, 2, 3], [0, 0, 4], [0, 5, 6]], \
+        f"expected [[1, 2, 3], [0, 0, 4], [0, 5, 6]], got {idx.tolist()}"
+    assert pad_lens.tolist() == [0, 2, 1], f"pad_lens should be [0, 2, 1], got {pad_lens.tolist()}"
+    assert idx.dtype == torch.long, "token ids must be a long tensor (the embedding needs it)"
+
+
+def test_left_pad_uses_pad_id(impl):
+    idx, _ = impl.left_pad([[9], [8, 8, 8]], 7)
+    assert idx.tolist() == [[7, 7, 9], [8, 8, 8]], f"pad with pad_id=7: got {idx.tolist()}"
+
+
+def test_rope_positions_without_padding(impl):
+    got = impl.rope_positions(5, 3, None)
+    assert got.tolist() == [[5, 6, 7]], f"positions 5..7 as (1, 3), got {got.tolist()}"
+
+
+def test_rope_positions_shift_each_row_by_its_padding(impl):
+    pad = torch.tensor([0, 2, 3])
+    got = impl.rope_positions(0, 4, pad)
+    want = [[0, 1, 2, 3], [0, 0, 0, 1], [0, 0, 0, 0]]
+    assert got.tolist() == want, f"prefill of 4 with pads [0, 2, 3]: expected {want}, got {got.tolist()}"
+    got = impl.rope_positions(4, 1, pad)
+    assert got.tolist() == [[4], [2], [1]], \
+        f"decoding at cache position 4: each row's own position is 4 - pad = [[4], [2], [1]], got {got.tolist()}"
+
+
+def reference_mask(pos, T, pad):
+    """Built the slow way: one (query, key) pair at a time."""
+    B = len(pad)
+    m = torch.zeros(B, 1, T, pos + T, dtype=torch.bool)
+    for b in range(B):
+        for i in range(T):
+            q = pos + i
+            for k in range(pos + T):
+                m[b, 0, i, k] = k == q or (k <= q and k >= pad[b])
+    return m
+
+
+@pytest.mark.parametrize("pos, T", [(0, 5), (5, 1), (3, 2)])
+def test_attention_mask_is_causal_and_hides_padding(impl, pos, T):
+    pad = [0, 2, 4]
+    got = impl.attention_mask(pos, T, torch.tensor(pad), "cpu")
+    want = reference_mask(pos, T, pad)
+    assert got is not None and got.shape == want.shape, \
+        f"mask shape should be (B, 1, T, pos+T) = {tuple(want.shape)}, got {None if got is None else tuple(got.shape)}"
+    bad = (got.bool() != want).nonzero().tolist()
+    assert not bad, (f"pos={pos}, T={T}, pads {pad}: first wrong entry (row, _, query, key) = {bad[0]}, "
+                     f"should be {bool(want[tuple(bad[0])])}")
+
+
+def test_attention_mask_without_padding_is_causal(impl):
+    got = impl.attention_mask(0, 3, None, "cpu")
+    assert got is not None, "with T > 1 the mask must at least be causal"
+    assert got.reshape(3, 3).int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    one = impl.attention_mask(4, 1, None, "cpu")
+    assert one is None or bool(one.all()), "one new token with no padding may see every key"
+
+
+def requests(n: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request([rng.randrange(97) for _ in range(rng.randint(1, 20))], rng.randint(1, 15),
+                    eos_id=rng.choice([None, 5])) for _ in range(n)]
+
+
+def plug(m, impl):
+    m.setattr(engine, "left_pad", impl.left_pad)
+    m.setattr(kv_cache, "rope_positions", impl.rope_positions)
+    m.setattr(kv_cache, "attention_mask", impl.attention_mask)
+
+
+def test_your_padded_prefill_gives_each_prompt_its_own_logits(impl, monkeypatch):
+    prompts = [[1, 2, 3, 4, 5, 6], [7], [8, 9, 10]]
+    alone = [TINY(torch.tensor([p]))[0][0, -1] for p in prompts]
+    plug(monkeypatch, impl)
+    logits, cache, pad = prefill_padded(TINY, prompts, max_len=6)
+    for b in range(3):
+        err = (logits[b] - alone[b]).abs().max().item()
+        assert err < 1e-9, f"prompt {b} (pad {pad[b]}): last logits differ from the prompt alone by {err:.3g}"
+
+
+@pytest.mark.parametrize("batch_size", [2, 5])
+def test_static_batches_with_your_padding_match_solo_generate(impl, monkeypatch, batch_size):
+    """Your three functions inside run_static: every request gets its solo tokens."""
+    reqs = requests(10, batch_size)
+    expected = [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+    with monkeypatch.context() as m:
+        plug(m, impl)
+        results, _ = run_static(TINY, reqs, batch_size)
+    for i, (e, r) in enumerate(zip(expected, results)):
+        msg = divergence(f"request {i}", e, r.tokens)
+        assert msg is None, msg

@@ -1,0 +1,86 @@
+"""Exercise 03 - static batching: your batch loop inside run_static."""
+
+import random
+
+import pytest
+import torch
+
+from tinyllm import engine
+from tinyllm.check import divergence
+from tinyllm.engine import Request, run_static
+from tinyllm.generate import generate, sample_next
+from tests.conftest import make_tiny
+
+EXERCISE = "ex03_static_batching"
+TINY = make_tiny(seed=6)
+GREEDY = lambda logits: sample_next(logits)
+
+
+def clock_counter():
+    ticks = iter(range(10**6))
+    return lambda: float(next(ticks))
+
+
+def test_one_batch_gives_each_request_its_solo_tokens(impl):
+    batch = [Request([1, 2, 3], 6), Request([4], 2), Request([5, 6, 7, 8, 9], 9)]
+    results = impl.run_batch(TINY, batch, GREEDY, clock_counter())
+    assert len(results) == 3, f"one Result per request, got {len(results)}"
+    for i, (r, res) in enumerate(zip(batch, results)):
+        msg = divergence(f"request {i}", generate(TINY, r.prompt, r.max_new_tokens), res.tokens)
+        assert msg is None, msg
+
+
+def test_each_request_stops_at_its_own_end(impl):
+    """max_new_tokens and eos_id end a request; its row keeps computing, its tokens stop."""
+    full = generate(TINY, [3, 1, 4], 12)
+    eos = full[3]
+    batch = [Request([3, 1, 4], 12, eos_id=eos), Request([2, 7], 12), Request([9], 1)]
+    results = impl.run_batch(TINY, batch, GREEDY, clock_counter())
+    want = full[:full.index(eos) + 1]
+    assert results[0].tokens == want, f"request 0 should stop at eos {eos}: expected {want}, got {results[0].tokens}"
+    assert len(results[1].tokens) == 12, f"request 1 makes exactly 12 tokens, got {len(results[1].tokens)}"
+    assert len(results[2].tokens) == 1, "request 2 wants 1 token: the one sampled from the prefill"
+
+
+def test_ttft_and_latency_come_from_the_clock(impl):
+    """ttft_s: the clock when the first token was picked; latency_s: when the last was."""
+    batch = [Request([1, 2], 1), Request([3], 4)]
+    results = impl.run_batch(TINY, batch, GREEDY, clock_counter())
+    a, b = results
+    assert a.ttft_s == a.latency_s == b.ttft_s, "both first tokens are picked at the same step"
+    assert b.latency_s > b.ttft_s, "request 1's last token comes after its first"
+    assert b.latency_s - b.ttft_s >= 3, "read the clock once per step: 3 more steps after the first"
+
+
+def test_the_loop_runs_one_token_per_row_per_step(impl, monkeypatch):
+    seen = []
+    forward = TINY.forward
+    monkeypatch.setattr(TINY, "forward", lambda idx, cache=None, targets=None:
+                        seen.append(tuple(idx.shape)) or forward(idx, cache, targets))
+    impl.run_batch(TINY, [Request([1, 2, 3], 4), Request([4], 2)], GREEDY, clock_counter())
+    assert seen[0] == (2, 3), f"one padded prefill of (2, 3) first, the model saw {seen[0]}"
+    assert seen[1:] == [(2, 1)] * 3, \
+        f"then (2, 1) per decode step until the longest (4 tokens) is done: saw {seen[1:]}"
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_run_static_with_your_loop_matches_solo(impl, monkeypatch, batch_size):
+    rng = random.Random(batch_size)
+    reqs = [Request([rng.randrange(97) for _ in range(rng.randint(1, 16))], rng.randint(1, 16),
+                    eos_id=rng.choice([None, 7])) for _ in range(12)]
+    expected = [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+    monkeypatch.setattr(engine, "run_batch", impl.run_batch)
+    results, summary = run_static(TINY, reqs, batch_size)
+    for i, (e, r) in enumerate(zip(expected, results)):
+        msg = divergence(f"request {i}", e, r.tokens)
+        assert msg is None, msg
+    assert summary["useful_tokens"] == sum(len(e) for e in expected)
+
+
+def test_sampling_goes_through_pick(impl):
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    batch = [Request([1, 2], 8), Request([3], 8)]
+    pick = lambda g: (lambda logits: sample_next(logits, 1.0, 20, None, g))
+    ours = impl.run_batch(TINY, batch, pick(g1), clock_counter())
+    ref = engine.run_batch(TINY, batch, pick(g2), clock_counter())
+    assert [r.tokens for r in ours] == [r.tokens for r in ref], "use pick(logits) for every token"

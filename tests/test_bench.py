@@ -1,0 +1,78 @@
+"""Steps 03-04 - the benchmark entry point and the pictures: they run and count right.
+(Speed is never asserted here: the benchmark measures it.)"""
+
+import json
+
+import matplotlib
+import numpy as np
+import pytest
+
+matplotlib.use("Agg")
+
+from tinyllm import bench, viz  # noqa: E402
+from tinyllm.engine import Request, Trace, run_continuous, run_static  # noqa: E402
+from tests.conftest import make_tiny  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["uniform", "longtail", "eos", "poisson"])
+def test_workloads_are_well_formed(bundled, name):
+    _, tok = bundled
+    reqs, arrivals = bench.workload(name, tok, n=20, seed=1)
+    assert len(reqs) == len(arrivals) == 20
+    assert all(0 < len(r.prompt) and all(0 <= t < tok.vocab_size for t in r.prompt) for r in reqs)
+    assert (arrivals == sorted(arrivals)) and (max(arrivals) > 0) == (name == "poisson")
+    if name == "longtail":
+        lens = sorted(r.max_new_tokens for r in reqs)
+        assert lens[-1] > 3 * lens[len(lens) // 2], f"not long-tailed: {lens}"
+    assert bench.workload(name, tok, n=20, seed=1)[0] == reqs, "a workload is fixed by its seed"
+
+
+def test_bench_json_compares_engines_on_the_same_work(bundled, capsys, monkeypatch):
+    model, tok = bundled
+    monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
+    bench.main(["--workload", "longtail", "--requests", "6", "--batch", "3", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    runs = out["runs"]
+    assert set(runs) == {"static", "continuous"}
+    assert runs["static"]["useful_tokens"] == runs["continuous"]["useful_tokens"]
+    for summary in runs.values():
+        assert summary["requests"] == 6 and 0 <= summary["decode_overhead"] < 1
+
+
+def test_bench_table_and_bad_names(bundled, capsys, monkeypatch):
+    model, tok = bundled
+    monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
+    bench.main(["--workload", "eos", "--requests", "3", "--batch", "2", "--engines", "continuous"])
+    text = capsys.readouterr().out
+    assert "row_util" in text and "continuous" in text
+    with pytest.raises(ValueError, match="offline"):
+        bench.run(model, tok, "poisson", "static", 2, n=2)
+    with pytest.raises(ValueError, match="unknown engine"):
+        bench.run(model, tok, "uniform", "paged", 2, n=2)
+    with pytest.raises(ValueError, match="unknown workload"):
+        bench.workload("bursty", tok)
+
+
+def test_progress_is_told_of_every_request():
+    class Count:
+        n = 0
+
+        def update(self, k):
+            self.n += k
+    tiny = make_tiny(seed=7)
+    reqs = [Request([1, 2], n) for n in (1, 4, 2, 6, 3)]
+    for runner in (run_static, run_continuous):
+        c = Count()
+        runner(tiny, reqs, 2, progress=c)
+        assert c.n == len(reqs)
+
+
+def test_timeline_colours_each_cell_by_its_request():
+    trace = Trace()
+    trace.record([0, 1], 0.5)
+    trace.record([0, None], 0.25)
+    ax = viz.timeline(trace, n_requests=2)
+    grid = ax.images[0].get_array()
+    assert grid[0].tolist() == [0, 0] and grid[1, 0] == 1 and np.ma.is_masked(grid[1, 1])
+    assert "25% of rows wasted" in ax.get_title()
+    assert viz.kv_usage({"run": trace}).lines[0].get_ydata().tolist() == [0.5, 0.25]

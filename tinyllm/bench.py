@@ -1,0 +1,145 @@
+"""Steps 03-04 - the benchmark: named workloads on named engines, Stats.summary() side by side.
+
+    python -m tinyllm bench --workload longtail --engines static,continuous --batch 16
+
+Timing lives here and in the notebooks, never in a test. Besides the seed's summary keys it
+reports where a decode step's time goes: the model's forward pass against the engine's own
+bookkeeping (admission, sampling, slot moves, Python).
+"""
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from tinyllm.engine import ContinuousEngine, Request, Sampling, run_continuous, run_static
+from tinyllm.model import Transformer
+
+SPEAKERS = ["Ham.", "Hor.", "Oph.", "King.", "Queen.", "Rom.", "Jul.", "Nurse.", "Mer.", "Macb.",
+            "Lady M.", "Lear.", "Fool.", "Oth.", "Iago.", "Pro."]
+OPENINGS = ["", "My lord,", "O", "What", "I", "Good", "Come,", "Nay,"]
+
+
+def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request], list[float]]:
+    """Requests and their arrival times (all 0 but for 'poisson').
+
+    uniform:  every prompt 16 tokens, 64 new tokens, no EOS;
+    longtail: prompts of 8-32 tokens, output lengths long-tailed (most short, a few 256), no EOS;
+    eos:      speaker prompts, sampled (temperature 0.8, a seed per request); the bundled
+              model's own <|endoftext|> decides each length (cap 256): most speeches are a
+              line, a few run to hundreds of tokens;
+    poisson:  the eos workload arriving over time, 8 requests per second on average."""
+    rng = random.Random(seed)
+    vocab = tok.vocab_size
+    rand_prompt = lambda L: [0] + [rng.randrange(1, vocab) for _ in range(L - 1)]
+    if name == "uniform":
+        reqs = [Request(rand_prompt(16), 64) for _ in range(n)]
+    elif name == "longtail":
+        reqs = [Request(rand_prompt(rng.randint(8, 32)),
+                        min(256, max(4, int(rng.paretovariate(1.2) * 12)))) for _ in range(n)]
+    elif name in ("eos", "poisson"):
+        texts = [f"{rng.choice(SPEAKERS)}\n{rng.choice(OPENINGS)}" for _ in range(n)]
+        reqs = [Request(tok.encode(t), 256, eos_id=tok.eos_id,
+                        sampling=Sampling(temperature=0.8, seed=seed * 1000 + i))
+                for i, t in enumerate(texts)]
+    else:
+        raise ValueError(f"unknown workload {name!r}: uniform, longtail, eos or poisson")
+    arrivals = [0.0] * n
+    if name == "poisson":
+        t = 0.0
+        for i in range(n):
+            t += rng.expovariate(8.0)
+            arrivals[i] = t
+    return reqs, arrivals
+
+
+def run_online(model: Transformer, reqs: list[Request], arrivals: list[float], n_slots: int,
+               progress=None) -> tuple[list, dict]:
+    """Requests join a ContinuousEngine when the engine clock reaches their arrival time."""
+    eng = ContinuousEngine(model, n_slots)
+    t0 = time.perf_counter()
+    rids, i = [], 0
+    while i < len(reqs) or eng.has_work():
+        now = time.perf_counter() - t0
+        while i < len(reqs) and arrivals[i] <= now:
+            rids.append(eng.add_request(reqs[i]))
+            i += 1
+        if eng.has_work():
+            finished = sum(ev.done for ev in eng.step())
+            if progress is not None and finished:
+                progress.update(finished)
+        elif i < len(reqs):
+            time.sleep(min(0.01, arrivals[i] - now))
+    eng.stats.wall_s = time.perf_counter() - t0
+    results = [eng.results.pop(r) for r in rids]
+    return results, eng.stats.summary(results)
+
+
+def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, seed: int = 0,
+        progress=None) -> dict:
+    """One benchmark run -> its Stats.summary()."""
+    reqs, arrivals = workload(workload_name, tok, n, seed)
+    if engine == "static":
+        if workload_name == "poisson":
+            raise ValueError("static batching is offline: it cannot take the poisson workload")
+        return run_static(model, reqs, batch, progress=progress)[1]
+    if engine == "continuous":
+        if workload_name == "poisson":
+            return run_online(model, reqs, arrivals, batch, progress)[1]
+        return run_continuous(model, reqs, batch, progress=progress)[1]
+    raise ValueError(f"unknown engine {engine!r}: static or continuous")
+
+
+def _bar(total: int, desc: str, quiet: bool):
+    """A tqdm progress bar when tqdm is installed (the notebooks extra), else nothing."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="req", disable=quiet, leave=False)
+
+
+def table(runs: dict[str, dict]) -> str:
+    """The summaries side by side, one row per key."""
+    names = list(runs)
+    lines = [f"{'':22}" + "".join(f"{n:>14}" for n in names)]
+    for key in runs[names[0]]:
+        cells = [runs[n][key] for n in names]
+        lines.append(f"{key:22}" + "".join(
+            f"{c:>14.3f}" if isinstance(c, float) else f"{str(c):>14}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tinyllm bench",
+                                 description="Compare serving engines on a named workload.")
+    ap.add_argument("--workload", default="longtail", choices=["uniform", "longtail", "eos", "poisson"])
+    ap.add_argument("--engines", default="static,continuous")
+    ap.add_argument("--batch", type=int, default=16, help="static batch size / continuous slots")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="default", help="checkpoint directory")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = ap.parse_args(argv)
+
+    import tinyllm
+    model, tok = tinyllm.load(args.model, device=args.device)
+    device = next(model.parameters()).device
+    runs = {}
+    for name in args.engines.split(","):
+        bar = _bar(args.requests, name, quiet=args.json)
+        runs[name] = run(model, tok, args.workload, name, args.batch, args.requests, args.seed, bar)
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print(json.dumps({"workload": args.workload, "batch": args.batch, "requests": args.requests,
+                          "device": str(device), "torch_threads": torch.get_num_threads(),
+                          "runs": runs}, indent=2))
+        return
+    print(f"workload {args.workload}: {args.requests} requests, batch/slots {args.batch}, "
+          f"{device} ({torch.get_num_threads()} threads)\n")
+    print(table(runs))
+    print("\ndecode_overhead: the share of a decode step spent outside the model's forward pass")
