@@ -434,6 +434,10 @@ class ContinuousEngine:
         """(requests waiting for a slot, slots decoding a request)."""
         return len(self._queue), sum(self.slots.active)
 
+    def holders(self) -> list[int | None]:
+        """The request id each slot is serving now (None: a free slot)."""
+        return list(self._slot_req)
+
     def kv_used_frac(self) -> float:
         return self.slots.used_tokens() / max(1, self.slots.reserved_tokens())
 

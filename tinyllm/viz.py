@@ -30,8 +30,7 @@ def timeline(trace, ax=None, title: str = "", n_requests: int | None = None):
         n_requests = int(np.nanmax(grid)) + 1 if np.isfinite(grid).any() else 1
     n = n_requests
     colours = plt.get_cmap("tab20")(np.arange(20) % 20)
-    cmap = ListedColormap(colours[np.arange(n) % 20])
-    cmap.set_bad("white")
+    cmap = ListedColormap(colours[np.arange(n) % 20]).with_extremes(bad="white")
     ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=cmap,
               vmin=-0.5, vmax=n - 0.5)
     wasted = np.isnan(grid).sum()
@@ -52,11 +51,14 @@ def kv_usage(traces: dict, ax=None):
 
 
 def latencies(runs: dict[str, list], ax=None, what: str = "latency_s"):
-    """Sorted per-request latency (or ttft_s) of each run: a cumulative view of who waits."""
+    """Cumulative per-request latency (or TTFT, what="ttft_s") of each run: the fraction of
+    requests that had their answer (their first token) by each time."""
     ax = _axes(ax, (6, 3.5))
     for name, results in runs.items():
         xs = sorted(getattr(r, what) for r in results)
-        ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), drawstyle="steps-post", label=name)
-    ax.set(xlabel=f"{what.removesuffix('_s')} (s)", ylabel="fraction of requests done")
+        ax.plot([0.0] + xs, np.arange(len(xs) + 1) / len(xs), drawstyle="steps-post", label=name)
+    label = "TTFT" if what == "ttft_s" else "latency"
+    got = "a first token" if what == "ttft_s" else "their last token"
+    ax.set(xlabel=f"{label} (s)", ylabel=f"fraction of requests with {got}", ylim=(0, 1.02))
     ax.legend()
     return ax
