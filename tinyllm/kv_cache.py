@@ -132,6 +132,7 @@ class SlotKVCache:
         self.active = [False] * n_slots
         self.lens = [0] * n_slots                     # tokens stored per slot
         self._lens = torch.zeros(n_slots, dtype=torch.long, device=device)
+        self._rows = torch.arange(n_slots, device=device)
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def free_slots(self) -> list[int]:
@@ -176,25 +177,28 @@ class SlotKVCache:
 
     # ---- the cache protocol ----------------------------------------------------------------
     def positions(self, T: int) -> Tensor:
+        """Starts a decode step: each slot's next position, and (once for every layer) the
+        attention window W and mask of this step."""
         if T != 1:
             raise ValueError("SlotKVCache decodes one token per slot; prefill goes through KVCache")
         full = [s for s in range(self.n_slots) if self.active[s] and self.lens[s] >= self.max_len]
         if full:
             raise ValueError(f"slot {full[0]} is full ({self.max_len} positions)")
+        self._window = max(self.lens) + 1                               # keys any slot may see
+        keys = torch.arange(self._window, device=self._lens.device)
+        self._mask = (keys[None, :] <= self._lens[:, None])[:, None, None, :]   # (S, 1, 1, W)
         return self._lens[:, None]                                      # (S, 1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        rows = torch.arange(self.n_slots, device=k.device)
-        self.k[layer][rows, :, self._lens] = k[:, :, 0]                 # (S, n_kv, hd) at lens
-        self.v[layer][rows, :, self._lens] = v[:, :, 0]
-        W = max(self.lens) + 1                                          # attention window
-        mask = torch.arange(W, device=k.device)[None, :] <= self._lens[:, None]   # (S, W)
+        self.k[layer][self._rows, :, self._lens] = k[:, :, 0]           # (S, n_kv, hd) at lens
+        self.v[layer][self._rows, :, self._lens] = v[:, :, 0]
+        W = self._window
         if layer == self.n_layers - 1:
             for s in range(self.n_slots):
                 if self.active[s]:
                     self.lens[s] += 1
             self._sync()
-        return self.k[layer][:, :, :W], self.v[layer][:, :, :W], mask[:, None, None, :]
+        return self.k[layer][:, :, :W], self.v[layer][:, :, :W], self._mask
 
 
 def move_prefill(slot_k: list[Tensor], slot_v: list[Tensor], pre: KVCache, slots: list[int],
