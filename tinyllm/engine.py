@@ -261,11 +261,13 @@ class ForwardTimer:
 
     def __init__(self, model: Transformer, stats: Stats):
         self.stats, self.device = stats, next(model.parameters()).device
-        self.hooks = [model.register_forward_pre_hook(self._start),
+        self.hooks = [model.register_forward_pre_hook(self._start, with_kwargs=True),
                       model.register_forward_hook(self._stop)]
 
-    def _start(self, module, args):
-        self.t0 = time.perf_counter() if args[0].size(1) == 1 else None
+    def _start(self, module, args, kwargs):
+        cache = kwargs.get("cache")
+        decode = cache is not None and cache.pos > 0                    # not a prefill
+        self.t0 = time.perf_counter() if decode else None
 
     def _stop(self, module, args, out):
         if self.t0 is not None:
@@ -290,7 +292,7 @@ def run_static(model: Transformer, requests: list[Request], batch_size: int,
     with .update(n)) is told of finished requests."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    check_sampling(temperature, top_k, top_p)
+    default = Sampling(temperature, top_k, top_p)                        # validates them
     model.eval()
     cfg = model.cfg
     device = next(model.parameters()).device
@@ -306,7 +308,6 @@ def run_static(model: Transformer, requests: list[Request], batch_size: int,
             raise ValueError(f"batch {b0 // batch_size}: padded prompt {L} + new {new_max} "
                              f"exceeds max_seq_len {cfg.max_seq_len}")
     stats = Stats(kv_bytes_per_token=kv_bytes_per_token(model, device))
-    default = Sampling(temperature, top_k, top_p)
     t0 = time.perf_counter()
     clock = lambda: time.perf_counter() - t0
     results: list[Result] = []
@@ -477,8 +478,8 @@ class ContinuousEngine:
         rids = choose_admissions(list(self._queue), len(free), fits)
         if not rids:
             return []
-        for r in rids:
-            self._queue.remove(r)
+        for _ in rids:                                  # they are the queue's first
+            self._queue.popleft()
         prompts = [self._context(r) for r in rids]
         logits, pre, pad = prefill_padded(self.model, prompts, max_len=max(len(p) for p in prompts))
         nxt = self._sample(logits, rids)

@@ -97,10 +97,11 @@ class KVCache:
             self._allocate(k)
         T = k.size(2)
         keys, values = append_kv(self.k[layer], self.v[layer], k, v, self.pos)
-        mask = attention_mask(self.pos, T, self.pad_lens, k.device)
+        if layer == 0:                                  # one mask serves every layer
+            self._mask = attention_mask(self.pos, T, self.pad_lens, k.device)
         if layer == self.n_layers - 1:
             self.pos += T
-        return keys, values, mask
+        return keys, values, self._mask
 
     def _allocate(self, k: Tensor) -> None:
         B, n_kv, _, hd = k.shape
@@ -131,7 +132,7 @@ class SlotKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.active = [False] * n_slots
         self.lens = [0] * n_slots                     # tokens stored per slot
-        self._lens = torch.zeros(n_slots, dtype=torch.long, device=device)
+        self.device = device
         self._rows = torch.arange(n_slots, device=device)
 
     # ---- bookkeeping -----------------------------------------------------------------------
@@ -151,7 +152,6 @@ class SlotKVCache:
         for s, p in zip(slots, pad):
             self.active[s] = True
             self.lens[s] = pre.pos - p
-        self._sync()
 
     def reserve_step(self) -> list[int]:
         """Make room for one more token per active slot; returns preempted slots (never any
@@ -161,7 +161,6 @@ class SlotKVCache:
     def release(self, s: int) -> None:
         self.active[s] = False
         self.lens[s] = 0
-        self._sync()
 
     def used_tokens(self) -> int:
         return sum(self.lens)
@@ -172,9 +171,6 @@ class SlotKVCache:
     def allocated_tokens(self) -> int:
         return self.reserved_tokens()
 
-    def _sync(self) -> None:
-        self._lens.copy_(torch.tensor(self.lens))
-
     # ---- the cache protocol ----------------------------------------------------------------
     def positions(self, T: int) -> Tensor:
         """Starts a decode step: each slot's next position, and (once for every layer) the
@@ -184,8 +180,9 @@ class SlotKVCache:
         full = [s for s in range(self.n_slots) if self.active[s] and self.lens[s] >= self.max_len]
         if full:
             raise ValueError(f"slot {full[0]} is full ({self.max_len} positions)")
+        self._lens = torch.tensor(self.lens, device=self.device)         # (S,)
         self._window = max(self.lens) + 1                               # keys any slot may see
-        keys = torch.arange(self._window, device=self._lens.device)
+        keys = torch.arange(self._window, device=self.device)
         self._mask = (keys[None, :] <= self._lens[:, None])[:, None, None, :]   # (S, 1, 1, W)
         return self._lens[:, None]                                      # (S, 1)
 
@@ -197,7 +194,6 @@ class SlotKVCache:
             for s in range(self.n_slots):
                 if self.active[s]:
                     self.lens[s] += 1
-            self._sync()
         return self.k[layer][:, :, :W], self.v[layer][:, :, :W], self._mask
 
 
