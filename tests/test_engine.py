@@ -119,7 +119,7 @@ def test_online_engine_with_arrivals_aborts_and_mixed_sampling(requests, n_slots
         msg = divergence(f"request {i}", solo(reqs[i]), res.tokens)
         assert msg is None, msg
     st_ = eng.stats
-    assert st_.useful_rows <= st_.computed_rows == st_.decode_steps * n_slots
+    assert st_.useful_rows == st_.computed_rows <= st_.slot_rows == st_.decode_steps * n_slots
 
 
 def test_bundled_model_static_and_continuous(bundled64):
@@ -197,6 +197,9 @@ def test_trace_records_who_holds_each_slot():
     held = {rid for r in trace.rows for rid in r if rid is not None}
     assert held == {0, 2, 3}, "request 1 (one token) is done at prefill and never decodes"
     assert [r.count(2) for r in trace.rows].count(1) == 4, "request 2 decodes 4 steps"
+    busy = sum(rid is not None for r in trace.rows for rid in r)
+    assert summary["occupancy"] == busy / (2 * len(trace.rows)) < 1
+    assert summary["row_util"] == 1, "the decode step computes the busy slots only"
 
 
 def test_static_trace_shows_the_wasted_rows():
@@ -204,4 +207,4 @@ def test_static_trace_shows_the_wasted_rows():
     trace = Trace()
     _, summary = run_static(TINY, reqs, 3, trace=trace)
     assert trace.rows == [[0, 1, None], [0, None, None], [0, None, None], [0, None, None]]
-    assert summary["row_util"] == 5 / 12
+    assert summary["row_util"] == summary["occupancy"] == 5 / 12

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tinyllm.generate import generate, sample_next
+from tinyllm.generate import draw, generate, sample_next
 from tests.conftest import make_tiny
 
 TINY = make_tiny(seed=2)
@@ -35,6 +35,34 @@ def test_top_k_and_top_p_only_draw_from_their_set():
     nucleus = set(order[:int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
     for _ in range(50):
         assert sample_next(LOGITS[:1], temperature=1.0, top_p=0.5, generator=g).item() in nucleus
+
+
+def test_draw_inverts_the_cumulative_distribution():
+    """u falls in a token's slice of [0, 1): that token. Tokens of probability 0 own no slice,
+    not even at the ends (u = 0, u just below 1)."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 5)
+    u = torch.tensor([[0.0], [0.2499], [0.25], [0.9], [1 - 2**-53]], dtype=torch.float64)
+    assert draw(probs, u).squeeze(-1).tolist() == [1, 1, 3, 3, 3]
+
+
+def test_sampled_frequencies_follow_the_distribution():
+    """20,000 draws from fixed probabilities: each token's share within 0.015 of its probability."""
+    probs = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.4])
+    logits = probs.log()[None].expand(20_000, -1)
+    toks = sample_next(logits, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    share = torch.bincount(toks.squeeze(-1), minlength=5) / 20_000
+    assert share[1] == 0
+    assert torch.allclose(share, probs, atol=0.015), share
+
+
+def test_a_row_draws_the_same_token_alone_or_in_a_batch():
+    """One uniform number per row: row i of a batch sampled with generator state g equals the
+    row sampled alone after the rows before it used theirs."""
+    g = torch.Generator().manual_seed(3)
+    batch = sample_next(LOGITS, temperature=1.0, generator=g).squeeze(-1).tolist()
+    g.manual_seed(3)
+    alone = [sample_next(LOGITS[i:i + 1], temperature=1.0, generator=g).item() for i in range(4)]
+    assert batch == alone
 
 
 def test_seeded_generator_is_deterministic():

@@ -9,8 +9,8 @@ ContinuousEngine, where requests may arrive while others decode.
   *longest* request is done. Rows that finish early keep computing (wasted work), and the next
   batch waits for the slowest row.
 - run_continuous / ContinuousEngine (04): S slots (SlotKVCache). Every step, queued requests are
-  admitted into free slots (one batched, padded prefill for the newcomers), then every slot
-  decodes one token together. A finished request frees its slot at once.
+  admitted into free slots (one batched, padded prefill for the newcomers), then every active
+  slot decodes one token together. A finished request frees its slot at once.
 
 All return per-request Results (generated tokens, TTFT, latency) and Stats (throughput, wasted
 decode rows, KV memory reserved vs used). Correctness: each request's tokens must equal its
@@ -19,7 +19,10 @@ solo generate() output (tests/test_engine.py).
 Beyond the seed design: token ids are range-checked when a request is added (the model does
 not check them); `Sampling(seed=...)` gives a request its own generator, so its tokens equal
 solo generate() with that seed whatever shares its batch; a `Trace` passed to an engine
-records which request holds which row at every decode step (viz.py draws it).
+records which request holds which row at every decode step (viz.py draws it); the continuous
+engine's decode step computes the active slots only, where the seed computed every slot, so
+its `row_util` is 1 and `occupancy` (beyond the seed: rows serving a request / rows the
+engine has) says how full its slots were.
 """
 
 import math
@@ -30,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tinyllm.generate import autocast_for, check_prompt, check_sampling, sample_next
+from tinyllm.generate import (autocast_for, check_prompt, check_sampling, draw,
+                              sample_next, sampling_probs)
 from tinyllm.kv_cache import KVCache, SlotKVCache
 from tinyllm.model import Transformer
 
@@ -80,7 +84,8 @@ class Stats:
     peak_active: int = 0
     kv_allocated_at_end: int = 0
     decode_s: float = 0.0             # beyond the seed: time in decode steps, all of it,
-    forward_s: float = 0.0            # and the part of it inside the model's forward
+    forward_s: float = 0.0            # and the part of it inside the model's forward;
+    slot_rows: int = 0                # rows the engine had (batch size or slots) per step
 
     def summary(self, results: list[Result]) -> dict:
         lat = sorted(r.latency_s for r in results)
@@ -94,6 +99,7 @@ class Stats:
             "tok_s": self.useful_tokens / self.wall_s if self.wall_s else 0.0,
             "decode_steps": self.decode_steps,
             "row_util": self.useful_rows / max(1, self.computed_rows),
+            "occupancy": self.useful_rows / max(1, self.slot_rows),
             "latency_mean_s": mean(lat),
             "latency_p95_s": p95(lat),
             "ttft_mean_s": mean(ttft),
@@ -175,25 +181,34 @@ class Trace:
 
 def sample_rows(logits: Tensor, samplings: list[Sampling],
                 generators: list[torch.Generator | None], shared: torch.Generator | None) -> Tensor:
-    """Next token per row (B, V) -> (B, 1), each row with its own settings. A row with its
-    own generator (a seeded request) is sampled alone with it; the other rows take one
-    sample_next call per distinct setting, in order of first appearance, with the shared
-    generator. So when every row shares one setting, RNG use is that of one sample_next call."""
-    groups: dict[Sampling, list[int]] = {}
-    own = [i for i, g in enumerate(generators) if g is not None]
-    for i, s in enumerate(samplings):
-        if generators[i] is None:
-            groups.setdefault(s, []).append(i)
-    if len(groups) == 1 and not own:
-        (s,) = groups
+    """Next token per row (B, V) -> (B, 1), each row with its own settings. Rows without a
+    generator of their own take one sample_next call per distinct setting, in order of first
+    appearance, with the shared generator; so when every row shares one setting, RNG use is
+    that of one sample_next call. Rows with their own generator (seeded requests) share the
+    work of each setting's distribution, then each draws its token alone, with its generator."""
+    shared_rows: dict[Sampling, list[int]] = {}
+    own_rows: dict[tuple, list[int]] = {}
+    for i, (s, g) in enumerate(zip(samplings, generators)):
+        if g is None:
+            shared_rows.setdefault(s, []).append(i)
+        else:
+            own_rows.setdefault((s.temperature, s.top_k, s.top_p), []).append(i)
+    if len(shared_rows) == 1 and not own_rows:
+        (s,) = shared_rows
         return sample_next(logits, s.temperature, s.top_k, s.top_p, shared)
     out = torch.empty(logits.size(0), 1, dtype=torch.long, device=logits.device)
-    for s, idx in groups.items():
+    for s, idx in shared_rows.items():
         ix = torch.tensor(idx, device=logits.device)
         out[ix] = sample_next(logits[ix], s.temperature, s.top_k, s.top_p, shared)
-    for i in own:
-        s = samplings[i]
-        out[i:i + 1] = sample_next(logits[i:i + 1], s.temperature, s.top_k, s.top_p, generators[i])
+    for (temperature, top_k, top_p), idx in own_rows.items():
+        ix = torch.tensor(idx, device=logits.device)
+        if temperature == 0:
+            out[ix] = logits[ix].argmax(dim=-1, keepdim=True)
+            continue
+        probs = sampling_probs(logits[ix], temperature, top_k, top_p)  # (n, V)
+        u = torch.cat([torch.rand(1, 1, generator=generators[i], dtype=torch.float64,
+                                  device=logits.device) for i in idx])  # (n, 1)
+        out[ix] = draw(probs, u)
     return out
 
 
@@ -248,7 +263,9 @@ def account_batch(stats: Stats, batch: list[Request], results: list[Result],
         live = [j for j in range(B) if held[j] > step]
         stats.decode_steps += 1
         stats.computed_rows += B
+        stats.slot_rows += B
         stats.useful_rows += len(live)
+        stats.peak_active = max(stats.peak_active, len(live))
         used = sum(len(batch[j].prompt) + step + 1 for j in live) / capacity
         stats.kv_used_frac.append(used)
         if trace is not None:
@@ -498,26 +515,29 @@ class ContinuousEngine:
     def _decode(self) -> list[Event]:
         t_step = time.perf_counter()
         st, slots = self.stats, self.slots
-        live = [s for s in range(self.n_slots) if slots.active[s]]
+        live = slots.live_slots()                       # the step's rows: active slots only
         st.peak_active = max(st.peak_active, len(live))
         st.decode_steps += 1
-        st.computed_rows += self.n_slots
+        st.computed_rows += len(live)
+        st.slot_rows += self.n_slots
         st.useful_rows += len(live)
         used = slots.used_tokens()
         st.kv_used_frac.append(used / slots.reserved_tokens())
         st.kv_alloc_frac.append(used / max(1, slots.allocated_tokens()))
         if self.trace is not None:
             self.trace.record(self._slot_req, st.kv_used_frac[-1])
+        rows = torch.tensor(live, device=self.device)
         t0 = time.perf_counter()
         with autocast_for(self.device):
-            logits, _ = self.model(self._last_tok, cache=slots)         # (S, 1, V)
+            logits, _ = self.model(self._last_tok[rows], cache=slots)  # (B, 1, V)
         _sync(self.device)
         st.forward_s += time.perf_counter() - t0
-        self._last_tok = self._sample(logits[:, -1], self._slot_req)
-        toks = self._last_tok.squeeze(-1).tolist()
+        nxt = self._sample(logits[:, -1], [self._slot_req[s] for s in live])   # (B, 1)
+        self._last_tok[rows] = nxt
         now = self.now()
         # 3) retire: _record frees the slot of a request that just finished
-        events = [self._record(s, self._slot_req[s], toks[s], now) for s in live]
+        events = [self._record(s, self._slot_req[s], t, now)
+                  for s, t in zip(live, nxt.squeeze(-1).tolist())]
         st.decode_s += time.perf_counter() - t_step
         return events
 

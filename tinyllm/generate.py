@@ -47,6 +47,26 @@ def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = No
         raise ValueError(f"logits must be (batch, vocab), got shape {tuple(logits.shape)}")
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)                          # (B, 1)
+    probs = sampling_probs(logits, temperature, top_k, top_p)               # (B, V)
+    u = torch.rand(probs.size(0), 1, generator=generator, dtype=torch.float64,
+                   device=probs.device)                                     # (B, 1)
+    return draw(probs, u)
+
+
+def draw(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sampling: the token whose slice of the cumulative distribution holds u.
+    probs (B, V), u (B, 1) uniform in [0, 1) -> token ids (B, 1). One uniform number per row,
+    so a row draws the same token from the same generator state alone or in any batch (and it
+    is much faster on a CPU than torch.multinomial). A token of probability 0 is never drawn."""
+    cdf = probs.double().cumsum(dim=-1)                                     # (B, V)
+    total = cdf[:, -1:]
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))   # < total
+    return torch.searchsorted(cdf, x, right=True)                           # (B, 1)
+
+
+def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
+                   top_p: float | None = None) -> Tensor:
+    """The distribution sample_next draws from when temperature > 0: (B, V) -> (B, V)."""
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]              # (B, 1)
@@ -57,8 +77,7 @@ def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = No
         before = probs.cumsum(dim=-1) - probs          # probability of the tokens ranked above
         sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)                                          # (B, V)
-    return torch.multinomial(probs, 1, generator=generator)                 # (B, 1)
+    return logits.softmax(dim=-1)                                           # (B, V)
 
 
 def check_prompt(prompt: list[int], max_new_tokens: int, vocab_size: int, max_len: int) -> None:

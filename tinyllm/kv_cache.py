@@ -120,8 +120,10 @@ class SlotKVCache:
     Each slot holds one request's keys/values, (n_kv, max_len, hd) per layer, reserved up
     front. A request enters through `admit` (its padded prefill copied in, padding dropped, so
     its first real token sits at slot position 0) and leaves through `release`, freeing the slot
-    for the next one at once. A decode step runs one token for every slot: `positions` and
-    `update` serve all n_slots rows; a free slot computes a harmless row nobody reads.
+    for the next one at once. A decode step runs one token for every *active* slot: batch row
+    i of `positions` and `update` is the i-th active slot in slot order (`live_slots()`), so a
+    free slot costs nothing. (The seed decoded every slot, free ones included; step 06's graph
+    decoder does, because a captured graph has one fixed shape.)
     """
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, max_len: int,
@@ -133,11 +135,14 @@ class SlotKVCache:
         self.active = [False] * n_slots
         self.lens = [0] * n_slots                     # tokens stored per slot
         self.device = device
-        self._rows = torch.arange(n_slots, device=device)
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def free_slots(self) -> list[int]:
         return [s for s in range(self.n_slots) if not self.active[s]]
+
+    def live_slots(self) -> list[int]:
+        """The active slots, in slot order: the rows of the next decode step."""
+        return [s for s in range(self.n_slots) if self.active[s]]
 
     def can_admit(self, lens: list[int]) -> bool:
         """Room for requests whose contexts have these lengths (one slot each)."""
@@ -173,29 +178,36 @@ class SlotKVCache:
 
     # ---- the cache protocol ----------------------------------------------------------------
     def positions(self, T: int) -> Tensor:
-        """Starts a decode step: each slot's next position, and (once for every layer) the
-        attention window W and mask of this step."""
+        """Starts a decode step of the B active slots: each one's next position (B, 1), and
+        (once for every layer) the attention window W and mask of this step."""
         if T != 1:
             raise ValueError("SlotKVCache decodes one token per slot; prefill goes through KVCache")
-        full = [s for s in range(self.n_slots) if self.active[s] and self.lens[s] >= self.max_len]
+        live = self.live_slots()
+        if not live:
+            raise ValueError("no active slot to decode")
+        full = [s for s in live if self.lens[s] >= self.max_len]
         if full:
             raise ValueError(f"slot {full[0]} is full ({self.max_len} positions)")
-        self._lens = torch.tensor(self.lens, device=self.device)         # (S,)
-        self._window = max(self.lens) + 1                               # keys any slot may see
+        lens = [self.lens[s] for s in live]
+        self._live = torch.tensor(live, device=self.device)             # (B,) slot of each row
+        self._prefix = live[-1] == len(live) - 1        # slots 0..B-1: read views, gather nothing
+        self._lens = torch.tensor(lens, device=self.device)             # (B,)
+        self._window = max(lens) + 1                                    # keys any row may see
         keys = torch.arange(self._window, device=self.device)
-        self._mask = (keys[None, :] <= self._lens[:, None])[:, None, None, :]   # (S, 1, 1, W)
-        return self._lens[:, None]                                      # (S, 1)
+        self._mask = (keys[None, :] <= self._lens[:, None])[:, None, None, :]   # (B, 1, 1, W)
+        return self._lens[:, None]                                      # (B, 1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        self.k[layer][self._rows, :, self._lens] = k[:, :, 0]           # (S, n_kv, hd) at lens
-        self.v[layer][self._rows, :, self._lens] = v[:, :, 0]
+        self.k[layer][self._live, :, self._lens] = k[:, :, 0]           # (B, n_kv, hd) at lens
+        self.v[layer][self._live, :, self._lens] = v[:, :, 0]
         W = self._window
         if layer == self.n_layers - 1:
-            for s in range(self.n_slots):
-                if self.active[s]:
-                    self.lens[s] += 1
-        return self.k[layer][:, :, :W], self.v[layer][:, :, :W], self._mask
-
+            for s in self._live.tolist():
+                self.lens[s] += 1
+        if self._prefix:
+            B = k.size(0)
+            return self.k[layer][:B, :, :W], self.v[layer][:B, :, :W], self._mask
+        return self.k[layer][self._live, :, :W], self.v[layer][self._live, :, :W], self._mask
 
 def move_prefill(slot_k: list[Tensor], slot_v: list[Tensor], pre: KVCache, slots: list[int],
                  pad: list[int]) -> None:
