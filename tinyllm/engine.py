@@ -10,7 +10,9 @@ ContinuousEngine, where requests may arrive while others decode.
   batch waits for the slowest row.
 - run_continuous / ContinuousEngine (04): S slots (SlotKVCache). Every step, queued requests are
   admitted into free slots (one batched, padded prefill for the newcomers), then every active
-  slot decodes one token together. A finished request frees its slot at once.
+  slot decodes one token together. A finished request frees its slot at once. With
+  kv="paged" (05) the slots' memory is a shared pool of blocks (paged_kv.py), and a request
+  may be preempted and recomputed when the pool runs dry.
 
 All return per-request Results (generated tokens, TTFT, latency) and Stats (throughput, wasted
 decode rows, KV memory reserved vs used). Correctness: each request's tokens must equal its
@@ -36,6 +38,8 @@ from torch import Tensor
 from tinyllm.generate import (autocast_for, check_prompt, check_sampling, draw,
                               sample_next, sampling_probs)
 from tinyllm.kv_cache import KVCache, SlotKVCache
+from tinyllm.cuda_graph import SlotGraphDecoder
+from tinyllm.paged_kv import PagedKVCache
 from tinyllm.model import Transformer
 
 
@@ -86,6 +90,7 @@ class Stats:
     decode_s: float = 0.0             # beyond the seed: time in decode steps, all of it,
     forward_s: float = 0.0            # and the part of it inside the model's forward;
     slot_rows: int = 0                # rows the engine had (batch size or slots) per step
+    recomputed_tokens: int = 0        # context prefilled again after a preemption
 
     def summary(self, results: list[Result]) -> dict:
         lat = sorted(r.latency_s for r in results)
@@ -109,6 +114,7 @@ class Stats:
             "kv_used_peak": max(self.kv_used_frac, default=0.0),
             "kv_alloc_used_mean": mean(self.kv_alloc_frac) if self.kv_alloc_frac else None,
             "preemptions": self.preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
             "peak_active": self.peak_active,
             "kv_allocated_at_end": self.kv_allocated_at_end,
             "decode_overhead": 1 - self.forward_s / self.decode_s if self.decode_s else 0.0,
@@ -165,16 +171,20 @@ def is_done(req: Request, toks: list[int]) -> bool:
 
 class Trace:
     """What each decode step looked like: rows[step][row] = the request id a row or slot
-    served (None: computed for nobody), kv_used[step] = KV positions in use / reserved.
+    served (None: nobody), kv_used[step] = KV positions in use / reserved, kv_alloc[step] =
+    positions allocated / reserved (the paged cache's blocks; else 1 or None).
     Pass one to an engine to fill it; one short list per step. viz.py draws it."""
 
     def __init__(self):
         self.rows: list[list[int | None]] = []
         self.kv_used: list[float] = []
+        self.kv_alloc: list[float | None] = []
 
-    def record(self, holders: list[int | None], kv_used: float) -> None:
+    def record(self, holders: list[int | None], kv_used: float,
+               kv_alloc: float | None = None) -> None:
         self.rows.append(list(holders))
         self.kv_used.append(kv_used)
+        self.kv_alloc.append(kv_alloc)
 
 
 # ---- step 03: static batching -----------------------------------------------------------------
@@ -386,8 +396,21 @@ class ContinuousEngine:
     generator, so its tokens equal solo generate() with that seed. Not thread-safe: call
     add_request / step / abort from one thread.
 
-    kv="slots": SlotKVCache, every slot reserves max_len positions. (kv="paged" and
-    cuda_graph arrive with steps 05 and 06.) trace: a Trace to record every decode step in.
+    kv="slots": SlotKVCache, every slot reserves max_len positions (04).
+    kv="paged": PagedKVCache (05), kv_blocks blocks of block_size positions shared by all slots
+    (default: the memory of the slot cache). A request that could not fit the pool even alone
+    is refused by add_request. When the pool runs dry, the youngest running request is
+    preempted: it goes back to the queue, in arrival order, and is recomputed later from its
+    prompt and the tokens it has made (they are part of its context then).
+    cuda_graph (06, kv="slots"): True decodes through a cuda_graph.SlotGraphDecoder, one
+    captured graph per attention-window bucket (`buckets`) replayed for every slot, free or
+    not; on a CPU the same bucketed step runs eagerly. Pass a SlotGraphDecoder instead to
+    reuse its cache and graphs (its slots must be idle). Prefill stays eager.
+    trace: a Trace to record every decode step in.
+
+    One step: 1) reserve (the paged cache gives every running request the block its next token
+    needs, preempting if it must), 2) admit, 3) decode, 4) retire. (The seed admitted before
+    reserving, so a newcomer could be preempted in the step that prefilled it.)
     """
 
     def __init__(self, model: Transformer, n_slots: int, max_len: int | None = None,
@@ -397,10 +420,15 @@ class ContinuousEngine:
                  trace: Trace | None = None):
         if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"n_slots must be an int >= 1, got {n_slots!r}")
-        if kv != "slots":
-            raise ValueError(f"kv must be 'slots' (the paged cache is step 05), got {kv!r}")
-        if cuda_graph is not False:
-            raise ValueError("cuda_graph arrives with step 06")
+        if kv not in ("slots", "paged"):
+            raise ValueError(f"kv must be 'slots' or 'paged', got {kv!r}")
+        for name, val in (("block_size", block_size), ("kv_blocks", kv_blocks)):
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        if cuda_graph is not False and kv != "slots":
+            raise ValueError("cuda_graph decodes a slot cache: use kv='slots'")
+        if not (isinstance(cuda_graph, (bool, SlotGraphDecoder))):
+            raise ValueError(f"cuda_graph must be False, True or a SlotGraphDecoder, got {cuda_graph!r}")
         model.eval()
         cfg = model.cfg
         self.model = model
@@ -412,8 +440,23 @@ class ContinuousEngine:
         self.sampling = Sampling(temperature, top_k, top_p)
         self.generator = generator
         dtype = torch.bfloat16 if device.type == "cuda" else next(model.parameters()).dtype
-        self.slots = SlotKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, max_len,
-                                 dtype, device)
+        self.decoder: SlotGraphDecoder | None = None
+        if isinstance(cuda_graph, SlotGraphDecoder):            # reuse its cache and graphs
+            slots = cuda_graph.slots
+            if cuda_graph.model is not model or slots.n_slots != n_slots or \
+                    slots.max_len != max_len or any(slots.active):
+                raise ValueError(f"the decoder serves another model, or its cache is not "
+                                 f"{n_slots} idle slots of {max_len} positions")
+            self.decoder, self.slots = cuda_graph, slots
+        elif kv == "slots":
+            self.slots = SlotKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim,
+                                     max_len, dtype, device)
+            if cuda_graph:
+                self.decoder = SlotGraphDecoder(model, self.slots, buckets)
+        else:
+            n_blocks = kv_blocks or n_slots * math.ceil(max_len / block_size)
+            self.slots = PagedKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim,
+                                      n_blocks, block_size, max_len, dtype, device)
         self.stats = Stats(kv_bytes_per_token=kv_bytes_per_token(model, device),
                            kv_reserved_tokens=self.slots.reserved_tokens())
         self.trace = trace
@@ -437,6 +480,13 @@ class ContinuousEngine:
         """Queue a request; returns its id. Raises at once (and changes nothing) if it is
         malformed or can never fit a slot."""
         check_request(req, self.model.cfg.vocab_size, self.max_len)
+        if isinstance(self.slots, PagedKVCache):
+            need = self.slots.blocks_for(len(req.prompt) + req.max_new_tokens)
+            if need > self.slots.n_blocks:
+                raise ValueError(
+                    f"prompt of {len(req.prompt)} tokens + {req.max_new_tokens} new tokens needs "
+                    f"{need} blocks of {self.slots.block_size}, but the whole KV pool has "
+                    f"{self.slots.n_blocks}")
         rid, self._next_id = self._next_id, self._next_id + 1
         self._req[rid] = Request(list(req.prompt), req.max_new_tokens, req.eos_id, req.sampling)
         self._arrival[rid] = self.now()
@@ -475,17 +525,28 @@ class ContinuousEngine:
 
     @torch.no_grad()
     def step(self) -> list[Event]:
-        """Admit what fits, decode one token per active slot. Returns the new tokens."""
+        """Reserve, admit what fits, decode one token per active slot. Returns the new tokens."""
+        self._reserve()
         events = self._admit()
-        for s in self.slots.reserve_step():                     # preemption (paged cache, 05)
-            self._queue.appendleft(self._slot_req[s])
-            self._slot_req[s] = None
-            self.stats.preemptions += 1
         if any(self.slots.active):
             events += self._decode()
+        elif self._queue and not events:        # add_request's checks make this unreachable
+            raise RuntimeError(f"request {self._queue[0]} cannot be admitted into an empty cache")
         return events
 
-    # ---- 1) admit ----------------------------------------------------------------------------
+    # ---- 1) reserve --------------------------------------------------------------------------
+    def _reserve(self) -> None:
+        """Room for every running request's next token; a preempted request is queued again,
+        the queue kept in arrival order (request ids grow with arrival)."""
+        preempted = []
+        for s in self.slots.reserve_step():
+            preempted.append(self._slot_req[s])
+            self._slot_req[s] = None
+        if preempted:
+            self.stats.preemptions += len(preempted)
+            self._queue = deque(sorted([*preempted, *self._queue]))
+
+    # ---- 2) admit ----------------------------------------------------------------------------
     def _admit(self) -> list[Event]:
         free = self.slots.free_slots()
         if not (free and self._queue):
@@ -498,10 +559,11 @@ class ContinuousEngine:
         for _ in rids:                                  # they are the queue's first
             self._queue.popleft()
         prompts = [self._context(r) for r in rids]
+        self.stats.recomputed_tokens += sum(len(p) for r, p in zip(rids, prompts) if self._outs.get(r))
         logits, pre, pad = prefill_padded(self.model, prompts, max_len=max(len(p) for p in prompts))
         nxt = self._sample(logits, rids)
         taken = free[:len(rids)]
-        self.slots.admit(taken, pre, pad)
+        self.slots.admit(taken, pre, pad, arrivals=rids)
         self._last_tok[torch.tensor(taken, device=self.device)] = nxt
         now = self.now()
         events = []
@@ -511,31 +573,35 @@ class ContinuousEngine:
             events.append(self._record(s, rid, t, now))
         return events
 
-    # ---- 2) decode ---------------------------------------------------------------------------
+    # ---- 3) decode ---------------------------------------------------------------------------
     def _decode(self) -> list[Event]:
         t_step = time.perf_counter()
         st, slots = self.stats, self.slots
         live = slots.live_slots()                       # the step's rows: active slots only
         st.peak_active = max(st.peak_active, len(live))
         st.decode_steps += 1
-        st.computed_rows += len(live)
+        st.computed_rows += len(live) if self.decoder is None else self.n_slots
         st.slot_rows += self.n_slots
         st.useful_rows += len(live)
         used = slots.used_tokens()
         st.kv_used_frac.append(used / slots.reserved_tokens())
         st.kv_alloc_frac.append(used / max(1, slots.allocated_tokens()))
         if self.trace is not None:
-            self.trace.record(self._slot_req, st.kv_used_frac[-1])
+            self.trace.record(self._slot_req, st.kv_used_frac[-1],
+                              slots.allocated_tokens() / slots.reserved_tokens())
         rows = torch.tensor(live, device=self.device)
         t0 = time.perf_counter()
-        with autocast_for(self.device):
-            logits, _ = self.model(self._last_tok[rows], cache=slots)  # (B, 1, V)
+        if self.decoder is None:
+            with autocast_for(self.device):
+                logits, _ = self.model(self._last_tok[rows], cache=slots)   # (B, 1, V)
+        else:                                           # every slot, one graph replay (06)
+            logits = self.decoder.step(self._last_tok)[rows]            # (S, 1, V) -> (B, 1, V)
         _sync(self.device)
         st.forward_s += time.perf_counter() - t0
         nxt = self._sample(logits[:, -1], [self._slot_req[s] for s in live])   # (B, 1)
         self._last_tok[rows] = nxt
         now = self.now()
-        # 3) retire: _record frees the slot of a request that just finished
+        # 4) retire: _record frees the slot of a request that just finished
         events = [self._record(s, self._slot_req[s], t, now)
                   for s, t in zip(live, nxt.squeeze(-1).tolist())]
         st.decode_s += time.perf_counter() - t_step

@@ -148,8 +148,10 @@ class SlotKVCache:
         """Room for requests whose contexts have these lengths (one slot each)."""
         return len(lens) <= len(self.free_slots()) and all(n < self.max_len for n in lens)
 
-    def admit(self, slots: list[int], pre: KVCache, pad: list[int]) -> None:
-        """Copy row i of a padded prefill (pre.pos = L) into slots[i], without its pad[i] pads."""
+    def admit(self, slots: list[int], pre: KVCache, pad: list[int],
+              arrivals: list[int] | None = None) -> None:
+        """Copy row i of a padded prefill (pre.pos = L) into slots[i], without its pad[i] pads.
+        (arrivals, the requests' seniority, matters to the paged cache only.)"""
         for s in slots:
             if self.active[s]:
                 raise ValueError(f"slot {s} is already serving a request")

@@ -76,6 +76,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
+def repeat_kv(x: Tensor, n_heads: int) -> Tensor:
+    """Grouped-query attention: each of the n_kv key/value heads serves n_heads // n_kv query
+    heads. (B, n_kv, S, hd) -> (B, n_heads, S, hd), head h reading KV head h // (n_heads // n_kv).
+    expand + reshape, like repeat_interleave but with no data-dependent size (CUDA graphs, 06)."""
+    B, n_kv, S, hd = x.shape
+    if n_kv == n_heads:
+        return x
+    return x[:, :, None].expand(B, n_kv, n_heads // n_kv, S, hd).reshape(B, n_heads, S, hd)
+
+
 class Attention(nn.Module):
     """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
 
@@ -104,9 +114,7 @@ class Attention(nn.Module):
         else:
             k, v, mask = cache.update(self.layer, k, v)        # (B, n_kv, S, hd), mask (B, 1, T, S)
             causal = False
-        rep = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(rep, dim=1)                    # (B, H, S, hd)
-        v = v.repeat_interleave(rep, dim=1)                    # (B, H, S, hd)
+        k, v = repeat_kv(k, self.n_heads), repeat_kv(v, self.n_heads)     # (B, H, S, hd)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, H * hd)
         return self.o_proj(y)

@@ -1,0 +1,158 @@
+"""Step 06 - CUDA graphs for decode: one launch for a whole decode step.
+
+Small-batch decode is launch-bound: a decode step of a small model is a few hundred small
+kernels, and the CPU needs longer to launch each one than the GPU needs to run it. A CUDA graph
+records the step's kernels once and replays them all with one launch. A graph replays the same
+kernels on the same memory addresses with the same shapes, so the decode step is rebuilt around
+three moves:
+
+1. **Static buffers.** The step's inputs (each slot's token and length) and its output (the
+   logits) live in tensors allocated once. Each step copies new values *into* them
+   (`fill_static`); replacing them would leave the graph reading the old ones.
+2. **One graph per attention-window bucket.** The keys a step attends to grow with the longest
+   sequence, but a graph has one shape. So a graph is captured for each window W in `buckets`
+   (say 64, 128, 256, 512); a step replays the smallest bucket that covers the longest active
+   sequence (`choose_bucket`), and the mask hides the keys past each slot's length.
+3. **Capture after a warm-up**, on a side stream, every bucket's graph in one memory pool
+   (their activations are never live at the same time, so they can share it).
+
+The step decodes every slot, free or not: a graph has one batch shape. Prefill stays eager
+(prompts come in every length). On a CPU there is nothing to capture: `capture=False` runs the
+very same bucketed, static-buffer step eagerly, so CPU tests check its arithmetic token for
+token, and a GPU adds only the capture.
+"""
+
+import torch
+from torch import Tensor
+
+from tinyllm.kv_cache import SlotKVCache
+from tinyllm.model import Transformer
+
+
+def default_buckets(max_len: int, smallest: int = 32) -> list[int]:
+    """Powers of two from `smallest`, and max_len itself: (32, 64, 128, 256, 512) for 512."""
+    out, w = [], smallest
+    while w < max_len:
+        out.append(w)
+        w *= 2
+    return out + [max_len]
+
+
+def choose_bucket(buckets: list[int], window: int) -> int:
+    """The smallest bucket >= window, the number of keys the longest active sequence attends
+    to (its length + 1: the new token sees itself). buckets are sorted ascending. Raises
+    ValueError when no bucket is that large."""
+    for b in buckets:
+        if b >= window:
+            return b
+    raise ValueError(f"a window of {window} keys exceeds the largest bucket {buckets[-1]}")
+
+
+def fill_static(static_tokens: Tensor, static_lens: Tensor, tokens: Tensor, lens: Tensor) -> None:
+    """Copy this step's inputs into the static buffers, in place: static_tokens (S, 1) gets
+    tokens (S, 1), static_lens (S,) gets lens (S,). A captured graph reads the buffers it was
+    captured with, so they must be written into, never replaced."""
+    static_tokens.copy_(tokens)
+    static_lens.copy_(lens)
+
+
+class WindowCache:
+    """The decode step's cache as a graph sees it: all S slots of a SlotKVCache, attending to
+    the first W positions, each slot writing its new key at its length from the static lens
+    buffer. Implements the Cache protocol; holds no Python state that changes between steps."""
+
+    def __init__(self, slots: SlotKVCache, lens: Tensor, W: int):
+        self.slots, self.lens, self.W = slots, lens, W
+        self.rows = torch.arange(slots.n_slots, device=lens.device)     # (S,)
+        self.keys = torch.arange(W, device=lens.device)                 # (W,)
+
+    def positions(self, T: int) -> Tensor:
+        self.mask = (self.keys[None, :] <= self.lens[:, None])[:, None, None, :]   # (S, 1, 1, W)
+        return self.lens[:, None]                                       # (S, 1)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        sk, sv = self.slots.k[layer], self.slots.v[layer]               # (S, n_kv, max_len, hd)
+        sk[self.rows, :, self.lens] = k[:, :, 0]                        # (S, n_kv, hd) at lens
+        sv[self.rows, :, self.lens] = v[:, :, 0]
+        return sk[:, :, :self.W], sv[:, :, :self.W], self.mask
+
+
+class SlotGraphDecoder:
+    """Decode steps of a SlotKVCache's slots, replayed as CUDA graphs, one per window bucket.
+
+    step(tokens (S, 1)) -> logits (S, 1, V) for every slot (read the active ones), and each
+    active slot's length grows by one, as after a plain decode step. capture: record graphs
+    (default: on CUDA); False runs the same bucketed static-buffer step eagerly. Capture writes
+    into the slots, so it happens at construction, while every slot is free. The logits
+    returned by a replay are the graph's static output: use them before the next step.
+    """
+
+    def __init__(self, model: Transformer, slots: SlotKVCache, buckets=None,
+                 capture: bool | None = None):
+        if not isinstance(slots, SlotKVCache):
+            raise ValueError(f"SlotGraphDecoder decodes a SlotKVCache, got {type(slots).__name__}")
+        self.model, self.slots = model, slots
+        self.device = slots.k[0].device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; on a CPU use capture=False")
+        buckets = sorted(set(buckets or default_buckets(slots.max_len)))
+        if buckets[0] < 1 or buckets[-1] > slots.max_len:
+            raise ValueError(f"buckets must lie in 1..{slots.max_len} (the slots' max_len), got {buckets}")
+        if buckets[-1] != slots.max_len:
+            buckets.append(slots.max_len)           # every sequence the slots hold has a bucket
+        self.buckets = buckets
+        S = slots.n_slots
+        self.tokens = torch.zeros(S, 1, dtype=torch.long, device=self.device)   # static inputs
+        self.lens = torch.zeros(S, dtype=torch.long, device=self.device)
+        self.views = {W: WindowCache(slots, self.lens, W) for W in buckets}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, Tensor] = {}                             # static outputs
+        self.pool = None
+        if self.capture:
+            self._capture_all()
+
+    def _run(self, W: int) -> Tensor:
+        # the autocast cache must be off while capturing: its casts would be captured once
+        with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                            enabled=self.device.type == "cuda", cache_enabled=False):
+            logits, _ = self.model(self.tokens, cache=self.views[W])    # (S, 1, V)
+        return logits
+
+    @torch.no_grad()
+    def _capture_all(self) -> None:
+        if any(self.slots.active):
+            raise ValueError("capture writes into the slots: build the decoder while they are free")
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):                   # warm-up: lazy init, kernel choice
+            for W in self.buckets:
+                for _ in range(3):
+                    self._run(W)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for W in reversed(self.buckets):                # largest first, then the rest share its pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[W] = self._run(W)
+            self.pool = graph.pool() if self.pool is None else self.pool
+            self.graphs[W] = graph
+        torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor) -> Tensor:
+        """One decode step of every slot: tokens (S, 1) -> logits (S, 1, V)."""
+        slots = self.slots
+        live = slots.live_slots()
+        if not live:
+            raise ValueError("no active slot to decode")
+        W = choose_bucket(self.buckets, max(slots.lens[s] for s in live) + 1)
+        lens = torch.tensor([n if a else 0 for n, a in zip(slots.lens, slots.active)])
+        fill_static(self.tokens, self.lens, tokens, lens.to(self.device))
+        if self.capture:
+            self.graphs[W].replay()
+            logits = self.logits[W]
+        else:
+            logits = self._run(W)
+        for s in live:
+            slots.lens[s] += 1
+        return logits
