@@ -1,7 +1,12 @@
-"""Steps 03-04 - the benchmark: named workloads on named engines, Stats.summary() side by side.
+"""Steps 03-06 - the benchmark: named workloads on named engines, Stats.summary() side by side.
 
     python -m tinyllm bench --workload longtail --engines static,continuous --batch 16
+    python -m tinyllm bench --engines continuous,paged --batch 16 --paged-slots 64
+    python -m tinyllm bench --decode-steps          # one decode step, eager against graphed
 
+Engines: static (03), continuous (04, slots), paged (05: the same continuous engine on a pool
+of blocks, by default the memory of --batch slots, shared by --paged-slots slots) and graphs
+(06: continuous with the decode step replayed as CUDA graphs; eager bucketed on a CPU).
 Timing lives here and in the notebooks, never in a test. Besides the seed's summary keys it
 reports where a decode step's time goes: the model's forward pass against the engine's own
 bookkeeping (admission, sampling, slot moves, Python).
@@ -14,7 +19,9 @@ import time
 
 import torch
 
+from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.engine import ContinuousEngine, Request, Sampling, run_continuous, run_static
+from tinyllm.kv_cache import SlotKVCache
 from tinyllm.model import Transformer
 
 SPEAKERS = ["Ham.", "Hor.", "Oph.", "King.", "Queen.", "Rom.", "Jul.", "Nurse.", "Mer.", "Macb.",
@@ -56,9 +63,9 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
 
 
 def run_online(model: Transformer, reqs: list[Request], arrivals: list[float], n_slots: int,
-               progress=None) -> tuple[list, dict]:
+               progress=None, **engine_kw) -> tuple[list, dict]:
     """Requests join a ContinuousEngine when the engine clock reaches their arrival time."""
-    eng = ContinuousEngine(model, n_slots)
+    eng = ContinuousEngine(model, n_slots, **engine_kw)
     t0 = time.perf_counter()
     rids, i = [], 0
     while i < len(reqs) or eng.has_work():
@@ -73,23 +80,80 @@ def run_online(model: Transformer, reqs: list[Request], arrivals: list[float], n
         elif i < len(reqs):
             time.sleep(min(0.01, arrivals[i] - now))
     eng.stats.wall_s = time.perf_counter() - t0
+    eng.stats.kv_allocated_at_end = eng.slots.allocated_tokens()
     results = [eng.results.pop(r) for r in rids]
     return results, eng.stats.summary(results)
 
 
+ENGINES = ("static", "continuous", "paged", "graphs")
+
+
 def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, seed: int = 0,
-        progress=None) -> dict:
-    """One benchmark run -> its Stats.summary()."""
+        progress=None, paged_slots: int | None = None, block_size: int = 16,
+        kv_blocks: int | None = None) -> dict:
+    """One benchmark run -> its Stats.summary(). batch: static's batch size, the slots of the
+    continuous engines; the paged engine gets paged_slots slots (default: batch) and kv_blocks
+    blocks of block_size (default: the memory of `batch` slots)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: {', '.join(ENGINES)}")
     reqs, arrivals = workload(workload_name, tok, n, seed)
     if engine == "static":
         if workload_name == "poisson":
             raise ValueError("static batching is offline: it cannot take the poisson workload")
         return run_static(model, reqs, batch, progress=progress)[1]
-    if engine == "continuous":
-        if workload_name == "poisson":
-            return run_online(model, reqs, arrivals, batch, progress)[1]
-        return run_continuous(model, reqs, batch, progress=progress)[1]
-    raise ValueError(f"unknown engine {engine!r}: static or continuous")
+    slots, kw = batch, {}
+    if engine == "paged":
+        max_len = model.cfg.max_seq_len
+        slots = paged_slots or batch
+        kw = dict(kv="paged", block_size=block_size,
+                  kv_blocks=kv_blocks or batch * -(-max_len // block_size))
+    elif engine == "graphs":
+        kw = dict(cuda_graph=True)
+    if workload_name == "poisson":
+        return run_online(model, reqs, arrivals, slots, progress, **kw)[1]
+    return run_continuous(model, reqs, slots, progress=progress, **kw)[1]
+
+
+@torch.no_grad()
+def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 100,
+                      iters: int = 20) -> list[dict]:
+    """Milliseconds per decode step of `batch` slots all holding `context` tokens: the plain
+    eager step, and the graph decoder's step (replayed graphs on CUDA; its eager bucketed
+    step elsewhere, where `graphed` is None)."""
+    device = next(model.parameters()).device
+    cfg = model.cfg
+    dtype = torch.bfloat16 if device.type == "cuda" else next(model.parameters()).dtype
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def timed(fn, slots) -> float:
+        for _ in range(3):
+            fn()
+            slots.lens = [context] * slots.n_slots
+        sync()
+        t = 0.0
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            t += time.perf_counter() - t0
+            slots.lens = [context] * slots.n_slots
+        return t / iters * 1e3
+
+    rows = []
+    for B in batch_sizes:
+        slots = SlotKVCache(cfg.n_layers, B, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, dtype, device)
+        decoder = SlotGraphDecoder(model, slots)                # captures while the slots are idle
+        slots.active, slots.lens = [True] * B, [context] * B
+        tokens = torch.ones(B, 1, dtype=torch.long, device=device)
+
+        def eager():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                model(tokens, cache=slots)
+
+        row = {"batch": B, "eager_ms": timed(eager, slots),
+               "bucketed_ms" if not decoder.capture else "graphed_ms": timed(lambda: decoder.step(tokens), slots)}
+        rows.append(row)
+    return rows
 
 
 def _bar(total: int, desc: str, quiet: bool):
@@ -124,8 +188,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tinyllm bench",
                                  description="Compare serving engines on a named workload.")
     ap.add_argument("--workload", default="longtail", choices=["uniform", "longtail", "eos", "poisson"])
-    ap.add_argument("--engines", default="static,continuous")
+    ap.add_argument("--engines", default="static,continuous", help=", ".join(ENGINES))
     ap.add_argument("--batch", type=int, default=16, help="static batch size / continuous slots")
+    ap.add_argument("--paged-slots", type=int, default=None, help="the paged engine's slots (default: --batch)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-blocks", type=int, default=None,
+                    help="the paged pool (default: the KV memory of --batch slots)")
+    ap.add_argument("--decode-steps", action="store_true",
+                    help="time one decode step per batch size, eager against graphed, and stop")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="default", help="checkpoint directory")
@@ -136,11 +206,26 @@ def main(argv=None) -> None:
     import tinyllm
     model, tok = tinyllm.load(args.model, device=args.device)
     device = next(model.parameters()).device
+    if args.decode_steps:
+        rows = decode_step_times(model)
+        if args.json:
+            print(json.dumps({"device": str(device), "context": 100, "rows": rows}, indent=2))
+            return
+        print(f"one decode step, every slot holding 100 tokens, on {device} (ms)\n")
+        keys = list(rows[0])
+        print("".join(f"{k:>14}" for k in keys) + f"{'speed-up':>14}")
+        for r in rows:
+            print("".join(f"{r[k]:>14.3f}" if isinstance(r[k], float) else f"{r[k]:>14}" for k in keys)
+                  + f"{r['eager_ms'] / r[keys[-1]]:>13.2f}x")
+        if "graphed_ms" not in keys:
+            print("\nno CUDA here: the right column is the graph decoder's eager bucketed step")
+        return
     warm_up(model)
     runs = {}
     for name in args.engines.split(","):
         bar = _bar(args.requests, name, quiet=args.json)
-        runs[name] = run(model, tok, args.workload, name, args.batch, args.requests, args.seed, bar)
+        runs[name] = run(model, tok, args.workload, name, args.batch, args.requests, args.seed, bar,
+                         args.paged_slots, args.block_size, args.kv_blocks)
         if bar is not None:
             bar.close()
     if args.json:

@@ -209,7 +209,8 @@ class SlotKVCache:
         if self._prefix:
             B = k.size(0)
             return self.k[layer][:B, :, :W], self.v[layer][:B, :, :W], self._mask
-        return self.k[layer][self._live, :, :W], self.v[layer][self._live, :, :W], self._mask
+        return (self.k[layer][:, :, :W].index_select(0, self._live),     # (B, n_kv, W, hd)
+                self.v[layer][:, :, :W].index_select(0, self._live), self._mask)
 
 def move_prefill(slot_k: list[Tensor], slot_v: list[Tensor], pre: KVCache, slots: list[int],
                  pad: list[int]) -> None:

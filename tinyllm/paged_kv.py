@@ -14,8 +14,9 @@ pool, and the engine queues it again, to be recomputed later from its prompt and
 has generated so far. The oldest requests always make progress, so the run ends.
 
 `PagedKVCache` has the interface of `SlotKVCache` (ContinuousEngine(kv="paged") uses it in the
-same places), plus block tables. Its three seams are exercise 05: `BlockAllocator`, the
-block-table lookup `slot_mapping`, and the preemption choice `choose_victim`.
+same places), plus block tables. Its seams are exercise 05: the block allocator
+(`allocate_blocks`, `free_blocks`), the block-table lookup (`slot_mapping`) and the preemption
+choice (`choose_victim`).
 """
 
 import math
@@ -27,35 +28,45 @@ from tinyllm.kv_cache import KVCache
 
 
 class BlockAllocator:
-    """The pool's bookkeeping: which of n_blocks blocks are free. Blocks are numbered
-    0..n_blocks-1; allocate(n) hands out n free ones, free(blocks) takes them back."""
+    """The pool's bookkeeping: which of n_blocks blocks (numbered 0..n_blocks-1) are free.
+    allocate(n) hands out n free blocks, free(blocks) takes them back."""
 
     def __init__(self, n_blocks: int):
         self.n_blocks = n_blocks
-        self.free_list = list(range(n_blocks - 1, -1, -1))    # pop() hands out block 0 first
+        self.free_list = list(range(n_blocks - 1, -1, -1))    # handed out from the end: 0 first
         self.allocated = [False] * n_blocks
 
     def n_free(self) -> int:
         return len(self.free_list)
 
     def allocate(self, n: int) -> list[int] | None:
-        """n distinct free blocks, now allocated; None (and nothing allocated) if fewer are free."""
-        if n > len(self.free_list):
-            return None
-        blocks = [self.free_list.pop() for _ in range(n)]
-        for b in blocks:
-            self.allocated[b] = True
-        return blocks
+        return allocate_blocks(self.free_list, self.allocated, n)
 
     def free(self, blocks: list[int]) -> None:
-        """Give blocks back. Raises ValueError (freeing nothing) for a block that is not
-        allocated: a double free would let two sequences share a block."""
-        for i, b in enumerate(blocks):
-            if not 0 <= b < self.n_blocks or not self.allocated[b] or b in blocks[:i]:
-                raise ValueError(f"block {b} is not allocated")
-        for b in blocks:
-            self.allocated[b] = False
-            self.free_list.append(b)
+        free_blocks(self.free_list, self.allocated, blocks)
+
+
+def allocate_blocks(free_list: list[int], allocated: list[bool], n: int) -> list[int] | None:
+    """Take n blocks off the end of free_list, mark them in allocated (one flag per block of
+    the pool) and return them. When fewer than n are free, return None and change nothing."""
+    if n > len(free_list):
+        return None
+    blocks = [free_list.pop() for _ in range(n)]
+    for b in blocks:
+        allocated[b] = True
+    return blocks
+
+
+def free_blocks(free_list: list[int], allocated: list[bool], blocks: list[int]) -> None:
+    """Give blocks back: clear their allocated flags and append them to free_list. A block
+    that is not allocated (or is given twice) raises ValueError naming it, and nothing changes:
+    a double free would later hand one block to two sequences."""
+    for i, b in enumerate(blocks):
+        if not 0 <= b < len(allocated) or not allocated[b] or b in blocks[:i]:
+            raise ValueError(f"block {b} is not allocated")
+    for b in blocks:
+        allocated[b] = False
+        free_list.append(b)
 
 
 def slot_mapping(tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
@@ -204,11 +215,14 @@ class PagedKVCache:
         return lens[:, None]                                            # (B, 1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        self.k[layer][self._write] = k[:, :, 0]                         # (B, n_kv, hd)
-        self.v[layer][self._write] = v[:, :, 0]
+        self.k[layer].index_copy_(0, self._write, k[:, :, 0])           # (B, n_kv, hd) rows
+        self.v[layer].index_copy_(0, self._write, v[:, :, 0])
         if layer == self.n_layers - 1:
             for s in self.live_slots():
                 self.lens[s] += 1
-        keys = self.k[layer][self._read].transpose(1, 2)                # (B, n_kv, W, hd)
-        values = self.v[layer][self._read].transpose(1, 2)
-        return keys, values, self._mask
+        B, W = self._read.shape
+        shape = (B, W) + k.shape[1:2] + k.shape[3:]                     # (B, W, n_kv, hd)
+        # index_select of the flat indices: the same gather as pool[read], several times faster
+        keys = self.k[layer].index_select(0, self._read.view(-1)).view(shape).transpose(1, 2)
+        values = self.v[layer].index_select(0, self._read.view(-1)).view(shape).transpose(1, 2)
+        return keys, values, self._mask                                 # (B, n_kv, W, hd)

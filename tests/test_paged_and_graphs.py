@@ -1,0 +1,214 @@
+"""Steps 05-06 - the paged cache (with preemption) and the graph decoder's eager bucketed step
+give each request exactly its solo generate() tokens; the pool's books always balance."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tinyllm.cuda_graph import SlotGraphDecoder, choose_bucket, default_buckets
+from tinyllm.engine import ContinuousEngine, Request, Sampling, run_continuous
+from tinyllm.kv_cache import SlotKVCache
+from tinyllm.paged_kv import BlockAllocator, PagedKVCache
+from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
+
+
+def need_blocks(req: Request, block_size: int) -> int:
+    return math.ceil((len(req.prompt) + req.max_new_tokens) / block_size)
+
+
+def check_pool(cache: PagedKVCache) -> None:
+    """No block held twice, none lost, none held by a free slot, every active sequence covered."""
+    held = [b for table in cache.tables for b in table]
+    assert len(held) == len(set(held)), "a block is held by two sequences"
+    assert sorted(held + cache.allocator.free_list) == list(range(cache.n_blocks)), \
+        "every block is either held once or free once (the pool is never over-committed)"
+    assert cache.allocated_tokens() == len(held) * cache.block_size
+    for s in range(cache.n_slots):
+        if cache.active[s]:
+            assert len(cache.tables[s]) * cache.block_size >= cache.lens[s]
+        else:
+            assert cache.tables[s] == [] and cache.lens[s] == 0
+
+
+def drive(eng: ContinuousEngine, reqs: list[Request], data=None, abort_odds: int = 0):
+    """Add requests between steps (all at once without data), abort some, check the pool after
+    every step. Returns {index: tokens} of the finished requests and the aborted indices."""
+    pending, rid_of, aborted = list(enumerate(reqs)), {}, set()
+    while pending or eng.has_work():
+        n = data.draw(st.integers(0, 3)) if data is not None else len(pending)
+        for _ in range(n):
+            if pending:
+                i, r = pending.pop(0)
+                rid_of[eng.add_request(r)] = i
+        if abort_odds and rid_of and data.draw(st.integers(0, abort_odds)) == 0:
+            rid = data.draw(st.sampled_from(sorted(rid_of)))
+            if eng.abort(rid):
+                aborted.add(rid_of[rid])
+        eng.step()
+        if isinstance(eng.slots, PagedKVCache):
+            check_pool(eng.slots)
+    assert not any(eng.slots.active) and eng.load() == (0, 0)
+    done = {i: eng.results.pop(rid).tokens for rid, i in rid_of.items() if i not in aborted}
+    return done, aborted
+
+
+# ---- 05: the paged cache -------------------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=requests_st, n_slots=st.integers(1, 6), block_size=st.sampled_from([1, 2, 4, 8, 16]),
+       slack=st.integers(0, 12))
+def test_paged_engine_matches_solo_generate(requests, n_slots, block_size, slack):
+    """Any block size, pools from 'the largest request only' up: solo tokens, books balanced,
+    every block back in the pool at the end."""
+    n_blocks = max(need_blocks(r, block_size) for r in requests) + slack
+    eng = ContinuousEngine(TINY, n_slots, kv="paged", block_size=block_size, kv_blocks=n_blocks)
+    done, _ = drive(eng, requests)
+    for i, req in enumerate(requests):
+        assert done[i] == solo(req), f"request {i}"
+    assert eng.slots.allocated_tokens() == 0 and eng.slots.allocator.n_free() == n_blocks
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
+@given(requests=requests_st, n_slots=st.integers(1, 5), block_size=st.sampled_from([1, 3, 8]),
+       data=st.data())
+def test_paged_engine_online_with_preemption_aborts_and_sampling(requests, n_slots, block_size, data):
+    """Arrivals between steps, aborts (of running, queued and preempted requests), greedy and
+    seeded sampled requests, a tight pool: every finished request equals solo."""
+    reqs = [Request(r.prompt, r.max_new_tokens, r.eos_id,
+                    data.draw(st.sampled_from([None, Sampling(0.9, 20, None, seed=i)])))
+            for i, r in enumerate(requests)]
+    n_blocks = max(need_blocks(r, block_size) for r in reqs) + data.draw(st.integers(0, 4))
+    eng = ContinuousEngine(TINY, n_slots, kv="paged", block_size=block_size, kv_blocks=n_blocks)
+    done, aborted = drive(eng, reqs, data, abort_odds=8)
+    assert set(done) | aborted == set(range(len(reqs))), "every request finished or was aborted"
+    for i, tokens in done.items():
+        assert tokens == solo(reqs[i]), f"request {i}"
+
+
+def pressure_workload(n: int = 16) -> list[Request]:
+    """Long answers, no EOS: they outgrow a small pool together."""
+    return [Request([(7 * i + j) % V for j in range(3 + i % 5)], 20 + (5 * i) % 17) for i in range(n)]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_repeated_preemption_under_a_small_pool(block_size):
+    reqs = pressure_workload()
+    n_blocks = max(need_blocks(r, block_size) for r in reqs) + 2
+    results, summary = run_continuous(TINY, reqs, 6, kv="paged", block_size=block_size,
+                                      kv_blocks=n_blocks)
+    assert summary["preemptions"] >= 5, f"only {summary['preemptions']} preemptions"
+    assert summary["recomputed_tokens"] > 0
+    assert summary["kv_allocated_at_end"] == 0
+    assert_oracle(reqs, results)
+
+
+def test_abort_of_a_preempted_request_frees_nothing_twice():
+    reqs = pressure_workload(8)
+    eng = ContinuousEngine(TINY, 4, kv="paged", block_size=2,
+                           kv_blocks=max(need_blocks(r, 2) for r in reqs) + 1)
+    rids = [eng.add_request(r) for r in reqs]
+    while eng.stats.preemptions == 0:
+        eng.step()
+    waiting = [r for r in eng._queue if r in eng._outs and eng._outs[r]]
+    assert waiting, "a preempted request waits in the queue"
+    assert eng.abort(waiting[0]) is True
+    check_pool(eng.slots)
+    while eng.has_work():
+        eng.step()
+        check_pool(eng.slots)
+    for i, rid in enumerate(rids):
+        if rid != waiting[0]:
+            assert eng.results[rid].tokens == solo(reqs[i])
+    assert eng.slots.allocated_tokens() == 0
+
+
+def test_a_request_larger_than_the_pool_is_refused_at_once():
+    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, kv_blocks=5)
+    good = Request([1, 2, 3], 10)                  # 13 positions: 4 blocks
+    rid = eng.add_request(good)
+    with pytest.raises(ValueError, match="needs 6 blocks of 4, but the whole KV pool has 5"):
+        eng.add_request(Request([1] * 4, 20))      # 24 positions: 6 blocks
+    assert eng.load() == (1, 0), "the refused request left no trace"
+    while eng.has_work():
+        eng.step()
+    assert eng.results[rid].tokens == solo(good)
+
+
+def test_paged_settings_are_checked():
+    for kw, words in [(dict(block_size=0), "block_size"), (dict(kv_blocks=-3), "kv_blocks"),
+                      (dict(block_size=2.5), "block_size")]:
+        with pytest.raises(ValueError, match=words):
+            ContinuousEngine(TINY, 2, kv="paged", **kw)
+
+
+def test_paged_memory_is_allocated_as_sequences_grow():
+    """Allocated tracks used within a block per sequence; slots reserve everything up front."""
+    reqs = [Request([1, 2, 3], 30), Request([4, 5], 12), Request([6], 21)]
+    _, paged = run_continuous(TINY, reqs, 3, kv="paged", block_size=4)
+    _, slots = run_continuous(TINY, reqs, 3)
+    assert paged["kv_alloc_used_mean"] > 0.75 > slots["kv_alloc_used_mean"]
+    assert paged["kv_reserved_mib"] == pytest.approx(slots["kv_reserved_mib"], rel=0.05), \
+        "by default the pool has the memory of the slot cache"
+
+
+def test_allocator_refuses_what_it_cannot_give():
+    alloc = BlockAllocator(3)
+    assert alloc.allocate(4) is None and alloc.n_free() == 3
+    blocks = alloc.allocate(3)
+    assert sorted(blocks) == [0, 1, 2] and alloc.n_free() == 0
+    with pytest.raises(ValueError, match="block 7"):
+        alloc.free([7])
+    alloc.free(blocks)
+    with pytest.raises(ValueError, match="is not allocated"):
+        alloc.free([blocks[0]])
+
+
+# ---- 06: the graph decoder, eager ----------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=requests_st, n_slots=st.integers(1, 6),
+       buckets=st.sampled_from([None, (8, 16, 32, 64), (1, 2, 3, 50), (96,)]))
+def test_eager_bucketed_decoder_matches_the_plain_decoder(requests, n_slots, buckets):
+    """Every slot decoded at a bucketed window from static buffers: the same tokens as the
+    plain decode step, and so as solo generate()."""
+    plain, _ = run_continuous(TINY, requests, n_slots)
+    graphed, summary = run_continuous(TINY, requests, n_slots, cuda_graph=True, buckets=buckets)
+    assert [r.tokens for r in graphed] == [r.tokens for r in plain]
+    assert_oracle(requests, graphed)
+    assert summary["occupancy"] == summary["row_util"], "the graph computes every slot"
+
+
+def test_graph_decoder_settings_are_checked():
+    slots = SlotKVCache(2, 2, 2, 16, 32, torch.float64)
+    with pytest.raises(ValueError, match="CUDA device"):
+        SlotGraphDecoder(TINY, slots, capture=True)
+    with pytest.raises(ValueError, match="buckets must lie in 1..32"):
+        SlotGraphDecoder(TINY, slots, buckets=(16, 64))
+    with pytest.raises(ValueError, match="kv='slots'"):
+        ContinuousEngine(TINY, 2, kv="paged", cuda_graph=True)
+    with pytest.raises(ValueError, match="cuda_graph must be"):
+        ContinuousEngine(TINY, 2, cuda_graph="yes")
+    assert default_buckets(512) == [32, 64, 128, 256, 512] and default_buckets(96) == [32, 64, 96]
+    assert SlotGraphDecoder(TINY, slots, buckets=(4, 8)).buckets == [4, 8, 32], \
+        "max_len is always a bucket"
+    with pytest.raises(ValueError, match="largest bucket"):
+        choose_bucket([4, 8], 9)
+
+
+def test_a_decoder_is_reused_by_a_second_engine():
+    eng = ContinuousEngine(TINY, 3, cuda_graph=True)
+    reqs = [Request([1, 2, 3], 9), Request([4], 14)]
+    first, _ = run_continuous(TINY, reqs, 3, cuda_graph=eng.decoder)
+    second, _ = run_continuous(TINY, reqs, 3, cuda_graph=eng.decoder)
+    assert [r.tokens for r in first] == [r.tokens for r in second] == [solo(r) for r in reqs]
+    busy = ContinuousEngine(TINY, 3, cuda_graph=eng.decoder)
+    busy.add_request(Request([1], 5))
+    busy.step()
+    with pytest.raises(ValueError, match="idle slots"):
+        ContinuousEngine(TINY, 3, cuda_graph=eng.decoder)
+    with pytest.raises(ValueError, match="idle slots"):
+        ContinuousEngine(TINY, 4, cuda_graph=SlotGraphDecoder(TINY, SlotKVCache(2, 2, 2, 16, 96, torch.float64)))
