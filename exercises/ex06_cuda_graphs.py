@@ -14,10 +14,10 @@ tokens with solo generate().
 from torch import Tensor
 
 
-def choose_bucket(buckets: list[int], window: int) -> int:
+def choose_bucket(buckets: list[int], window: int) -> int | None:
     """The smallest bucket >= window, the number of keys the longest active sequence attends
-    to (its length + 1: the new token sees itself). buckets are sorted ascending. Raises
-    ValueError when no bucket is that large."""
+    to (its length + 1: the new token sees itself). buckets are sorted ascending. None when
+    no bucket is that large (the step then runs eagerly)."""
     raise NotImplementedError("exercise 06: the smallest bucket that holds the window")
 
 

@@ -14,14 +14,14 @@ tokens with solo generate().
 from torch import Tensor
 
 
-def choose_bucket(buckets: list[int], window: int) -> int:
+def choose_bucket(buckets: list[int], window: int) -> int | None:
     """The smallest bucket >= window, the number of keys the longest active sequence attends
-    to (its length + 1: the new token sees itself). buckets are sorted ascending. Raises
-    ValueError when no bucket is that large."""
+    to (its length + 1: the new token sees itself). buckets are sorted ascending. None when
+    no bucket is that large (the step then runs eagerly)."""
     for b in buckets:
         if b >= window:
             return b
-    raise ValueError(f"a window of {window} keys exceeds the largest bucket {buckets[-1]}")
+    return None
 
 
 def fill_static(static_tokens: Tensor, static_lens: Tensor, tokens: Tensor, lens: Tensor) -> None:

@@ -12,7 +12,8 @@ three moves:
 2. **One graph per attention-window bucket.** The keys a step attends to grow with the longest
    sequence, but a graph has one shape. So a graph is captured for each window W in `buckets`
    (say 64, 128, 256, 512); a step replays the smallest bucket that covers the longest active
-   sequence (`choose_bucket`), and the mask hides the keys past each slot's length.
+   sequence (`choose_bucket`), and the mask hides the keys past each slot's length. Above the
+   largest bucket the same step runs eagerly, at the window it needs.
 3. **Capture after a warm-up**, on a side stream, every bucket's graph in one memory pool
    (their activations are never live at the same time, so they can share it).
 
@@ -38,14 +39,14 @@ def default_buckets(max_len: int, smallest: int = 32) -> list[int]:
     return out + [max_len]
 
 
-def choose_bucket(buckets: list[int], window: int) -> int:
+def choose_bucket(buckets: list[int], window: int) -> int | None:
     """The smallest bucket >= window, the number of keys the longest active sequence attends
-    to (its length + 1: the new token sees itself). buckets are sorted ascending. Raises
-    ValueError when no bucket is that large."""
+    to (its length + 1: the new token sees itself). buckets are sorted ascending. None when
+    no bucket is that large (the step then runs eagerly)."""
     for b in buckets:
         if b >= window:
             return b
-    raise ValueError(f"a window of {window} keys exceeds the largest bucket {buckets[-1]}")
+    return None
 
 
 def fill_static(static_tokens: Tensor, static_lens: Tensor, tokens: Tensor, lens: Tensor) -> None:
@@ -99,8 +100,6 @@ class SlotGraphDecoder:
         buckets = sorted(set(buckets or default_buckets(slots.max_len)))
         if buckets[0] < 1 or buckets[-1] > slots.max_len:
             raise ValueError(f"buckets must lie in 1..{slots.max_len} (the slots' max_len), got {buckets}")
-        if buckets[-1] != slots.max_len:
-            buckets.append(slots.max_len)           # every sequence the slots hold has a bucket
         self.buckets = buckets
         S = slots.n_slots
         self.tokens = torch.zeros(S, 1, dtype=torch.long, device=self.device)   # static inputs
@@ -113,6 +112,8 @@ class SlotGraphDecoder:
             self._capture_all()
 
     def _run(self, W: int) -> Tensor:
+        if W not in self.views:                         # the eager fallback's window
+            self.views[W] = WindowCache(self.slots, self.lens, W)
         # the autocast cache must be off while capturing: its casts would be captured once
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.device.type == "cuda", cache_enabled=False):
@@ -145,14 +146,17 @@ class SlotGraphDecoder:
         live = slots.live_slots()
         if not live:
             raise ValueError("no active slot to decode")
-        W = choose_bucket(self.buckets, max(slots.lens[s] for s in live) + 1)
+        window = max(slots.lens[s] for s in live) + 1
+        if window > slots.max_len:
+            raise ValueError(f"a slot is full ({slots.max_len} positions)")
+        W = choose_bucket(self.buckets, window)
         lens = torch.tensor([n if a else 0 for n, a in zip(slots.lens, slots.active)])
         fill_static(self.tokens, self.lens, tokens, lens.to(self.device))
-        if self.capture:
+        if W is not None and self.capture:
             self.graphs[W].replay()
             logits = self.logits[W]
-        else:
-            logits = self._run(W)
+        else:                                           # eager: no capture, or no bucket fits
+            logits = self._run(W or window)
         for s in live:
             slots.lens[s] += 1
         return logits
