@@ -11,7 +11,7 @@ NBVAL  := --nbval-lax --nbval-current-env
 # Jupyter refuses to run as root (containers often are) unless told to.
 ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test test-fast check bench notebooks clean
+.PHONY: lab test test-fast check bench gpu-check notebooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ check: $(STAMP)                   ## check your exercise: make check EX=01
 
 bench: $(STAMP)                   ## static against continuous batching on a long-tailed workload
 	$(BIN)/python -m tinyllm bench --workload longtail --batch 16
+
+gpu-check: $(STAMP)               ## on a GPU: the CUDA tests, then decode-step time eager against graphed
+	$(BIN)/python -m pytest tests -m cuda -q -s -p no:cacheprovider
+	$(BIN)/python -m tinyllm bench --decode-steps
 
 notebooks: $(STAMP)               ## re-execute every notebook in place, outputs committed
 	$(BIN)/jupyter nbconvert --to notebook --execute --inplace notebooks/[0-9]*.ipynb
