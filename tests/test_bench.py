@@ -76,3 +76,18 @@ def test_timeline_colours_each_cell_by_its_request():
     assert grid[0].tolist() == [0, 0] and grid[1, 0] == 1 and np.ma.is_masked(grid[1, 1])
     assert "25% of rows wasted" in ax.get_title()
     assert viz.kv_usage({"run": trace}).lines[0].get_ydata().tolist() == [0.5, 0.25]
+
+
+def test_block_pool_colours_exactly_the_allocated_blocks():
+    """Step 05's picture: a block is coloured by the request holding it, a free one is white."""
+    from tinyllm.paged_kv import PagedKVCache
+    cache = PagedKVCache(1, 3, 1, 2, n_blocks=6, block_size=2, max_len=8)
+    for s, n_blocks, n_tokens in ((0, 2, 3), (2, 1, 1)):
+        cache.tables[s] = cache.allocator.allocate(n_blocks)
+        cache.active[s], cache.lens[s] = True, n_tokens
+    ax = viz.block_pool(cache, holders=[4, None, 7])
+    grid = ax.images[0].get_array()                         # (1, 6 blocks * 2 positions)
+    owners = [None if np.ma.is_masked(grid[0, 2 * b]) else int(grid[0, 2 * b]) for b in range(6)]
+    assert owners == [4, 4, 7, None, None, None]
+    assert np.ma.getmaskarray(grid).reshape(6, 2).all(1).tolist() == [not a for a in cache.allocator.allocated]
+    assert ax.get_title() == "3 of 6 blocks allocated"

@@ -105,8 +105,10 @@ def test_bad_config_json_is_named(ckpt):
 @pytest.mark.parametrize("change, words", [
     (dict(model_type="gpt2"), ["unsupported architecture", "gpt2"]),
     (dict(hidden_act="gelu"), ["unsupported hidden_act"]),
-    (dict(attention_bias=True), ["attention_bias"]),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["RoPE scaling"]),
+    (dict(mlp_bias=True), ["mlp_bias"]),
+    (dict(model_type="qwen2", use_sliding_window=True), ["use_sliding_window"]),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["RoPE scaling", "yarn"]),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), ["llama3", "low_freq_factor"]),
     (dict(num_hidden_layers=None), ["num_hidden_layers"]),
 ])
 def test_unsupported_config_is_named(ckpt, change, words):

@@ -1,9 +1,11 @@
-"""Step 00 - checkpoints: read and write a Hugging Face Llama directory.
+"""Step 00 - checkpoints: read and write a Hugging Face model directory (the Llama family).
 
-A directory holds `config.json` (LlamaConfig field names), `model.safetensors` (or shards
-listed in `model.safetensors.index.json`) with Hugging Face tensor names, and `tokenizer.json`.
-`transformers` loads the same directory as a peer. Nothing is ever unpickled: safetensors
-holds raw tensors only. Every problem is reported with the file it was found in.
+A directory holds `config.json` (the transformers config's field names), `model.safetensors`
+(or shards listed in `model.safetensors.index.json`) with Hugging Face tensor names, and
+`tokenizer.json`. The bundled model is a Llama; real Llama (SmolLM2, TinyLlama, Llama 3.x) and
+Qwen2 / Qwen2.5 checkpoints load the same way, and `transformers` loads any of them as a peer.
+Nothing is ever unpickled: safetensors holds raw tensors only. Every problem is reported with
+the file it was found in.
 """
 
 import json
@@ -30,47 +32,76 @@ def resolve(path: str | Path) -> Path:
 
 # ---- config.json <-> ModelConfig --------------------------------------------------------
 
-def config_from_hf(hf: dict, where: Path) -> ModelConfig:
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MAX_SEQ_LEN = 2048      # positions served by default, whatever the checkpoint allows
+
+
+def config_from_hf(hf: dict, where: Path, max_seq_len: int | None = None) -> ModelConfig:
+    """config.json -> ModelConfig, for the Llama family as published: Llama (SmolLM2,
+    TinyLlama, Llama 3.x with its llama3 RoPE scaling) and Qwen2 / Qwen2.5 (biases on q, k, v).
+    Anything else is refused with its name. max_seq_len: positions to serve (default: the
+    checkpoint's max_position_embeddings, at most MAX_SEQ_LEN)."""
     arch = hf.get("model_type")
-    if arch != "llama":
+    if arch not in ARCHITECTURES:
         raise CheckpointError(f"{where}: unsupported architecture model_type={arch!r} "
-                              "(tinyllm reads Llama checkpoints, model_type 'llama')")
+                              f"(tinyllm reads {' and '.join(ARCHITECTURES)})")
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: unsupported hidden_act {hf['hidden_act']!r} (need 'silu')")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise CheckpointError(f"{where}: unsupported {flag}=true (tinyllm's Llama has no biases)")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise CheckpointError(f"{where}: unsupported RoPE scaling {rope!r} (plain RoPE only)")
+    if hf.get("mlp_bias"):
+        raise CheckpointError(f"{where}: unsupported mlp_bias=true (MLP biases)")
+    if hf.get("use_sliding_window"):
+        raise CheckpointError(f"{where}: unsupported use_sliding_window=true (sliding-window attention)")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise CheckpointError(f"{where}: unsupported RoPE scaling rope_type={rope_type!r} "
+                              "(plain RoPE and Llama 3's 'llama3' only)")
+    scaling = None
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if any(k not in rope for k in keys):
+            raise CheckpointError(f"{where}: llama3 RoPE scaling needs {', '.join(keys)}")
+        scaling = {"rope_type": "llama3", **{k: rope[k] for k in keys}}
     try:
         n_heads = hf["num_attention_heads"]
+        positions = hf["max_position_embeddings"]
+        if max_seq_len is not None and max_seq_len > positions:
+            raise CheckpointError(f"{where}: max_seq_len {max_seq_len} exceeds the checkpoint's "
+                                  f"max_position_embeddings {positions}")
         return ModelConfig(
             vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
             n_layers=hf["num_hidden_layers"], n_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-            d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
+            d_ff=hf["intermediate_size"],
+            max_seq_len=max_seq_len or min(positions, MAX_SEQ_LEN),
             rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
             norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias")),
+            o_bias=arch == "llama" and bool(hf.get("attention_bias")),
+            rope_scaling=scaling, arch=arch)
     except KeyError as e:
         raise CheckpointError(f"{where}: missing field {e.args[0]!r}") from None
 
 
 def config_to_hf(cfg: ModelConfig, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    hf = {
+        "architectures": [ARCHITECTURES[cfg.arch]], "model_type": cfg.arch,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
         "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False,
         "bos_token_id": bos_id, "eos_token_id": eos_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if cfg.arch == "llama":
+        hf.update(attention_bias=cfg.o_bias, mlp_bias=False)
+    if cfg.rope_scaling:
+        hf["rope_scaling"] = dict(cfg.rope_scaling)
+    return hf
 
 
 def read_config(path: Path) -> dict:
@@ -116,46 +147,61 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_state(model: Transformer, tensors: dict[str, torch.Tensor], where: Path) -> None:
-    """Copy checkpoint tensors into the model, checking names, shapes and values."""
-    wanted = {hf_name(n): p for n, p in model.named_parameters()}  # tied head appears once
+def load_state(model: Transformer, tensors: dict[str, torch.Tensor], where: Path,
+               device: torch.device, dtype: torch.dtype) -> None:
+    """Give a model built on the meta device (no storage yet) the checkpoint's tensors,
+    checking names, shapes and values. Each tensor goes to device and dtype on its own and
+    leaves `tensors`, so a large model never exists twice, nor in float32 unless asked."""
+    wanted = {hf_name(n): (n, p) for n, p in model.named_parameters()}  # a tied head appears once
     missing = sorted(set(wanted) - set(tensors))
     if missing:
         raise CheckpointError(f"{where}: missing tensor {missing[0]!r} "
                               f"({len(missing)} missing in all)")
     extra = sorted(set(tensors) - set(wanted) - {"lm_head.weight"})
     if extra:
-        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} (not part of a Llama "
-                              f"with this config.json)")
-    with torch.no_grad():
-        for name, p in wanted.items():
-            t = tensors[name]
-            if t.shape != p.shape:
-                raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                      f"config.json implies {tuple(p.shape)}")
-            if not torch.isfinite(t).all():
-                raise CheckpointError(f"{where}: tensor {name!r} holds NaN or inf values")
-            p.copy_(t)
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} (not part of a "
+                              f"{model.cfg.arch} model with this config.json)")
+    state = {}
+    for name, (ours, p) in wanted.items():
+        t = tensors.pop(name)
+        if t.shape != p.shape:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                  f"config.json implies {tuple(p.shape)}")
+        if not torch.isfinite(t).all():
+            raise CheckpointError(f"{where}: tensor {name!r} holds NaN or inf values")
+        state[ours] = t.to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if model.cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.init_rope(device)
 
 
 # ---- load and save ------------------------------------------------------------------------
 
-def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = None
-         ) -> tuple[Transformer, Tokenizer]:
-    """Load a Llama checkpoint directory -> (model in eval mode, tokenizer).
+def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = None,
+         max_seq_len: int | None = None, download: bool = False) -> tuple[Transformer, Tokenizer]:
+    """Load a Hugging Face checkpoint directory -> (model in eval mode, tokenizer).
 
-    path "default" is the bundled Shakespeare model. device None picks CUDA when there is
-    one, else the CPU; dtype None is float32 (the engines autocast to bf16 on CUDA)."""
+    path: "default" (the bundled Shakespeare model), a local directory, or with download=True
+    a Hugging Face Hub id such as "HuggingFaceTB/SmolLM2-135M" (needs the `hf` extra and a
+    network; nothing is fetched otherwise). device None picks CUDA when there is one, else the
+    CPU; dtype None is float32 (the engines autocast to bf16 on CUDA; pass torch.bfloat16 to
+    hold a large model in half the memory). max_seq_len: positions to serve (default: the
+    checkpoint's own, at most MAX_SEQ_LEN, which keeps the RoPE table and caches small)."""
     path = resolve(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: not a checkpoint directory")
+        if not download:
+            raise CheckpointError(f"{path}: not a checkpoint directory (for a Hugging Face Hub "
+                                  "id, pass download=True)")
+        path = fetch(str(path))
     hf = read_config(path)
-    cfg = config_from_hf(hf, path / "config.json")
+    cfg = config_from_hf(hf, path / "config.json", max_seq_len)
     tensors = read_tensors(path)
-    model = Transformer(cfg)
-    load_state(model, tensors, path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = model.to(device=device, dtype=dtype or torch.float32).eval()
+    load_state(model, tensors, path, device, dtype or torch.float32)
+    model.eval()
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     tokenizer = Tokenizer.from_file(path / "tokenizer.json", hf.get("bos_token_id"), eos)
@@ -163,6 +209,17 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
         raise CheckpointError(f"{path / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, but "
                               f"config.json gives the model only {cfg.vocab_size}")
     return model, tokenizer
+
+
+def fetch(repo_id: str) -> Path:
+    """Download a Hub checkpoint's config, weights and tokenizer (cached by huggingface_hub)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(f"{repo_id}: downloading needs huggingface_hub "
+                              "(pip install -e '.[hf]')") from None
+    files = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json"]
+    return Path(snapshot_download(repo_id, allow_patterns=files))
 
 
 def save(model: Transformer, tokenizer: Tokenizer, path: str | Path,

@@ -11,6 +11,7 @@ is plain causal attention over the whole input: the slow reference every fast pa
 checked against.
 """
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -31,6 +32,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    qkv_bias: bool = False            # Qwen2 (and Llama with attention_bias) add biases here,
+    o_bias: bool = False              # Llama with attention_bias here too
+    rope_scaling: dict | None = None  # Llama 3's {"rope_type": "llama3", "factor": ...}
+    arch: str = "llama"               # the checkpoint's model_type: "llama" or "qwen2"
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -58,12 +63,27 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_table(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
+def rope_table(head_dim: int, max_len: int, theta: float,
+               scaling: dict | None = None) -> tuple[Tensor, Tensor]:
     """cos and sin for every position, each (max_len, head_dim), in Llama's half-split layout."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling)
     freqs = torch.arange(max_len).float()[:, None] * inv_freq[None, :]    # (max_len, hd/2)
     emb = torch.cat([freqs, freqs], dim=-1)                                 # (max_len, hd)
     return emb.cos(), emb.sin()
+
+
+def llama3_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
+    """Llama 3's long-context RoPE: rotations slower than the original context (wavelength
+    longer than original_max_position_embeddings / low_freq_factor) are slowed by `factor`,
+    rotations faster than original / high_freq_factor are kept, and those between are blended
+    linearly in 1 / wavelength."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq                                       # (hd/2,)
+    blend = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)          # 0: slow, 1: kept
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -93,10 +113,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.o_bias)
 
     def cache_bytes_per_token(self, elem_bytes: int) -> int:
         """Bytes this layer's KV cache holds per token: a key and a value per KV head."""
@@ -166,9 +186,14 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)               # (max_len, hd)
-        self.register_buffer("rope_sin", sin, persistent=False)               # (max_len, hd)
+        self.init_rope()
+
+    def init_rope(self, device=None) -> None:
+        """(Re)build the RoPE tables, e.g. after the weights were built on the meta device."""
+        cfg = self.cfg
+        cos, sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)   # (max_len, hd)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)   # (max_len, hd)
 
     def forward(self, idx: Tensor, cache=None, targets: Tensor | None = None):
         if idx.dim() != 2:
