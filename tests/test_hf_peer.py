@@ -36,3 +36,20 @@ def test_same_greedy_tokens_as_transformers(bundled, peer):
                             eos_token_id=tok.eos_id, pad_token_id=tok.eos_id)
         theirs = out[0, len(prompt):].tolist()
         assert ours == theirs, f"{text!r}: tinyllm {ours} vs transformers {theirs}"
+
+
+def test_peer_benchmark_agrees_with_solo(bundled):
+    """The peer comparison runs every engine, tinyllm's and transformers', on one workload and
+    counts the requests whose tokens equal solo generate(): all of them, greedy."""
+    from tinyllm import peers
+    from tinyllm.bench import workload
+    model, tok = bundled
+    peer = peers.peer_model(DEFAULT, "cpu")
+    reqs, _ = workload("longtail", tok, n=5, seed=2)
+    reqs = [type(r)(r.prompt, min(r.max_new_tokens, 12)) for r in reqs]
+    rows = peers.compare(model, peer, reqs, 2)
+    assert set(rows) == {"tinyllm static", "tinyllm continuous", "tinyllm paged", "hf generate",
+                         "hf continuous"}
+    for name, r in rows.items():
+        assert r["agree"] == 5 and r["tokens"] == sum(r_.max_new_tokens for r_ in reqs), name
+    assert "hf continuous" in peers.table(rows)

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from tinyllm.checkpoint import resolve
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.engine import ContinuousEngine, Request, Sampling, run_continuous, run_static
 from tinyllm.kv_cache import SlotKVCache
@@ -194,6 +195,8 @@ def main(argv=None) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-blocks", type=int, default=None,
                     help="the paged pool (default: the KV memory of --batch slots)")
+    ap.add_argument("--peers", action="store_true",
+                    help="tinyllm's engines against transformers' on the same weights, and stop")
     ap.add_argument("--decode-steps", action="store_true",
                     help="time one decode step per batch size, eager against graphed, and stop")
     ap.add_argument("--requests", type=int, default=64)
@@ -206,6 +209,20 @@ def main(argv=None) -> None:
     import tinyllm
     model, tok = tinyllm.load(args.model, device=args.device)
     device = next(model.parameters()).device
+    if args.peers:
+        from tinyllm import peers
+        path = resolve(args.model)
+        peer = peers.peer_model(path, device, next(model.parameters()).dtype)
+        reqs, _ = workload(args.workload, tok, args.requests, args.seed)
+        rows = peers.compare(model, peer, reqs, args.batch)
+        if args.json:
+            print(json.dumps({"workload": args.workload, "device": str(device), "rows": rows}, indent=2))
+            return
+        print(f"workload {args.workload}: {args.requests} requests, batch/slots {args.batch}, "
+              f"{path.name} on {device} ({torch.get_num_threads()} threads)\n")
+        print(peers.table(rows))
+        print("\n== solo: requests whose tokens equal tinyllm's solo generate()")
+        return
     if args.decode_steps:
         rows = decode_step_times(model)
         if args.json:

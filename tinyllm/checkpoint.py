@@ -185,8 +185,8 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
     path: "default" (the bundled Shakespeare model), a local directory, or with download=True
     a Hugging Face Hub id such as "HuggingFaceTB/SmolLM2-135M" (needs the `hf` extra and a
     network; nothing is fetched otherwise). device None picks CUDA when there is one, else the
-    CPU; dtype None is float32 (the engines autocast to bf16 on CUDA; pass torch.bfloat16 to
-    hold a large model in half the memory). max_seq_len: positions to serve (default: the
+    CPU; dtype None is bfloat16 on CUDA and float32 on the CPU (exact arithmetic for the
+    oracle; float64 for the tests). max_seq_len: positions to serve (default: the
     checkpoint's own, at most MAX_SEQ_LEN, which keeps the RoPE table and caches small)."""
     path = resolve(path)
     if not path.is_dir():
@@ -200,7 +200,8 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
     with torch.device("meta"):
         model = Transformer(cfg)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    load_state(model, tensors, path, device, dtype or torch.float32)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    load_state(model, tensors, path, device, dtype)
     model.eval()
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
