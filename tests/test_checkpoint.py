@@ -176,3 +176,35 @@ def test_default_is_the_bundled_checkpoint(bundled):
     model, tok = bundled
     assert model.cfg.vocab_size == tok.vocab_size == 2048
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_weights_load_in_the_asked_dtype_without_a_float32_model(monkeypatch):
+    """The model is built on the meta device (no storage) and each tensor goes straight to the
+    asked dtype: no float32 copy of the weights on the way. Tied weights stay tied."""
+    from tinyllm import checkpoint
+    built_on = []
+
+    class Watched(checkpoint.Transformer):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            built_on.append({p.device.type for p in self.parameters()})
+
+    monkeypatch.setattr(checkpoint, "Transformer", Watched)
+    model, tok = tinyllm.load(device="cpu", dtype=torch.bfloat16)
+    assert built_on == [{"meta"}]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert model.rope_cos.device.type == "cpu" and model.rope_cos.dtype == torch.float32
+    assert len(tinyllm.generate(model, tok.encode("Ham.\n"), 5)) == 5
+
+
+def test_a_hub_id_needs_download_true():
+    with pytest.raises(CheckpointError, match="download=True"):
+        tinyllm.load("HuggingFaceTB/SmolLM2-135M", device="cpu")
+
+
+def test_max_seq_len_caps_the_positions_served(tmp_path):
+    model, _ = tinyllm.load(device="cpu", max_seq_len=128)
+    assert model.cfg.max_seq_len == 128 and model.rope_cos.shape[0] == 128
+    with pytest.raises(CheckpointError, match="exceeds the checkpoint's max_position_embeddings 512"):
+        tinyllm.load(device="cpu", max_seq_len=1024)
