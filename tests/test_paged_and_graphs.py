@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinyllm.cuda_graph import SlotGraphDecoder, choose_bucket, default_buckets
+from tinyllm.cuda_graph import SlotGraphDecoder, WindowCache, choose_bucket, default_buckets
 from tinyllm.engine import ContinuousEngine, Request, Sampling, run_continuous
 from tinyllm.kv_cache import SlotKVCache
 from tinyllm.paged_kv import BlockAllocator, PagedKVCache
@@ -209,3 +209,29 @@ def test_a_decoder_is_reused_by_a_second_engine():
         ContinuousEngine(TINY, 3, cuda_graph=eng.decoder)
     with pytest.raises(ValueError, match="idle slots"):
         ContinuousEngine(TINY, 4, cuda_graph=SlotGraphDecoder(TINY, SlotKVCache(2, 2, 2, 16, 96, torch.float64)))
+
+
+@pytest.mark.parametrize("kind", ["slots", "paged", "graph"])
+def test_bf16_caches_under_autocast(kind):
+    """What CUDA runs: a bf16 cache, the model under bf16 autocast (here on the CPU), float32
+    weights. The decode step writes and reads the cache without a dtype clash."""
+    model = TINY.float()
+    cfg = model.cfg
+    if kind == "paged":
+        cache = PagedKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 8, 4, 32, torch.bfloat16)
+        cache.tables = [cache.allocator.allocate(2), cache.allocator.allocate(2)]
+    else:
+        cache = SlotKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 32, torch.bfloat16)
+    cache.active, cache.lens = [True, True], [3, 5]
+    tokens = torch.tensor([[1], [2]])
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if kind == "graph":                         # the graph decoder's cache view
+                logits, _ = model(tokens, cache=WindowCache(cache, torch.tensor([3, 5]), 8))
+                cache.lens = [4, 6]
+            else:
+                logits, _ = model(tokens, cache=cache)
+    finally:
+        model.double()
+    assert logits.shape == (2, 1, V) and torch.isfinite(logits).all()
+    assert cache.lens == [4, 6]

@@ -118,7 +118,7 @@ def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, se
 @torch.no_grad()
 def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 100,
                       iters: int = 20) -> list[dict]:
-    """Milliseconds per decode step of `batch` slots all holding `context` tokens: the plain
+    """Milliseconds per decode step (median) of `batch` slots all holding `context` tokens: the plain
     eager step, and the graph decoder's step (replayed graphs on CUDA; its eager bucketed
     step elsewhere, where `graphed` is None)."""
     device = next(model.parameters()).device
@@ -127,18 +127,19 @@ def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64), 
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def timed(fn, slots) -> float:
+        """The median of iters steps, in ms (a median shrugs off a step the OS interrupted)."""
         for _ in range(3):
             fn()
             slots.lens = [context] * slots.n_slots
         sync()
-        t = 0.0
+        times = []
         for _ in range(iters):
             t0 = time.perf_counter()
             fn()
             sync()
-            t += time.perf_counter() - t0
+            times.append(time.perf_counter() - t0)
             slots.lens = [context] * slots.n_slots
-        return t / iters * 1e3
+        return sorted(times)[len(times) // 2] * 1e3
 
     rows = []
     for B in batch_sizes:

@@ -73,6 +73,7 @@ class WindowCache:
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         sk, sv = self.slots.k[layer], self.slots.v[layer]               # (S, n_kv, max_len, hd)
+        k, v = k.to(sk.dtype), v.to(sv.dtype)
         sk[self.rows, :, self.lens] = k[:, :, 0]                        # (S, n_kv, hd) at lens
         sv[self.rows, :, self.lens] = v[:, :, 0]
         return sk[:, :, :self.W], sv[:, :, :self.W], self.mask

@@ -200,6 +200,7 @@ class SlotKVCache:
         return self._lens[:, None]                                      # (B, 1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        k, v = k.to(self.k[layer].dtype), v.to(self.v[layer].dtype)     # e.g. bf16 slots, fp32 k
         self.k[layer][self._live, :, self._lens] = k[:, :, 0]           # (B, n_kv, hd) at lens
         self.v[layer][self._live, :, self._lens] = v[:, :, 0]
         W = self._window

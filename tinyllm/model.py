@@ -92,7 +92,9 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, H, T, hd), cos/sin (B, 1, T, hd): rotate each pair by its position's angle."""
+    """x (B, H, T, hd), cos/sin (B, 1, T, hd): rotate each pair by its position's angle, in
+    x's dtype (under bf16 autocast x is bf16 while the tables may be float32)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
 

@@ -215,6 +215,7 @@ class PagedKVCache:
         return lens[:, None]                                            # (B, 1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        k, v = k.to(self.k[layer].dtype), v.to(self.v[layer].dtype)     # e.g. bf16 pool, fp32 k
         self.k[layer].index_copy_(0, self._write, k[:, :, 0])           # (B, n_kv, hd) rows
         self.v[layer].index_copy_(0, self._write, v[:, :, 0])
         if layer == self.n_layers - 1:
