@@ -1,7 +1,7 @@
 """Exercise 04 - continuous batching: admission, and moving a prefill into slots.
 
 Two seams of the reference package:
-- `choose_admissions` is what `tinyllm.engine.ContinuousEngine` calls every step to pick the
+- `choose_admissions` is what `tinyllm.continuous.ContinuousEngine` calls every step to pick the
   queued requests that enter the free slots now;
 - `move_prefill` is what `tinyllm.kv_cache.SlotKVCache.admit` calls to copy the newcomers'
   padded prefill into their slots, dropping the padding.

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tinyllm import cuda_graph, engine, kv_cache, paged_kv
+from tinyllm import continuous, cuda_graph, engine, kv_cache, paged_kv
 from tinyllm.check import ROOT, exercise_files, is_untouched
 
 generate_module = importlib.import_module("tinyllm.generate")
-SEAMS = [kv_cache, generate_module, engine, paged_kv, cuda_graph]     # where the seams live
+SEAMS = [kv_cache, generate_module, engine, continuous, paged_kv, cuda_graph]     # where the seams live
 
 FILES = exercise_files()
 

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from tinyllm import engine, kv_cache
+from tinyllm import continuous, kv_cache
 from tinyllm.check import divergence
 from tinyllm.engine import ContinuousEngine, Request, prefill_padded, run_continuous
 from tinyllm.generate import generate
@@ -64,7 +64,7 @@ def solo(reqs):
 def test_continuous_batching_with_your_functions_matches_solo(impl, monkeypatch):
     reqs = requests(14, 0)
     expected = solo(reqs)
-    monkeypatch.setattr(engine, "choose_admissions", impl.choose_admissions)
+    monkeypatch.setattr(continuous, "choose_admissions", impl.choose_admissions)
     monkeypatch.setattr(kv_cache, "move_prefill", impl.move_prefill)
     for n_slots in (1, 3, 6):
         results, summary = run_continuous(TINY, reqs, n_slots)
@@ -78,7 +78,7 @@ def test_requests_arriving_while_others_decode(impl, monkeypatch):
     """Requests join mid-run, one every other step: still solo tokens, and every slot freed."""
     reqs = requests(10, 1)
     expected = solo(reqs)
-    monkeypatch.setattr(engine, "choose_admissions", impl.choose_admissions)
+    monkeypatch.setattr(continuous, "choose_admissions", impl.choose_admissions)
     monkeypatch.setattr(kv_cache, "move_prefill", impl.move_prefill)
     eng = ContinuousEngine(TINY, 3)
     rids, step = [], 0
