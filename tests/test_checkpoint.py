@@ -1,7 +1,6 @@
 """Step 00 - checkpoints: a Hugging Face Llama directory in and out, and every way it can be bad."""
 
 import json
-import shutil
 
 import pytest
 import torch
