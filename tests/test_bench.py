@@ -48,9 +48,23 @@ def test_bench_table_and_bad_names(bundled, capsys, monkeypatch):
     with pytest.raises(ValueError, match="offline"):
         bench.run(model, tok, "poisson", "static", 2, n=2)
     with pytest.raises(ValueError, match="unknown engine"):
-        bench.run(model, tok, "uniform", "paged", 2, n=2)
+        bench.run(model, tok, "uniform", "vllm", 2, n=2)
     with pytest.raises(ValueError, match="unknown workload"):
         bench.workload("bursty", tok)
+
+
+def test_paged_and_graph_engines_and_the_decode_step_table(bundled, capsys, monkeypatch):
+    """The step 05-06 engines serve the same workload (same tokens made), and --decode-steps
+    prints one row per batch size."""
+    model, tok = bundled
+    monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
+    runs = {e: bench.run(model, tok, "longtail", e, 3, n=6, paged_slots=6, kv_blocks=12)
+            for e in ("continuous", "paged", "graphs")}
+    assert len({r["useful_tokens"] for r in runs.values()}) == 1
+    assert runs["paged"]["peak_active"] > 3 and runs["paged"]["kv_allocated_at_end"] == 0
+    rows = bench.decode_step_times(model, batch_sizes=(1, 2), iters=2)
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["eager_ms"] > 0 for r in rows)
+    assert "bucketed_ms" in rows[0], "no CUDA here: the graph decoder's eager bucketed step"
 
 
 def test_progress_is_told_of_every_request():

@@ -1,4 +1,5 @@
-"""Steps 03-04 - pictures of a run: who held which row at each step, KV use, latencies.
+"""Steps 03-05 - pictures of a run: who held which row at each step, KV use, latencies, and
+the paged cache's block pool.
 
 Reads only what the engines record: a `Trace` (engine.py) and the Results / Stats.summary()
 they return. Matplotlib only; every function draws on an Axes it is given or makes one.
