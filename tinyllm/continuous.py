@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 
 from tinyllm.cuda_graph import SlotGraphDecoder
-from tinyllm.engine import (Event, Request, Result, Sampling, Stats, Trace, _sync, check_request,
-                            is_done, kv_bytes_per_token, own_generator, prefill_padded, sample_rows)
+from tinyllm.engine import (Event, Request, Result, Sampling, Stats, Trace, check_request, is_done,
+                            kv_bytes_per_token, own_generator, prefill_padded, sample_rows,
+                            sync_device)
 from tinyllm.generate import autocast_for
 from tinyllm.kv_cache import SlotKVCache
 from tinyllm.model import Transformer
@@ -252,7 +253,7 @@ class ContinuousEngine:
                 logits, _ = self.model(self._last_tok[rows], cache=slots)   # (B, 1, V)
         else:                                           # every slot, one graph replay (06)
             logits = self.decoder.step(self._last_tok)[rows]            # (S, 1, V) -> (B, 1, V)
-        _sync(self.device)
+        sync_device(self.device)
         st.forward_s += time.perf_counter() - t0
         nxt = self._sample(logits[:, -1], [self._slot_req[s] for s in live])   # (B, 1)
         self._last_tok[rows] = nxt

@@ -119,7 +119,7 @@ class Stats:
         }
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     """Wait for the GPU, so the forward pass's time is measured, not just its launch."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -296,7 +296,7 @@ class ForwardTimer:
 
     def _stop(self, module, args, out):
         if self.t0 is not None:
-            _sync(self.device)
+            sync_device(self.device)
             self.stats.forward_s += time.perf_counter() - self.t0
 
     def close(self):
