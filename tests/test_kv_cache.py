@@ -91,3 +91,11 @@ def test_cache_overflow_is_a_clear_error():
     else:
         raise AssertionError("writing past max_len must raise")
     assert cache.pos == 3, "a refused write leaves the cache as it was"
+
+
+def test_decode_mask_sees_each_rows_own_keys():
+    from tinyllm.kv_cache import decode_mask
+    lens, mask = decode_mask([2, 0, 3], "cpu")
+    assert lens.tolist() == [2, 0, 3] and mask.shape == (3, 1, 1, 4)
+    assert mask[:, 0, 0].tolist() == [[True, True, True, False], [True, False, False, False],
+                                      [True, True, True, True]]

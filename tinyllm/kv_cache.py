@@ -190,13 +190,11 @@ class SlotKVCache:
         full = [s for s in live if self.lens[s] >= self.max_len]
         if full:
             raise ValueError(f"slot {full[0]} is full ({self.max_len} positions)")
-        lens = [self.lens[s] for s in live]
+        self._live_list = live
         self._live = torch.tensor(live, device=self.device)             # (B,) slot of each row
         self._prefix = live[-1] == len(live) - 1        # slots 0..B-1: read views, gather nothing
-        self._lens = torch.tensor(lens, device=self.device)             # (B,)
-        self._window = max(lens) + 1                                    # keys any row may see
-        keys = torch.arange(self._window, device=self.device)
-        self._mask = (keys[None, :] <= self._lens[:, None])[:, None, None, :]   # (B, 1, 1, W)
+        self._lens, self._mask = decode_mask([self.lens[s] for s in live], self.device)
+        self._window = self._mask.size(-1)                              # keys any row may see
         return self._lens[:, None]                                      # (B, 1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -205,13 +203,22 @@ class SlotKVCache:
         self.v[layer][self._live, :, self._lens] = v[:, :, 0]
         W = self._window
         if layer == self.n_layers - 1:
-            for s in self._live.tolist():
+            for s in self._live_list:
                 self.lens[s] += 1
         if self._prefix:
             B = k.size(0)
             return self.k[layer][:B, :, :W], self.v[layer][:B, :, :W], self._mask
         return (self.k[layer][:, :, :W].index_select(0, self._live),     # (B, n_kv, W, hd)
                 self.v[layer][:, :, :W].index_select(0, self._live), self._mask)
+
+def decode_mask(lens: list[int], device) -> tuple[Tensor, Tensor]:
+    """A decode step of B rows whose sequences hold `lens` tokens: lens as a tensor (B,) and
+    the mask (B, 1, 1, W) over W = max(lens) + 1 keys, True where a key is at or before the
+    row's new token (its own position, lens[b])."""
+    lens_t = torch.tensor(lens, device=device)                          # (B,)
+    keys = torch.arange(max(lens) + 1, device=device)                   # (W,)
+    return lens_t, (keys[None, :] <= lens_t[:, None])[:, None, None, :]  # (B, 1, 1, W)
+
 
 def move_prefill(slot_k: list[Tensor], slot_v: list[Tensor], pre: KVCache, slots: list[int],
                  pad: list[int]) -> None:

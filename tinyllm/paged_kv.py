@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-from tinyllm.kv_cache import KVCache
+from tinyllm.kv_cache import KVCache, decode_mask
 
 
 class BlockAllocator:
@@ -205,13 +205,13 @@ class PagedKVCache:
         if short:
             raise ValueError(f"slot {short[0]} has no block for position {self.lens[short[0]]}: "
                              "call reserve_step() before a decode step")
-        lens = torch.tensor([self.lens[s] for s in live], device=self.device)   # (B,)
-        W = int(lens.max()) + 1                                         # keys any row may see
+        self._live_list = live
+        lens, self._mask = decode_mask([self.lens[s] for s in live], self.device)  # (B,), mask
+        W = self._mask.size(-1)                                         # keys any row may see
         tables = self._table_tensor(live)                               # (B, n_table)
-        keys = torch.arange(W, device=self.device)                      # (W,)
+        keys = torch.arange(W, device=self.device).expand(len(live), W)  # (B, W)
         self._write = slot_mapping(tables, lens[:, None], self.block_size)[:, 0]   # (B,)
-        self._read = slot_mapping(tables, keys.expand(len(live), W), self.block_size)  # (B, W)
-        self._mask = (keys[None, :] <= lens[:, None])[:, None, None, :]  # (B, 1, 1, W)
+        self._read = slot_mapping(tables, keys, self.block_size)        # (B, W)
         return lens[:, None]                                            # (B, 1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -219,7 +219,7 @@ class PagedKVCache:
         self.k[layer].index_copy_(0, self._write, k[:, :, 0])           # (B, n_kv, hd) rows
         self.v[layer].index_copy_(0, self._write, v[:, :, 0])
         if layer == self.n_layers - 1:
-            for s in self.live_slots():
+            for s in self._live_list:
                 self.lens[s] += 1
         B, W = self._read.shape
         shape = (B, W) + k.shape[1:2] + k.shape[3:]                     # (B, W, n_kv, hd)

@@ -46,7 +46,11 @@ def hf_static(peer, reqs: list[Request], batch: int, pad_id: int) -> list[list[i
         ids = torch.tensor([[pad_id] * (L - len(r.prompt)) + r.prompt for r in group], device=device)
         mask = torch.tensor([[0] * (L - len(r.prompt)) + [1] * len(r.prompt) for r in group],
                             device=device)
-        eos = group[0].eos_id
+        eos = {r.eos_id for r in group}
+        if len(eos) > 1:                # generate() stops every row at one EOS
+            raise ValueError(f"requests {b0}..{b0 + len(group) - 1} of one batch end at different "
+                             f"EOS ids {sorted(eos, key=str)}: generate() takes one per batch")
+        eos = eos.pop()
         gen = peer.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id,
                             max_new_tokens=max(r.max_new_tokens for r in group),
                             eos_token_id=eos if eos is not None else -1)
