@@ -1,30 +1,34 @@
-"""Exercise 04 - continuous batching: admission, and moving a prefill into slots.
+"""Exercise 04 - continuous batching: admission, and the positions and mask of a ragged step.
 
 Two seams of the reference package:
-- `choose_admissions` is what `tinyllm.continuous.ContinuousEngine` calls every step to pick the
+- `choose_admissions` is what `tinyllm.scheduler.Scheduler.admit` calls every step to pick the
   queued requests that enter the free slots now;
-- `move_prefill` is what `tinyllm.kv_cache.SlotKVCache.admit` calls to copy the newcomers'
-  padded prefill into their slots, dropping the padding.
+- `ragged_mask` is what `tinyllm.slot_cache.SlotCache.begin_step` calls once per forward pass:
+  where each row's new tokens sit, and which keys each of them may see. Every step of the
+  continuous engine goes through it: a newcomer brings its whole prompt, a running request one
+  token, in the same kind of step.
 
 Check your work with `make check EX=04` (or `check_exercise("04")` in notebook 04). The tests
 plug your functions into the engine and compare every request's tokens with solo generate().
 """
 
+import torch
 from torch import Tensor
 
-from tinyllm.kv_cache import KVCache
 
-
-def choose_admissions(queue: list[int], n_free: int, fits) -> list[int]:
+def choose_admissions(queue: list, n_free: int, fits) -> list:
     """Which queued requests enter now: the longest prefix of the queue (first come, first
-    served) with at most n_free requests for which fits(prefix) holds. fits(rids) says whether
-    these requests can share one padded prefill and the cache has room for them."""
+    served) with at most n_free requests for which fits(prefix) holds. fits(requests) says
+    whether the cache has room for all of these requests together."""
     raise NotImplementedError("exercise 04: take queued requests in order while they fit")
 
 
-def move_prefill(slot_k: list[Tensor], slot_v: list[Tensor], pre: KVCache, slots: list[int],
-                 pad: list[int]) -> None:
-    """Copy row i of a padded prefill (pre.k[layer][i] is (n_kv, L, hd), L = pre.pos) into
-    slot slots[i] of slot_k[layer] (S, n_kv, max_len, hd), in every layer, keys and values,
-    dropping its pad[i] left pads: its first real token lands at slot position 0."""
-    raise NotImplementedError("exercise 04: copy each row's real tokens to the start of its slot")
+def ragged_mask(lens: list[int], q_lens: list[int], device) -> tuple[Tensor, Tensor]:
+    """Positions and mask of a ragged step of B rows. Row b holds lens[b] tokens and brings
+    q_lens[b] >= 1 new ones, in columns 0..q_lens[b]-1 of a (B, T) batch, T = max(q_lens);
+    its later columns are padding. Returns positions (B, T): column i of row b sits at
+    lens[b] + i (a padding column repeats the row's last new position), and the mask
+    (B, 1, T, W) over W = max(lens[b] + q_lens[b]) keys: True where key j <= the column's
+    position (causal, and never past the row's own tokens)."""
+    raise NotImplementedError("exercise 04: each column's position lens[b] + i, and a causal "
+                              "mask over the keys of the row")

@@ -1,11 +1,13 @@
 """Exercise 05 - the paged KV cache: the block allocator, the block-table lookup, preemption.
 
-Four seams of the reference package, all in `tinyllm.paged_kv`:
-- `allocate_blocks` and `free_blocks` are the block allocator (`BlockAllocator` calls them):
-  a free list of block ids, and one allocated flag per block of the pool;
-- `slot_mapping` turns sequence positions into pool rows through the block tables; the paged
-  cache uses it to write each new key/value and to gather the keys a decode step attends to;
-- `choose_victim` picks the request that gives up its blocks when the pool runs dry.
+Four seams of the reference package:
+- `allocate_blocks` and `free_blocks` are the block allocator of `tinyllm.paged_kv`
+  (`BlockAllocator` calls them): a free list of block ids, and one allocated flag per block;
+- `slot_mapping` (`tinyllm.paged_kv`) turns sequence positions into pool rows through the block
+  tables; the paged cache uses it to write each new key/value and to gather the keys a step
+  attends to;
+- `choose_victim` (`tinyllm.scheduler`) picks the request that gives up its blocks when the
+  pool runs dry.
 
 Check your work with `make check EX=05` (or `check_exercise("05")` in notebook 05). The tests
 plug your functions into the paged engine, under memory pressure that forces preemptions, and
@@ -36,7 +38,7 @@ def slot_mapping(tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
 
 
 def choose_victim(running: dict[int, int]) -> int:
-    """Which slot gives up its blocks when the pool is dry. running maps each running slot to
+    """Which slot gives up its memory when the pool is dry. running maps each running slot to
     its request's arrival number (lower = arrived earlier). The youngest request is preempted:
     it has made the least progress, and the oldest ones keep going, so the run always ends."""
     raise NotImplementedError("exercise 05: preempt the slot whose request arrived last")

@@ -1,6 +1,6 @@
 """Exercise 03 - static batching: the static batch loop.
 
-One seam of the reference package: `run_batch` is what `tinyllm.engine.run_static` calls for
+One seam of the reference package: `run_batch` is what `tinyllm.static.run_static` calls for
 each batch of requests. `run_static` then counts the decode steps and wasted rows from your
 Results, so the loop is all you write. Useful pieces (imported below):
 `prefill_padded(model, prompts, max_len)` -> (last logits (B, V), cache, pads), and
@@ -12,9 +12,10 @@ Check your work with `make check EX=03` (or `check_exercise("03")` in notebook 0
 plug your loop into run_static and compare every request's tokens with solo generate().
 """
 
-from tinyllm.engine import Request, Result, is_done, prefill_padded
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer
+from tinyllm.padded import prefill_padded
+from tinyllm.requests import Request, Result, is_done
 
 
 def run_batch(model: Transformer, batch: list[Request], pick, clock) -> list[Result]:

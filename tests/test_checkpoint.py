@@ -207,3 +207,51 @@ def test_max_seq_len_caps_the_positions_served(tmp_path):
     assert model.cfg.max_seq_len == 128 and model.rope_cos.shape[0] == 128
     with pytest.raises(CheckpointError, match="exceeds the checkpoint's max_position_embeddings 512"):
         tinyllm.load(device="cpu", max_seq_len=1024)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "128"])
+def test_max_seq_len_must_be_a_positive_int(ckpt, bad):
+    """0, a negative, a fraction, a bool or a string is refused, not read as the default."""
+    with pytest.raises(ValueError, match=r"max_seq_len must be an int >= 1, got"):
+        tinyllm.load(ckpt[0], device="cpu", max_seq_len=bad)
+
+
+@pytest.mark.parametrize("text", ["[]", "null", '"llama"', "7"])
+def test_config_json_must_hold_an_object(ckpt, text):
+    """Valid JSON that is not an object is refused with the file's name."""
+    (ckpt[0] / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=r"config\.json: must hold a JSON object, got"):
+        tinyllm.load(ckpt[0], device="cpu")
+
+
+@pytest.mark.parametrize("index, words", [
+    ([], r"index\.json: must hold a JSON object, got an array"),
+    ({"weight_map": []}, r"index\.json: weight_map must map tensor names to file names"),
+    ({"weight_map": {"model.norm.weight": 3}}, r"index\.json: weight_map must map tensor names"),
+])
+def test_bad_safetensors_index_is_named(ckpt, index, words):
+    """An index that is not {"weight_map": {name: file}} is refused with the file's name."""
+    (ckpt[0] / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=words):
+        tinyllm.load(ckpt[0], device="cpu")
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(hidden_size="64"), r"hidden_size must be an int >= 1, got '64'"),
+    (dict(num_attention_heads=0), r"num_attention_heads must be an int >= 1, got 0"),
+    (dict(vocab_size=None), r"vocab_size must be an int >= 1, got None"),
+    (dict(head_dim=16.0), r"head_dim must be an int >= 1, got 16\.0"),
+    (dict(rms_norm_eps="1e-5"), r"rms_norm_eps must be a number > 0, got '1e-5'"),
+    (dict(rope_theta=-1), r"rope_theta must be a number > 0, got -1"),
+    (dict(rope_scaling="llama3"), r"rope_scaling must be a JSON object, got 'llama3'"),
+    (dict(model_type=["llama"]), r"unsupported architecture model_type=\['llama'\]"),
+    (dict(eos_token_id=[]), r"eos_token_id must be a token id \(an int >= 0\), got \[\]"),
+    (dict(bos_token_id="0"), r"bos_token_id must be a token id \(an int >= 0\), got '0'"),
+])
+def test_config_value_of_wrong_type_is_named(ckpt, change, words):
+    """A config.json value of the wrong type or range is refused with its field and value."""
+    cfg = json.loads((ckpt[0] / "config.json").read_text())
+    cfg.update(change)
+    (ckpt[0] / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: " + words):
+        tinyllm.load(ckpt[0], device="cpu")

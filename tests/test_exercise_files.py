@@ -1,17 +1,14 @@
-"""Exercises - every stub keeps its solution's contract, and fails loudly until it is written."""
+"""Exercises - every stub keeps its solution's contract, and fails loudly until it is written;
+the seams table (tinyllm/seams.py) names every seam, and no module imports one by name."""
 
 import ast
 import importlib
 import inspect
-from pathlib import Path
 
 import pytest
 
-from tinyllm import continuous, cuda_graph, engine, kv_cache, paged_kv
 from tinyllm.check import ROOT, exercise_files, is_untouched
-
-generate_module = importlib.import_module("tinyllm.generate")
-SEAMS = [kv_cache, generate_module, engine, continuous, paged_kv, cuda_graph]     # where the seams live
+from tinyllm.seams import SEAMS, reference, seam_names
 
 FILES = exercise_files()
 
@@ -21,8 +18,11 @@ def public_functions(module) -> dict:
             if f.__module__ == module.__name__ and not n.startswith("_")}
 
 
-def test_there_are_exercises():
-    assert "01" in FILES
+def test_every_exercise_of_the_table_has_its_files():
+    assert sorted(FILES) == sorted(SEAMS)
+    for nn, path in FILES.items():
+        assert (ROOT / "solutions" / path.name).is_file()
+        assert (ROOT / "tests" / "exercises" / f"test_{path.name}").is_file()
 
 
 @pytest.mark.parametrize("nn", sorted(FILES))
@@ -40,15 +40,27 @@ def test_stub_and_solution_share_signatures_and_docstrings(nn):
 
 
 @pytest.mark.parametrize("nn", sorted(FILES))
-def test_each_exercise_function_is_a_seam_of_the_reference(nn):
-    """The reference package calls a function of the same name, signature and docstring,
-    so the tests can put the learner's in its place."""
+def test_the_exercise_functions_are_the_seams_of_the_table(nn):
+    """The exercise writes exactly its seams, each with the reference's signature and
+    docstring, so the tests can put the learner's function in its place."""
     sol = importlib.import_module(f"solutions.{FILES[nn].stem}")
-    for name, fn in public_functions(sol).items():
-        ref = [getattr(m, name) for m in SEAMS if hasattr(m, name)]
-        assert ref, f"{name} is not a function of the reference package"
-        assert inspect.signature(ref[0]) == inspect.signature(fn), f"{name}: signature differs"
-        assert ref[0].__doc__ == fn.__doc__, f"{name}: docstring differs from the reference"
+    assert sorted(public_functions(sol)) == sorted(seam_names(nn))
+    for name, ref in reference(nn).items():
+        assert inspect.signature(ref) == inspect.signature(getattr(sol, name)), f"{name}: signature differs"
+        assert ref.__doc__ == getattr(sol, name).__doc__, f"{name}: docstring differs from the reference"
+
+
+def test_no_module_imports_a_seam_by_name():
+    """`from tinyllm.x import seam` would keep a copy that monkeypatch never replaces: the
+    package calls every seam through its own module."""
+    names = {name for nn in SEAMS for name in seam_names(nn)}
+    found = []
+    for path in sorted((ROOT / "tinyllm").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                found += [f"{path.name}: from {node.module} import {a.name}"
+                          for a in node.names if a.name in names]
+    assert not found, f"seams imported by name: {found}"
 
 
 @pytest.mark.parametrize("nn", sorted(FILES))
@@ -61,14 +73,7 @@ def test_stubs_raise_naming_the_exercise(nn):
             assert f"exercise {nn}:" in ast.unparse(node.body[-1]), node.name
 
 
-@pytest.mark.parametrize("nn", sorted(FILES))
-def test_each_exercise_has_its_tests(nn):
-    assert (ROOT / "tests" / "exercises" / f"test_{FILES[nn].name}").is_file()
-    assert (ROOT / "solutions" / FILES[nn].name).is_file()
-
-
 def test_solutions_are_not_untouched():
     """The proof's other half: a solution file is recognised as worked on."""
     for path in FILES.values():
         assert not is_untouched(ROOT / "solutions" / path.name)
-    assert isinstance(ROOT, Path)

@@ -20,10 +20,13 @@ import time
 import torch
 
 from tinyllm.checkpoint import resolve
+from tinyllm.continuous import run_continuous
 from tinyllm.cuda_graph import SlotGraphDecoder
-from tinyllm.engine import ContinuousEngine, Request, Sampling, run_continuous, run_static
-from tinyllm.kv_cache import SlotKVCache
 from tinyllm.model import Transformer
+from tinyllm.requests import Request
+from tinyllm.sampling import Sampling
+from tinyllm.slot_cache import SlotKVCache
+from tinyllm.static import run_static
 
 SPEAKERS = ["Ham.", "Hor.", "Oph.", "King.", "Queen.", "Rom.", "Jul.", "Nurse.", "Mer.", "Macb.",
             "Lady M.", "Lear.", "Fool.", "Oth.", "Iago.", "Pro."]
@@ -63,29 +66,6 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
     return reqs, arrivals
 
 
-def run_online(model: Transformer, reqs: list[Request], arrivals: list[float], n_slots: int,
-               progress=None, **engine_kw) -> tuple[list, dict]:
-    """Requests join a ContinuousEngine when the engine clock reaches their arrival time."""
-    eng = ContinuousEngine(model, n_slots, **engine_kw)
-    t0 = time.perf_counter()
-    rids, i = [], 0
-    while i < len(reqs) or eng.has_work():
-        now = time.perf_counter() - t0
-        while i < len(reqs) and arrivals[i] <= now:
-            rids.append(eng.add_request(reqs[i]))
-            i += 1
-        if eng.has_work():
-            finished = sum(ev.done for ev in eng.step())
-            if progress is not None and finished:
-                progress.update(finished)
-        elif i < len(reqs):
-            time.sleep(min(0.01, arrivals[i] - now))
-    eng.stats.wall_s = time.perf_counter() - t0
-    eng.stats.kv_allocated_at_end = eng.slots.allocated_tokens()
-    results = [eng.results.pop(r) for r in rids]
-    return results, eng.stats.summary(results)
-
-
 ENGINES = ("static", "continuous", "paged", "graphs")
 
 
@@ -110,9 +90,7 @@ def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, se
                   kv_blocks=kv_blocks or batch * -(-max_len // block_size))
     elif engine == "graphs":
         kw = dict(cuda_graph=True)
-    if workload_name == "poisson":
-        return run_online(model, reqs, arrivals, slots, progress, **kw)[1]
-    return run_continuous(model, reqs, slots, progress=progress, **kw)[1]
+    return run_continuous(model, reqs, slots, arrivals, progress=progress, **kw)[1]
 
 
 @torch.no_grad()
@@ -127,25 +105,35 @@ def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64), 
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def timed(fn, slots) -> float:
-        """The median of iters steps, in ms (a median shrugs off a step the OS interrupted)."""
-        for _ in range(3):
+        """The median of iters steps, in ms (a median shrugs off a step the OS interrupted).
+        Each step is planned as the engine plans it, then rolled back, so every step sees
+        the same context."""
+        busy = slots.live_slots()
+
+        def one_step():
+            slots.plan_step(busy, [1] * len(busy))
             fn()
-            slots.lens = [context] * slots.n_slots
+            for s in busy:
+                slots.rollback(s, 1)
+
+        for _ in range(3):
+            one_step()
         sync()
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
-            fn()
+            one_step()
             sync()
             times.append(time.perf_counter() - t0)
-            slots.lens = [context] * slots.n_slots
         return sorted(times)[len(times) // 2] * 1e3
 
     rows = []
     for B in batch_sizes:
         slots = SlotKVCache(cfg.n_layers, B, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, dtype, device)
         decoder = SlotGraphDecoder(model, slots)                # captures while the slots are idle
-        slots.active, slots.lens = [True] * B, [context] * B
+        for s in range(B):                  # every slot holds `context` tokens (their values
+            slots.admit(s, context)         # do not change the time)
+            slots.lens[s] = context
         tokens = torch.ones(B, 1, dtype=torch.long, device=device)
 
         def eager():

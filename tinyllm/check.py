@@ -15,6 +15,8 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from tinyllm.seams import SEAMS, seam_names
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -55,8 +57,15 @@ def near_tie(model, prompt: list[int], expected: list[int], got: list[int],
 
 
 def exercise_files() -> dict[str, Path]:
-    """{'01': exercises/ex01_kv_cache.py, ...}"""
-    return {p.name[2:4]: p for p in sorted((ROOT / "exercises").glob("ex[0-9][0-9]_*.py"))}
+    """{'01': exercises/ex01_kv_cache.py, ...}, one per exercise of the seams table."""
+    files = {p.name[2:4]: p for p in sorted((ROOT / "exercises").glob("ex[0-9][0-9]_*.py"))}
+    return {nn: files[nn] for nn in SEAMS if nn in files}
+
+
+def public_functions(path: Path) -> list[str]:
+    """The names of the public functions an exercise file defines."""
+    return [node.name for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
 
 
 def run_tests(nn: str, impl: str = "exercises") -> list[tuple[str, str, str]]:
@@ -120,6 +129,11 @@ def prove_stubs_fail() -> bool:
     is an error; on a learner's machine it is reported and left out."""
     ok = True
     for nn, path in exercise_files().items():
+        if sorted(public_functions(path)) != sorted(seam_names(nn)):
+            print(f"FAIL {path.name}: its functions {public_functions(path)} are not the seams "
+                  f"of exercise {nn} {seam_names(nn)}")
+            ok = False
+            continue
         if not is_untouched(path):
             if os.environ.get("CI"):
                 print(f"FAIL {path.name}: not an untouched stub (a solution in exercises/?)")

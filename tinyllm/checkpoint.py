@@ -34,15 +34,48 @@ def resolve(path: str | Path) -> Path:
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 MAX_SEQ_LEN = 2048      # positions served by default, whatever the checkpoint allows
+INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "intermediate_size", "max_position_embeddings")     # required, ints >= 1
+OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim")          # ints >= 1 when given
+FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")                      # numbers > 0 when given
+
+
+def is_int(value, least: int) -> bool:
+    """An int (not a bool, which Python counts as one) of at least `least`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def check_max_seq_len(max_seq_len) -> None:
+    """None (the default) or an int >= 1; anything else is refused with its value."""
+    if max_seq_len is not None and not is_int(max_seq_len, 1):
+        raise ValueError(f"max_seq_len must be an int >= 1, got {max_seq_len!r}")
+
+
+def check_fields(hf: dict, where: Path) -> None:
+    """Refuse a config.json value of the wrong type or range, naming the field and value.
+    A missing required field is left to config_from_hf, which names it as missing."""
+    given = [k for k in INT_FIELDS if k in hf]
+    given += [k for k in OPTIONAL_INT_FIELDS if hf.get(k) is not None]
+    for k in given:
+        if not is_int(hf[k], 1):
+            raise CheckpointError(f"{where}: {k} must be an int >= 1, got {hf[k]!r}")
+    for k in FLOAT_FIELDS:
+        v = hf.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            raise CheckpointError(f"{where}: {k} must be a number > 0, got {v!r}")
+    for k in ("rope_parameters", "rope_scaling"):
+        if hf.get(k) is not None and not isinstance(hf[k], dict):
+            raise CheckpointError(f"{where}: {k} must be a JSON object, got {hf[k]!r}")
 
 
 def config_from_hf(hf: dict, where: Path, max_seq_len: int | None = None) -> ModelConfig:
     """config.json -> ModelConfig, for the Llama family as published: Llama (SmolLM2,
     TinyLlama, Llama 3.x with its llama3 RoPE scaling) and Qwen2 / Qwen2.5 (biases on q, k, v).
     Anything else is refused with its name. max_seq_len: positions to serve (default: the
-    checkpoint's max_position_embeddings, at most MAX_SEQ_LEN)."""
+    checkpoint's max_position_embeddings, at most MAX_SEQ_LEN; an int >= 1 when given)."""
+    check_max_seq_len(max_seq_len)
     arch = hf.get("model_type")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise CheckpointError(f"{where}: unsupported architecture model_type={arch!r} "
                               f"(tinyllm reads {' and '.join(ARCHITECTURES)})")
     if hf.get("hidden_act", "silu") != "silu":
@@ -51,6 +84,7 @@ def config_from_hf(hf: dict, where: Path, max_seq_len: int | None = None) -> Mod
         raise CheckpointError(f"{where}: unsupported mlp_bias=true (MLP biases)")
     if hf.get("use_sliding_window"):
         raise CheckpointError(f"{where}: unsupported use_sliding_window=true (sliding-window attention)")
+    check_fields(hf, where)
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
@@ -74,7 +108,7 @@ def config_from_hf(hf: dict, where: Path, max_seq_len: int | None = None) -> Mod
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
             d_ff=hf["intermediate_size"],
-            max_seq_len=max_seq_len or min(positions, MAX_SEQ_LEN),
+            max_seq_len=min(positions, MAX_SEQ_LEN) if max_seq_len is None else max_seq_len,
             rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -104,14 +138,27 @@ def config_to_hf(cfg: ModelConfig, bos_id: int | None, eos_id: int | None, dtype
     return hf
 
 
+JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number",
+              bool: "a boolean", type(None): "null"}
+
+
+def read_json_object(file: Path) -> dict:
+    """The JSON object a file holds; bad JSON, or JSON of another type, is refused."""
+    try:
+        obj = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{file}: must hold a JSON object, got {JSON_TYPES[type(obj)]}")
+    return obj
+
+
 def read_config(path: Path) -> dict:
+    """path/config.json as a dict; a missing file, bad JSON or a non-object is refused."""
     file = path / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{file}: missing (a checkpoint directory needs config.json)")
-    try:
-        return json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    return read_json_object(file)
 
 
 # ---- tensor names -------------------------------------------------------------------------
@@ -125,10 +172,12 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of model.safetensors, or of the shards an index lists."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        weight_map = read_json_object(index).get("weight_map")
+        if not (isinstance(weight_map, dict)
+                and all(isinstance(f, str) for f in weight_map.values())):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names, "
+                                  f"got {weight_map!r:.80}")
+        files = sorted(set(weight_map.values()))
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -188,6 +237,7 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
     CPU; dtype None is bfloat16 on CUDA and float32 on the CPU (exact arithmetic for the
     oracle; float64 for the tests). max_seq_len: positions to serve (default: the
     checkpoint's own, at most MAX_SEQ_LEN, which keeps the RoPE table and caches small)."""
+    check_max_seq_len(max_seq_len)
     path = resolve(path)
     if not path.is_dir():
         if not download:
@@ -204,7 +254,11 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
     load_state(model, tensors, path, device, dtype)
     model.eval()
     eos = hf.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) else eos
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    for k, v in (("bos_token_id", hf.get("bos_token_id")), ("eos_token_id", eos)):
+        if v is not None and not is_int(v, 0):
+            raise CheckpointError(f"{path / 'config.json'}: {k} must be a token id (an int >= 0), "
+                                  f"got {hf[k]!r}")
     tokenizer = Tokenizer.from_file(path / "tokenizer.json", hf.get("bos_token_id"), eos)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"{path / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, but "

@@ -26,8 +26,8 @@ token, and a GPU adds only the capture.
 import torch
 from torch import Tensor
 
-from tinyllm.kv_cache import SlotKVCache
 from tinyllm.model import Transformer
+from tinyllm.slot_cache import SlotKVCache
 
 
 def default_buckets(max_len: int, smallest: int = 32) -> list[int]:
@@ -60,14 +60,15 @@ def fill_static(static_tokens: Tensor, static_lens: Tensor, tokens: Tensor, lens
 class WindowCache:
     """The decode step's cache as a graph sees it: all S slots of a SlotKVCache, attending to
     the first W positions, each slot writing its new key at its length from the static lens
-    buffer. Implements the Cache protocol; holds no Python state that changes between steps."""
+    buffer. Implements the Cache protocol with tensor operations only: no Python state changes
+    between steps, so a replay repeats it faithfully."""
 
     def __init__(self, slots: SlotKVCache, lens: Tensor, W: int):
         self.slots, self.lens, self.W = slots, lens, W
         self.rows = torch.arange(slots.n_slots, device=lens.device)     # (S,)
         self.keys = torch.arange(W, device=lens.device)                 # (W,)
 
-    def positions(self, T: int) -> Tensor:
+    def begin_step(self, T: int) -> Tensor:
         self.mask = (self.keys[None, :] <= self.lens[:, None])[:, None, None, :]   # (S, 1, 1, W)
         return self.lens[:, None]                                       # (S, 1)
 
@@ -78,12 +79,17 @@ class WindowCache:
         sv[self.rows, :, self.lens] = v[:, :, 0]
         return sk[:, :, :self.W], sv[:, :, :self.W], self.mask
 
+    def end_step(self) -> None:
+        """Nothing to count here: the slot cache ends its own step after the replay."""
+
 
 class SlotGraphDecoder:
     """Decode steps of a SlotKVCache's slots, replayed as CUDA graphs, one per window bucket.
 
-    step(tokens (S, 1)) -> logits (S, 1, V) for every slot (read the active ones), and each
-    active slot's length grows by one, as after a plain decode step. capture: record graphs
+    step(tokens (S, 1)) -> logits (S, 1, V) for every slot (read the busy ones): the decode
+    step the engine planned (`slots.plan_step(busy slots, one token each)`). A replay runs the
+    captured kernels but none of the forward pass's Python, so step() ends the slots' step
+    itself, as the model's forward pass does. capture: record graphs
     (default: on CUDA); False runs the same bucketed static-buffer step eagerly. Capture writes
     into the slots, so it happens at construction, while every slot is free. The logits
     returned by a replay are the graph's static output: use them before the next step.
@@ -142,7 +148,7 @@ class SlotGraphDecoder:
 
     @torch.no_grad()
     def step(self, tokens: Tensor) -> Tensor:
-        """One decode step of every slot: tokens (S, 1) -> logits (S, 1, V)."""
+        """The planned decode step, computed for every slot: tokens (S, 1) -> logits (S, 1, V)."""
         slots = self.slots
         live = slots.live_slots()
         if not live:
@@ -158,6 +164,5 @@ class SlotGraphDecoder:
             logits = self.logits[W]
         else:                                           # eager: no capture, or no bucket fits
             logits = self._run(W or window)
-        for s in live:
-            slots.lens[s] += 1
+        slots.end_step()
         return logits

@@ -5,8 +5,9 @@ embeddings (RoPE), grouped-query attention through `scaled_dot_product_attention
 MLP and a tied or untied output head. Module names follow Hugging Face's `LlamaForCausalLM`,
 so a checkpoint's tensor names map one to one (see `checkpoint.py`).
 
-The model never knows which KV cache it is given: it asks the cache for the positions of the
-new tokens and hands it each layer's new keys and values (`kv_cache.Cache`). With no cache it
+The model never knows which KV cache it is given: a forward pass begins a step of the cache
+(which answers the positions of the new tokens), hands it each layer's new keys and values, and
+ends the step (`kv_cache.Cache`). With no cache it
 is plain causal attention over the whole input: the slow reference every fast path is
 checked against.
 """
@@ -173,9 +174,10 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """`model(idx, cache=None, targets=None)` -> (logits (B, T, V), loss or None).
 
-    idx holds token ids (B, T). With a cache, the cache supplies the RoPE positions of these
-    T tokens and what each layer attends to; without one, idx is the whole sequence from
-    position 0. Token ids are not range-checked here (that would cost a device sync on every
+    idx holds token ids (B, T). With a cache, the forward pass is one step of the cache: it
+    begins the step (the cache supplies the RoPE positions of these T columns), every layer
+    stores its keys and values and attends to what the cache returns, and it ends the step.
+    Without a cache, idx is the whole sequence from position 0. Token ids are not range-checked here (that would cost a device sync on every
     step); `generate()` and the engines check prompts before they reach the model.
     """
 
@@ -206,13 +208,15 @@ class Transformer(nn.Module):
                 raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
             pos = torch.arange(T, device=idx.device)[None]                    # (1, T)
         else:
-            pos = cache.positions(T).to(idx.device)                           # (B or 1, T)
+            pos = cache.begin_step(T).to(idx.device)                          # (B or 1, T)
         dtype = self.embed_tokens.weight.dtype
         cos = self.rope_cos[pos].to(dtype).unsqueeze(1)                       # (B or 1, 1, T, hd)
         sin = self.rope_sin[pos].to(dtype).unsqueeze(1)                       # (B or 1, 1, T, hd)
         x = self.embed_tokens(idx)                                            # (B, T, d)
         for block in self.layers:
             x = block(x, cos, sin, cache)
+        if cache is not None:
+            cache.end_step()
         logits = self.lm_head(self.norm(x))                                   # (B, T, V)
         loss = None
         if targets is not None:

@@ -8,15 +8,12 @@ a block when it grows past the last one and gives every block back when it ends,
 wastes at most one partly filled block.
 
 Memory can now run out mid-run: requests grow, and the pool is shared. Before each decode step
-`reserve_step` gives every running sequence the block its next token needs; when the pool is
-dry it **preempts** the youngest running request (the last to arrive): its blocks go back to the
-pool, and the engine queues it again, to be recomputed later from its prompt and the tokens it
-has generated so far. The oldest requests always make progress, so the run ends.
+the engine reserves every running sequence's next token (`reserve`); when the pool is dry, the
+scheduler preempts a request (scheduler.py) and recomputes it later.
 
-`PagedKVCache` has the interface of `SlotKVCache` (ContinuousEngine(kv="paged") uses it in the
-same places), plus block tables. Its seams are exercise 05: the block allocator
-(`allocate_blocks`, `free_blocks`), the block-table lookup (`slot_mapping`) and the preemption
-choice (`choose_victim`).
+`PagedKVCache` has the interface of `SlotKVCache` (both are `SlotCache`s), plus block tables.
+Its seams are exercise 05: the block allocator (`allocate_blocks`, `free_blocks`) and the
+block-table lookup (`slot_mapping`).
 """
 
 import math
@@ -24,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from tinyllm.kv_cache import KVCache, decode_mask
+from tinyllm.slot_cache import SlotCache
 
 
 class BlockAllocator:
@@ -77,22 +74,14 @@ def slot_mapping(tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
     return blocks * block_size + positions % block_size                 # (B, W)
 
 
-def choose_victim(running: dict[int, int]) -> int:
-    """Which slot gives up its blocks when the pool is dry. running maps each running slot to
-    its request's arrival number (lower = arrived earlier). The youngest request is preempted:
-    it has made the least progress, and the oldest ones keep going, so the run always ends."""
-    return max(running, key=running.get)
-
-
-class PagedKVCache:
-    """Step 05 - keys/values of n_slots sequences in a shared pool of blocks.
+class PagedKVCache(SlotCache):
+    """Keys/values of n_slots sequences in a shared pool of n_blocks blocks of block_size.
 
     Per layer the pool is (n_blocks * block_size, n_kv, hd): pool row b * block_size + i is
     offset i of block b. tables[s] is slot s's block table. reserved_tokens() is the pool,
-    allocated_tokens() what the block tables hold, used_tokens() the positions written.
-    A decode step runs the active slots only, as in SlotKVCache: `positions` builds the step's
-    write indices, read indices (the first W positions of every row through its block table)
-    and mask, once for every layer; `update` writes and gathers.
+    allocated_tokens() what the block tables hold, used_tokens() the positions written. A step
+    writes each new token through its row's block table and gathers the first W positions of
+    every row (`slot_mapping`), indices built once for every layer.
     """
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int,
@@ -100,84 +89,61 @@ class PagedKVCache:
                  dtype: torch.dtype = torch.float32, device=None):
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need n_blocks >= 1 and block_size >= 1, got {n_blocks}, {block_size}")
-        self.n_layers, self.n_slots, self.max_len = n_layers, n_slots, max_len
+        super().__init__(n_layers, n_slots, max_len, device)
         self.n_blocks, self.block_size = n_blocks, block_size
         shape = (n_blocks * block_size, n_kv_heads, head_dim)           # (N * bs, n_kv, hd)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.allocator = BlockAllocator(n_blocks)
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
-        self.active = [False] * n_slots
-        self.lens = [0] * n_slots                     # tokens stored per slot
-        self.arrival = [0] * n_slots                  # the request's arrival number, per slot
-        self.device = device
-        self._admitted = 0
-
-    # ---- bookkeeping -----------------------------------------------------------------------
-    def free_slots(self) -> list[int]:
-        return [s for s in range(self.n_slots) if not self.active[s]]
-
-    def live_slots(self) -> list[int]:
-        """The active slots, in slot order: the rows of the next decode step."""
-        return [s for s in range(self.n_slots) if self.active[s]]
 
     def blocks_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block_size)
 
+    # ---- memory: blocks on demand ----------------------------------------------------------
     def can_admit(self, lens: list[int]) -> bool:
-        """Room for requests whose contexts have these lengths: a free slot each, and blocks
-        for the context plus the next token (so a newcomer never needs a block at once)."""
-        return (len(lens) <= len(self.free_slots()) and all(n < self.max_len for n in lens)
+        return (super().can_admit(lens)
                 and sum(self.blocks_for(n + 1) for n in lens) <= self.allocator.n_free())
 
-    def admit(self, slots: list[int], pre: KVCache, pad: list[int],
-              arrivals: list[int] | None = None) -> None:
-        """Copy row i of a padded prefill (pre.pos = L) into blocks of slots[i], without its
-        pad[i] pads. arrivals: each request's arrival number, its seniority when the pool runs
-        dry (default: the order of admission)."""
-        lens = [pre.pos - p for p in pad]
-        for s in slots:
-            if self.active[s]:
-                raise ValueError(f"slot {s} is already serving a request")
-        if not self.can_admit(lens):
-            raise ValueError(f"no room for contexts of {lens} tokens: {len(self.free_slots())} "
-                             f"free slots, {self.allocator.n_free()} free blocks")
-        L = pre.pos
-        for i, (s, p, n) in enumerate(zip(slots, pad, lens)):
-            self.tables[s] = self.allocator.allocate(self.blocks_for(n + 1))
-            where = slot_mapping(self._table_tensor([s]), torch.arange(n, device=self.device)[None],
-                                 self.block_size)[0]                    # (n,)
-            for layer in range(self.n_layers):
-                self.k[layer][where] = pre.k[layer][i, :, p:L].transpose(0, 1)   # (n, n_kv, hd)
-                self.v[layer][where] = pre.v[layer][i, :, p:L].transpose(0, 1)
-            self.active[s], self.lens[s] = True, n
-            self.arrival[s] = arrivals[i] if arrivals is not None else self._admitted
-            self._admitted += 1
+    def admit(self, slot: int, n_tokens: int) -> None:
+        need = self.blocks_for(n_tokens + 1)
+        if need > self.allocator.n_free():
+            raise ValueError(f"a context of {n_tokens} tokens needs {need} blocks, "
+                             f"{self.allocator.n_free()} are free")
+        super().admit(slot, n_tokens)
+        self.tables[slot] = self.allocator.allocate(need)
 
-    def reserve_step(self) -> list[int]:
-        """Give every active slot the block its next token needs, oldest request first. When
-        the pool is dry, preempt (release) the youngest running request, until the block is
-        found or the slot itself was preempted. Returns the preempted slots, youngest first."""
-        preempted = []
-        for s in sorted(self.live_slots(), key=lambda s: self.arrival[s]):
-            while self.active[s] and self.lens[s] >= len(self.tables[s]) * self.block_size:
-                got = self.allocator.allocate(1)
-                if got is not None:
-                    self.tables[s] += got
-                    continue
-                victim = choose_victim({t: self.arrival[t] for t in self.live_slots()})
-                self.release(victim)
-                preempted.append(victim)
-        return preempted
+    def reserve(self, slot: int, n: int = 1) -> bool:
+        """Blocks for n more tokens in slot, taken from the pool as needed; False (and nothing
+        taken) when the pool has too few."""
+        if self.lens[slot] + n > self.max_len:
+            return False
+        need = self.blocks_for(self.lens[slot] + n) - len(self.tables[slot])
+        if need > 0:
+            got = self.allocator.allocate(need)
+            if got is None:
+                return False
+            self.tables[slot] += got
+        return True
 
-    def release(self, s: int) -> None:
-        self.allocator.free(self.tables[s])
-        self.tables[s] = []
-        self.active[s] = False
-        self.lens[s] = 0
+    def release(self, slot: int) -> None:
+        self.allocator.free(self.tables[slot])
+        self.tables[slot] = []
+        super().release(slot)
 
-    def used_tokens(self) -> int:
-        return sum(self.lens)
+    def rollback(self, slot: int, n: int) -> None:
+        """As SlotCache.rollback, and the blocks left holding no token go back to the pool."""
+        super().rollback(slot, n)
+        keep = self.blocks_for(self.lens[slot])
+        self.allocator.free(self.tables[slot][keep:])
+        del self.tables[slot][keep:]
+
+    def never_fits(self, n_tokens: int) -> str | None:
+        need = self.blocks_for(n_tokens)
+        if need > self.n_blocks:
+            return (f"needs {need} blocks of {self.block_size}, but the whole KV pool "
+                    f"has {self.n_blocks}")
+        return super().never_fits(n_tokens)
 
     def reserved_tokens(self) -> int:
         return self.n_blocks * self.block_size
@@ -185,6 +151,10 @@ class PagedKVCache:
     def allocated_tokens(self) -> int:
         return (self.n_blocks - self.allocator.n_free()) * self.block_size
 
+    def _capacity(self, slot: int) -> int:
+        return min(self.max_len, len(self.tables[slot]) * self.block_size)
+
+    # ---- the step: write and read through the block tables ---------------------------------
     def _table_tensor(self, slots: list[int]) -> Tensor:
         """Block tables of these slots as (B, n_table), padded with block 0 (read only at
         masked positions)."""
@@ -192,38 +162,20 @@ class PagedKVCache:
         rows = [self.tables[s] + [0] * (n - len(self.tables[s])) for s in slots]
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    # ---- the cache protocol ----------------------------------------------------------------
-    def positions(self, T: int) -> Tensor:
-        """Starts a decode step of the B active slots: each one's next position (B, 1), and
-        (once for every layer) where to write it, what to read and the mask."""
-        if T != 1:
-            raise ValueError("PagedKVCache decodes one token per slot; prefill goes through KVCache")
-        live = self.live_slots()
-        if not live:
-            raise ValueError("no active slot to decode")
-        short = [s for s in live if self.lens[s] >= len(self.tables[s]) * self.block_size]
-        if short:
-            raise ValueError(f"slot {short[0]} has no block for position {self.lens[short[0]]}: "
-                             "call reserve_step() before a decode step")
-        self._live_list = live
-        lens, self._mask = decode_mask([self.lens[s] for s in live], self.device)  # (B,), mask
-        W = self._mask.size(-1)                                         # keys any row may see
-        tables = self._table_tensor(live)                               # (B, n_table)
-        keys = torch.arange(W, device=self.device).expand(len(live), W)  # (B, W)
-        self._write = slot_mapping(tables, lens[:, None], self.block_size)[:, 0]   # (B,)
+    def _index(self, rows: list[int], positions: Tensor) -> None:
+        B, W = len(rows), self._mask.size(-1)                           # keys any row may see
+        tables = self._table_tensor(rows)                               # (B, n_table)
+        keys = torch.arange(W, device=self.device).expand(B, W)         # (B, W)
+        self._write = self.new_positions(slot_mapping(tables, positions, self.block_size))  # (N,)
         self._read = slot_mapping(tables, keys, self.block_size)        # (B, W)
-        return lens[:, None]                                            # (B, 1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        k, v = k.to(self.k[layer].dtype), v.to(self.v[layer].dtype)     # e.g. bf16 pool, fp32 k
-        self.k[layer].index_copy_(0, self._write, k[:, :, 0])           # (B, n_kv, hd) rows
-        self.v[layer].index_copy_(0, self._write, v[:, :, 0])
-        if layer == self.n_layers - 1:
-            for s in self._live_list:
-                self.lens[s] += 1
+        pk, pv = self.k[layer], self.v[layer]
+        pk.index_copy_(0, self._write, self.new_tokens(k).to(pk.dtype))  # (N, n_kv, hd) rows
+        pv.index_copy_(0, self._write, self.new_tokens(v).to(pv.dtype))
         B, W = self._read.shape
         shape = (B, W) + k.shape[1:2] + k.shape[3:]                     # (B, W, n_kv, hd)
         # index_select of the flat indices: the same gather as pool[read], several times faster
-        keys = self.k[layer].index_select(0, self._read.view(-1)).view(shape).transpose(1, 2)
-        values = self.v[layer].index_select(0, self._read.view(-1)).view(shape).transpose(1, 2)
+        keys = pk.index_select(0, self._read.view(-1)).view(shape).transpose(1, 2)
+        values = pv.index_select(0, self._read.view(-1)).view(shape).transpose(1, 2)
         return keys, values, self._mask                                 # (B, n_kv, W, hd)

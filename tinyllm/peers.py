@@ -14,8 +14,10 @@ import time
 
 import torch
 
-from tinyllm.engine import Request, run_continuous, run_static
+from tinyllm.continuous import run_continuous
 from tinyllm.generate import generate
+from tinyllm.requests import Request
+from tinyllm.static import run_static
 
 
 def peer_model(path, device, dtype=torch.float32):

@@ -1,7 +1,7 @@
 """Steps 03-05 - pictures of a run: who held which row at each step, KV use, latencies, and
 the paged cache's block pool.
 
-Reads only what the engines record: a `Trace` (engine.py) and the Results / Stats.summary()
+Reads only what the engines record: a `Trace` (stats.py) and the Results / Stats.summary()
 they return. Matplotlib only; every function draws on an Axes it is given or makes one.
 """
 

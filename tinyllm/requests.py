@@ -1,0 +1,119 @@
+"""Requests and results: the vocabulary every engine speaks.
+
+A `Request` is what a client asks for (a prompt, how many tokens at most, where to stop, how to
+sample); a `Result` is what it gets back, with its time to first token and its latency; an
+`Event` is one generated token as it is made (a server streams these). Inside the continuous
+engine a request lives as one `Sequence`, which holds everything the engine knows of it.
+The checks here run before a request touches any engine state.
+"""
+
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from tinyllm.sampling import Sampling
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    eos_id: int | None = None
+    sampling: Sampling | None = None
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    ttft_s: float
+    latency_s: float
+
+
+@dataclass
+class Event:
+    """One generated token, as step() reports it (a server streams these)."""
+    rid: int
+    token: int
+    done: bool
+
+
+def is_done(req: Request, toks: list[int]) -> bool:
+    return len(toks) >= req.max_new_tokens or (req.eos_id is not None and toks[-1] == req.eos_id)
+
+
+def check_prompt(prompt, max_new_tokens: int, vocab_size: int, max_len: int) -> list[int]:
+    """The prompt as a new list of ints (it may be any iterable of integers, numpy's too).
+    Raises ValueError if it is empty, holds an id outside [0, vocab_size), or prompt plus new
+    tokens would not fit max_len positions."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.tolist()
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        raise ValueError(f"the prompt must be a list of token ids, got {type(prompt).__name__}")
+    prompt = list(prompt)
+    if len(prompt) == 0:
+        raise ValueError("empty prompt: give at least one token id")
+    for t in prompt:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size:
+            raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt) + max_new_tokens > max_len:
+        raise ValueError(f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens "
+                         f"exceeds max_seq_len {max_len}")
+    return [int(t) for t in prompt]
+
+
+def check_eos(eos_id, vocab_size: int) -> None:
+    """eos_id is None (never stop early) or a token id of the vocabulary."""
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral)
+                               or not 0 <= eos_id < vocab_size):
+        raise ValueError(f"eos_id must be a token id in [0, {vocab_size}) or None, got {eos_id!r}")
+
+
+def check_request(req: Request, vocab_size: int, max_len: int) -> Request:
+    """A checked copy of req, its prompt a new list of ints. Raises naming what is wrong."""
+    if not isinstance(req, Request):
+        raise TypeError(f"expected a Request, got {type(req).__name__}")
+    if req.sampling is not None and not isinstance(req.sampling, Sampling):
+        raise TypeError(f"sampling must be a Sampling, got {type(req.sampling).__name__}")
+    prompt = check_prompt(req.prompt, req.max_new_tokens, vocab_size, max_len)
+    check_eos(req.eos_id, vocab_size)
+    eos = None if req.eos_id is None else int(req.eos_id)
+    return Request(prompt, req.max_new_tokens, eos, req.sampling)
+
+
+class Sequence:
+    """One request inside the continuous engine, from add_request to its Result.
+
+    rid: its id, in order of arrival (a lower id arrived earlier); request: the checked
+    Request; arrival: the engine clock when it came; sampling: its settings (the request's or
+    the engine's); generator: its own when seeded, else None; tokens: generated so far (kept
+    through a preemption, when they become part of the context to recompute); ttft: the clock
+    at its first token; slot: the slot holding it, None while it waits.
+    """
+
+    def __init__(self, rid: int, request: Request, arrival: float, sampling: Sampling,
+                 generator: torch.Generator | None):
+        self.rid, self.request, self.arrival = rid, request, arrival
+        self.sampling, self.generator = sampling, generator
+        self.tokens: list[int] = []
+        self.ttft: float | None = None
+        self.slot: int | None = None
+
+    def context(self) -> list[int]:
+        """The tokens to prefill: the prompt, and after a preemption the tokens made so far."""
+        return self.request.prompt + self.tokens
+
+    def append(self, token: int, now: float) -> bool:
+        """Record a new token made at engine time now; True when the request is done."""
+        self.tokens.append(token)
+        if self.ttft is None:
+            self.ttft = now
+        return is_done(self.request, self.tokens)
+
+    def result(self, now: float) -> Result:
+        return Result(self.tokens, self.ttft - self.arrival, now - self.arrival)
+
+    def __repr__(self) -> str:
+        return f"Sequence(rid={self.rid}, slot={self.slot}, tokens={len(self.tokens)})"

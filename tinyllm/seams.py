@@ -1,0 +1,38 @@
+"""The exercises' seams: which functions of the reference package each exercise writes.
+
+A seam is a function that the package calls through its own module's namespace, so that a test
+can put a learner's function in its place (pytest's monkeypatch) and run the whole engine end
+to end against solo generation. This table is the one place that says which seams exist: the
+exercise tests plug them with `plug`, `tinyllm.check` and its proof that every test fails on
+the untouched stubs read it, and a test checks that no module imports a seam by name (the
+patch would then miss that module's copy).
+"""
+
+import importlib
+
+SEAMS: dict[str, tuple[tuple[str, str], ...]] = {
+    "01": (("tinyllm.kv_cache", "append_kv"), ("tinyllm.generate", "decode_loop")),
+    "02": (("tinyllm.padded", "left_pad"), ("tinyllm.kv_cache", "rope_positions"),
+           ("tinyllm.kv_cache", "attention_mask")),
+    "03": (("tinyllm.static", "run_batch"),),
+    "04": (("tinyllm.scheduler", "choose_admissions"), ("tinyllm.slot_cache", "ragged_mask")),
+    "05": (("tinyllm.paged_kv", "allocate_blocks"), ("tinyllm.paged_kv", "free_blocks"),
+           ("tinyllm.paged_kv", "slot_mapping"), ("tinyllm.scheduler", "choose_victim")),
+    "06": (("tinyllm.cuda_graph", "choose_bucket"), ("tinyllm.cuda_graph", "fill_static")),
+}
+
+
+def seam_names(nn: str) -> list[str]:
+    return [name for _, name in SEAMS[nn]]
+
+
+def reference(nn: str) -> dict:
+    """{name: the reference package's function} for exercise nn's seams."""
+    return {name: getattr(importlib.import_module(module), name) for module, name in SEAMS[nn]}
+
+
+def plug(monkeypatch, nn: str, impl, names=None) -> None:
+    """Put impl's functions in place of exercise nn's seams (all of them, or those named)."""
+    for module, name in SEAMS[nn]:
+        if names is None or name in names:
+            monkeypatch.setattr(importlib.import_module(module), name, getattr(impl, name))

@@ -1,0 +1,192 @@
+"""Step 04 - the slot cache: a fixed set of slots that requests join and leave.
+
+Continuous batching serves many requests from one set of slots: a request holds a slot from
+admission to its last token, then the slot serves the next one at once. Every forward pass is a
+**ragged step**: each row (a busy slot) brings its own number of new tokens, its whole context
+when it is admitted (prefill), one token while it decodes, and later a chunk of a prompt or
+several guesses to check (speculation). Builds on 01 (the cache protocol); the paged cache of 05
+keeps the same interface with its memory in blocks.
+
+`SlotCache` is what both slot caches share: the slots' bookkeeping, the engine-facing half of
+the interface (free slots, admit, reserve, release, roll back, plan a step, tokens used,
+allocated and reserved) and the step's positions and mask. A subclass decides where keys and
+values live. `SlotKVCache` reserves max_len positions per slot up front.
+
+One step, in three moves: the engine plans it (`plan_step(rows, q_lens)`: which slots, how many
+new tokens each), the model's forward pass begins it (`begin_step`: positions, mask, where to
+write and what to read, built once for every layer), calls `update` in each layer, and ends it
+(`end_step`: each row's length grows by its new tokens).
+"""
+
+import torch
+from torch import Tensor
+
+
+def ragged_mask(lens: list[int], q_lens: list[int], device) -> tuple[Tensor, Tensor]:
+    """Positions and mask of a ragged step of B rows. Row b holds lens[b] tokens and brings
+    q_lens[b] >= 1 new ones, in columns 0..q_lens[b]-1 of a (B, T) batch, T = max(q_lens);
+    its later columns are padding. Returns positions (B, T): column i of row b sits at
+    lens[b] + i (a padding column repeats the row's last new position), and the mask
+    (B, 1, T, W) over W = max(lens[b] + q_lens[b]) keys: True where key j <= the column's
+    position (causal, and never past the row's own tokens)."""
+    lens_t = torch.tensor(lens, device=device)[:, None]                 # (B, 1)
+    last = torch.tensor(q_lens, device=device)[:, None] - 1             # (B, 1)
+    cols = torch.arange(max(q_lens), device=device)[None, :]            # (1, T)
+    positions = lens_t + torch.minimum(cols, last)                      # (B, T)
+    keys = torch.arange(max(n + q for n, q in zip(lens, q_lens)), device=device)   # (W,)
+    mask = keys[None, None, :] <= positions[:, :, None]                 # (B, T, W)
+    return positions, mask[:, None]                                     # (B, T), (B, 1, T, W)
+
+
+class SlotCache:
+    """The bookkeeping of n_slots slots, each holding at most max_len tokens: `active[s]`,
+    `lens[s]` (tokens stored), and the step in progress. Subclasses store the keys and values
+    (`_index` and `update`) and say how much memory a slot may use (`_capacity`, `reserve`)."""
+
+    def __init__(self, n_layers: int, n_slots: int, max_len: int, device=None):
+        self.n_layers, self.n_slots, self.max_len, self.device = n_layers, n_slots, max_len, device
+        self.active = [False] * n_slots
+        self.lens = [0] * n_slots                     # tokens stored per slot
+        self._plan: tuple[list[int], list[int]] | None = None
+
+    # ---- slots ----------------------------------------------------------------------------
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.n_slots) if not self.active[s]]
+
+    def live_slots(self) -> list[int]:
+        """The busy slots, in slot order."""
+        return [s for s in range(self.n_slots) if self.active[s]]
+
+    def can_admit(self, lens: list[int]) -> bool:
+        """Room for sequences whose contexts hold these numbers of tokens: a free slot each,
+        and memory for each context plus its next token."""
+        return len(lens) <= len(self.free_slots()) and all(0 < n < self.max_len for n in lens)
+
+    def admit(self, slot: int, n_tokens: int) -> None:
+        """Give a free slot to a sequence whose context of n_tokens is about to be prefilled
+        (its length starts at 0), with memory for the context and its next token."""
+        if self.active[slot]:
+            raise ValueError(f"slot {slot} is already serving a request")
+        if not 0 < n_tokens < self.max_len:
+            raise ValueError(f"a context of {n_tokens} tokens does not fit a slot of {self.max_len}")
+        self.active[slot], self.lens[slot] = True, 0
+
+    def reserve(self, slot: int, n: int = 1) -> bool:
+        """Memory for n more tokens in slot; False (and nothing changed) when there is none."""
+        return self.lens[slot] + n <= self._capacity(slot)
+
+    def release(self, slot: int) -> None:
+        """The slot's sequence is gone (finished, aborted or preempted): the slot is free."""
+        self.active[slot], self.lens[slot] = False, 0
+
+    def rollback(self, slot: int, n: int) -> None:
+        """Forget the slot's last n tokens (speculative decoding drops the guesses that were
+        wrong); their positions are written again by the next tokens."""
+        if not self.active[slot] or not 0 <= n <= self.lens[slot]:
+            raise ValueError(f"cannot roll slot {slot} back by {n}: it holds {self.lens[slot]} tokens")
+        self.lens[slot] -= n
+
+    def never_fits(self, n_tokens: int) -> str | None:
+        """Why a sequence of n_tokens can never be held, even alone; None when it can."""
+        if n_tokens > self.max_len:
+            return f"exceeds a slot's {self.max_len} positions"
+        return None
+
+    def used_tokens(self) -> int:
+        return sum(self.lens)
+
+    def reserved_tokens(self) -> int:
+        return self.n_slots * self.max_len
+
+    def allocated_tokens(self) -> int:
+        return self.reserved_tokens()
+
+    def _capacity(self, slot: int) -> int:
+        """Tokens the slot can hold with the memory it has now."""
+        return self.max_len
+
+    # ---- a ragged step ----------------------------------------------------------------------
+    def plan_step(self, rows: list[int], q_lens: list[int]) -> None:
+        """The next forward pass runs these busy slots, in this order (batch row i is slot
+        rows[i]), and row i brings q_lens[i] >= 1 new tokens."""
+        if not rows or len(rows) != len(q_lens) or len(set(rows)) != len(rows):
+            raise ValueError(f"a step needs distinct slots and one q_len each, got {rows}, {q_lens}")
+        for s, q in zip(rows, q_lens):
+            if not self.active[s]:
+                raise ValueError(f"slot {s} is free: admit a sequence before stepping it")
+            if q < 1 or self.lens[s] + q > self._capacity(s):
+                raise ValueError(f"slot {s} holds {self.lens[s]} tokens and has room for "
+                                 f"{self._capacity(s)}: it cannot take {q} more (reserve first)")
+        self._plan = (list(rows), list(q_lens))
+
+    def begin_step(self, T: int) -> Tensor:
+        if self._plan is None:
+            raise ValueError("no step planned: call plan_step(rows, q_lens) before the forward pass")
+        rows, q_lens = self._plan
+        if T != max(q_lens):
+            raise ValueError(f"the step was planned for {max(q_lens)} columns, the batch has {T}")
+        lens = [self.lens[s] for s in rows]
+        positions, self._mask = ragged_mask(lens, q_lens, self.device)  # (B, T), (B, 1, T, W)
+        B = len(rows)
+        # the new tokens' places in the (B * T) columns of the batch: all, or the unpadded ones
+        self._new = None if min(q_lens) == T else torch.tensor(
+            [b * T + i for b, q in enumerate(q_lens) for i in range(q)], device=self.device)
+        self._index(rows, positions)
+        self._B, self._T = B, T
+        return positions
+
+    def new_tokens(self, x: Tensor) -> Tensor:
+        """The step's new keys (or values) x (B, n_kv, T, hd), padding left out: (N, n_kv, hd)."""
+        B, n_kv, T, hd = x.shape
+        flat = x.transpose(1, 2).reshape(B * T, n_kv, hd)                # (B * T, n_kv, hd)
+        return flat if self._new is None else flat.index_select(0, self._new)
+
+    def new_positions(self, positions: Tensor) -> Tensor:
+        """The step's positions (B, T), padding left out: (N,)."""
+        flat = positions.reshape(-1)
+        return flat if self._new is None else flat.index_select(0, self._new)
+
+    def end_step(self) -> None:
+        if self._plan is None:
+            raise ValueError("no step planned: call plan_step(rows, q_lens) before the forward pass")
+        rows, q_lens = self._plan
+        for s, q in zip(rows, q_lens):
+            self.lens[s] += q
+        self._plan = None
+
+    def _index(self, rows: list[int], positions: Tensor) -> None:
+        raise NotImplementedError
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        raise NotImplementedError
+
+
+class SlotKVCache(SlotCache):
+    """Keys and values of n_slots sequences, max_len positions reserved per slot up front,
+    (S, n_kv, max_len, hd) per layer. A slot's position p is its p-th token. A step writes the
+    rows' new tokens at their positions and reads the first W positions of each row's slot:
+    views when the rows are slots 0..B-1, a gather otherwise."""
+
+    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__(n_layers, n_slots, max_len, device)
+        shape = (n_slots, n_kv_heads, max_len, head_dim)                 # (S, n_kv, max_len, hd)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+
+    def _index(self, rows: list[int], positions: Tensor) -> None:
+        B, T = positions.shape
+        self._rows = torch.tensor(rows, device=self.device)              # (B,) slot of each row
+        self._prefix = rows == list(range(B))           # slots 0..B-1: read views, gather nothing
+        self._write_slot = self.new_positions(self._rows[:, None].expand(B, T))   # (N,)
+        self._write_pos = self.new_positions(positions)                  # (N,)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        ck, cv = self.k[layer], self.v[layer]
+        ck[self._write_slot, :, self._write_pos] = self.new_tokens(k).to(ck.dtype)   # (N, n_kv, hd)
+        cv[self._write_slot, :, self._write_pos] = self.new_tokens(v).to(cv.dtype)
+        W = self._mask.size(-1)                                          # keys any row may see
+        if self._prefix:
+            return ck[:self._B, :, :W], cv[:self._B, :, :W], self._mask
+        return (ck[:, :, :W].index_select(0, self._rows),                # (B, n_kv, W, hd)
+                cv[:, :, :W].index_select(0, self._rows), self._mask)

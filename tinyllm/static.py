@@ -1,0 +1,121 @@
+"""Step 03 - static batching: B requests at a time, each batch run to its longest member.
+
+Take requests in order, batch_size at a time. Prefill the batch once (padded, 02), then decode
+every row together until the batch's *longest* request is done. Rows whose request finished
+early keep computing (wasted work), and the next batch waits for the slowest row: continuous
+batching (04) removes both. Each request's tokens equal its solo generate() output.
+"""
+
+import time
+
+import torch
+
+from tinyllm import padded
+from tinyllm.generate import autocast_for
+from tinyllm.model import Transformer
+from tinyllm.requests import Request, Result, check_request, is_done
+from tinyllm.sampling import Sampling, check_generator, sample_rows
+from tinyllm.stats import ForwardTimer, Stats, Trace, kv_bytes_per_token
+
+
+def run_batch(model: Transformer, batch: list[Request], pick, clock) -> list[Result]:
+    """One static batch: prefill the prompts together (prefill_padded, with room for the
+    longest request's new tokens), then decode all rows together until every request is done.
+    A row whose request has finished keeps computing; its tokens are thrown away.
+    pick: logits (B, V) -> tokens (B, 1). clock() -> seconds since the run began: a Result's
+    ttft_s is the clock when its first token was picked, latency_s when its last was."""
+    device = next(model.parameters()).device
+    L = max(len(r.prompt) for r in batch)
+    new_max = max(r.max_new_tokens for r in batch)
+    logits, cache, _ = padded.prefill_padded(model, [r.prompt for r in batch], L + new_max)
+    outs: list[list[int]] = [[] for _ in batch]
+    results: list[Result | None] = [None] * len(batch)
+    ttft = [0.0] * len(batch)
+    while True:
+        nxt = pick(logits)                                              # (B, 1)
+        now = clock()
+        for j, t in enumerate(nxt.squeeze(-1).tolist()):
+            if results[j] is not None:
+                continue                                                # a wasted row
+            outs[j].append(t)
+            if len(outs[j]) == 1:
+                ttft[j] = now
+            if is_done(batch[j], outs[j]):
+                results[j] = Result(outs[j], ttft[j], now)
+        if all(r is not None for r in results):
+            return results
+        with autocast_for(device):
+            logits, _ = model(nxt, cache=cache)                         # (B, 1, V)
+        logits = logits[:, -1]                                          # (B, V)
+
+
+def account_batch(stats: Stats, batch: list[Request], results: list[Result],
+                  trace: Trace | None, ids: list[int]) -> None:
+    """Stats (and the trace) of a finished static batch, from its results alone: request j
+    made len(tokens_j) tokens, the first from the prefill, so it held its row for
+    len(tokens_j) - 1 of the batch's decode steps; the batch ran as long as its longest."""
+    B = len(batch)
+    capacity = B * (max(len(r.prompt) for r in batch) + max(r.max_new_tokens for r in batch))
+    stats.kv_reserved_tokens = max(stats.kv_reserved_tokens, capacity)
+    held = [len(r.tokens) - 1 for r in results]                         # decode steps per row
+    for step in range(max(held)):
+        live = [j for j in range(B) if held[j] > step]
+        used = sum(len(batch[j].prompt) + step + 1 for j in live) / capacity
+        stats.record_step(B, len(live), B, used)
+        if trace is not None:
+            trace.record([ids[j] if held[j] > step else None for j in range(B)], used)
+
+
+@torch.no_grad()
+def run_static(model: Transformer, requests: list[Request], batch_size: int,
+               temperature: float = 0.0, top_k=None, top_p=None, generator=None,
+               trace: Trace | None = None, progress=None) -> tuple[list[Result], dict]:
+    """Static batching (03): requests in order, batch_size at a time, each batch run to its
+    longest member. The settings given here are the default; a request's `sampling` overrides
+    them, and a seeded request draws from its own generator, as in ContinuousEngine, so each
+    request gets its solo tokens whatever shares its batch.
+    Pass a Trace to have every decode step recorded in it; progress (a tqdm bar, or anything
+    with .update(n)) is told of finished requests."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    default = Sampling(temperature, top_k, top_p)                        # validates them
+    check_generator(generator)
+    model.eval()
+    cfg = model.cfg
+    device = next(model.parameters()).device
+    checked = []
+    for i, r in enumerate(requests):
+        try:
+            checked.append(check_request(r, cfg.vocab_size, cfg.max_seq_len))
+        except ValueError as e:
+            raise ValueError(f"request {i}: {e}") from None
+    requests = checked
+    for b0 in range(0, len(requests), batch_size):
+        batch = requests[b0:b0 + batch_size]
+        L, new_max = max(len(r.prompt) for r in batch), max(r.max_new_tokens for r in batch)
+        if L + new_max > cfg.max_seq_len:
+            raise ValueError(f"batch {b0 // batch_size}: padded prompt {L} + new {new_max} "
+                             f"exceeds max_seq_len {cfg.max_seq_len}")
+    stats = Stats(kv_bytes_per_token=kv_bytes_per_token(model, device))
+    t0 = time.perf_counter()
+    clock = lambda: time.perf_counter() - t0
+    results: list[Result] = []
+    timer = ForwardTimer(model, stats)
+    try:
+        for b0 in range(0, len(requests), batch_size):
+            batch = requests[b0:b0 + batch_size]
+            rows = [r.sampling or default for r in batch]
+            gens = [s.generator(device) for s in rows]
+            pick = lambda logits: sample_rows(logits, rows, gens, generator)
+            done = run_batch(model, batch, pick, clock)
+            # decode time: from the first token (the end of the prefill) to the last
+            stats.decode_s += max(r.latency_s for r in done) - min(r.ttft_s for r in done)
+            account_batch(stats, batch, done, trace, list(range(b0, b0 + len(batch))))
+            results += done
+            if progress is not None:
+                progress.update(len(done))
+    finally:
+        timer.close()
+    stats.wall_s = clock()
+    stats.useful_tokens = sum(len(r.tokens) for r in results)
+    return results, stats.summary(results)

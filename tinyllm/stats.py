@@ -1,0 +1,135 @@
+"""Stats and timing: what every engine measures, and how.
+
+`Stats` is filled by the engine that runs the requests, and read through `Stats.summary()`
+(the notebooks and the benchmark read nothing else). Per-step figures are kept as running
+sums, so a long-lived engine's Stats stay the same size. A `Trace` records what every decode
+step looked like, one short list per step, when a caller asks for one (viz.py draws it).
+"""
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tinyllm.requests import Result
+
+
+@dataclass
+class Stats:
+    wall_s: float = 0.0
+    useful_tokens: int = 0
+    decode_steps: int = 0
+    computed_rows: int = 0
+    useful_rows: int = 0
+    kv_reserved_tokens: int = 0
+    kv_bytes_per_token: int = 0
+    preemptions: int = 0
+    peak_active: int = 0
+    kv_allocated_at_end: int = 0
+    decode_s: float = 0.0             # time in decode steps, all of it,
+    forward_s: float = 0.0            # and the part of it inside the model's forward;
+    slot_rows: int = 0                # rows the engine had (batch size or slots) per step
+    recomputed_tokens: int = 0        # context prefilled again after a preemption
+    kv_used_sum: float = 0.0          # per decode step: KV positions in use / reserved,
+    kv_used_peak: float = 0.0
+    kv_alloc_sum: float = 0.0         # and in use / allocated (the paged cache's blocks)
+    kv_alloc_steps: int = 0
+
+    def record_step(self, computed_rows: int, useful_rows: int, slot_rows: int,
+                    kv_used: float, kv_alloc: float | None = None) -> None:
+        """One decode step: rows computed, rows that served a request, rows the engine has,
+        and the KV cache's use (of what is reserved; of what is allocated, if it says)."""
+        self.decode_steps += 1
+        self.computed_rows += computed_rows
+        self.useful_rows += useful_rows
+        self.slot_rows += slot_rows
+        self.peak_active = max(self.peak_active, useful_rows)
+        self.kv_used_sum += kv_used
+        self.kv_used_peak = max(self.kv_used_peak, kv_used)
+        if kv_alloc is not None:
+            self.kv_alloc_sum += kv_alloc
+            self.kv_alloc_steps += 1
+
+    def summary(self, results: list[Result]) -> dict:
+        lat = sorted(r.latency_s for r in results)
+        ttft = sorted(r.ttft_s for r in results)
+        p95 = lambda xs: xs[min(len(xs) - 1, math.ceil(0.95 * len(xs)) - 1)] if xs else 0.0
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
+        return {
+            "requests": len(results),
+            "wall_s": self.wall_s,
+            "useful_tokens": self.useful_tokens,
+            "tok_s": self.useful_tokens / self.wall_s if self.wall_s else 0.0,
+            "decode_steps": self.decode_steps,
+            "row_util": self.useful_rows / max(1, self.computed_rows),
+            "occupancy": self.useful_rows / max(1, self.slot_rows),
+            "latency_mean_s": mean(lat),
+            "latency_p95_s": p95(lat),
+            "ttft_mean_s": mean(ttft),
+            "ttft_p95_s": p95(ttft),
+            "kv_reserved_mib": self.kv_reserved_tokens * self.kv_bytes_per_token / 2**20,
+            "kv_used_mean": self.kv_used_sum / max(1, self.decode_steps),
+            "kv_used_peak": self.kv_used_peak,
+            "kv_alloc_used_mean": (self.kv_alloc_sum / self.kv_alloc_steps
+                                   if self.kv_alloc_steps else None),
+            "preemptions": self.preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
+            "peak_active": self.peak_active,
+            "kv_allocated_at_end": self.kv_allocated_at_end,
+            "decode_overhead": 1 - self.forward_s / self.decode_s if self.decode_s else 0.0,
+        }
+
+
+class Trace:
+    """What each decode step looked like: rows[step][row] = the request id a row or slot
+    served (None: nobody), kv_used[step] = KV positions in use / reserved, kv_alloc[step] =
+    positions allocated / reserved (the paged cache's blocks; else 1 or None).
+    Pass one to an engine to fill it; one short list per step. viz.py draws it."""
+
+    def __init__(self):
+        self.rows: list[list[int | None]] = []
+        self.kv_used: list[float] = []
+        self.kv_alloc: list[float | None] = []
+
+    def record(self, holders: list[int | None], kv_used: float,
+               kv_alloc: float | None = None) -> None:
+        self.rows.append(list(holders))
+        self.kv_used.append(kv_used)
+        self.kv_alloc.append(kv_alloc)
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the GPU, so the forward pass's time is measured, not just its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kv_bytes_per_token(model, device: torch.device) -> int:
+    """Bytes of keys and values one token holds in the caches of `model`, all layers."""
+    elem = 2 if device.type == "cuda" else next(model.parameters()).element_size()
+    return sum(layer.self_attn.cache_bytes_per_token(elem) for layer in model.layers)
+
+
+class ForwardTimer:
+    """Times the model's decode forward passes (a KVCache that already holds tokens) from
+    outside the loop, with forward hooks, so any loop (yours too) is measured the same way."""
+
+    def __init__(self, model, stats: Stats):
+        self.stats, self.device = stats, next(model.parameters()).device
+        self.hooks = [model.register_forward_pre_hook(self._start, with_kwargs=True),
+                      model.register_forward_hook(self._stop)]
+
+    def _start(self, module, args, kwargs):
+        cache = kwargs.get("cache")
+        decode = cache is not None and cache.pos > 0                    # not a prefill
+        self.t0 = time.perf_counter() if decode else None
+
+    def _stop(self, module, args, out):
+        if self.t0 is not None:
+            sync_device(self.device)
+            self.stats.forward_s += time.perf_counter() - self.t0
+
+    def close(self):
+        for h in self.hooks:
+            h.remove()
