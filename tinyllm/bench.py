@@ -7,7 +7,7 @@
 Engines: static (03), continuous (04, slots), paged (05: the same continuous engine on a pool
 of blocks, by default the memory of --batch slots, shared by --paged-slots slots) and graphs
 (06: continuous with the decode step replayed as CUDA graphs; eager bucketed on a CPU).
-Timing lives here and in the notebooks, never in a test. Besides the seed's summary keys it
+Timing lives here and in the notebooks, never in a test. Besides the summary keys of every engine it
 reports where a decode step's time goes: the model's forward pass against the engine's own
 bookkeeping (admission, sampling, slot moves, Python).
 """

@@ -88,6 +88,34 @@ class EngineConfig:
                             n_blocks, self.block_size, max_len, dtype, device)
 
 
+def _settings(config: EngineConfig | int, settings: dict):
+    """The EngineConfig of ContinuousEngine's arguments (n_slots and keywords, or a config and
+    keywords to change), and the SlotGraphDecoder passed as `cuda_graph`, if one was."""
+    decoder = settings.pop("cuda_graph", None)
+    if isinstance(decoder, SlotGraphDecoder):
+        settings["cuda_graph"] = True
+    elif decoder is not None:
+        settings["cuda_graph"], decoder = decoder, None
+    if isinstance(config, EngineConfig):
+        return dataclasses.replace(config, **settings), decoder
+    return EngineConfig(config, **settings), decoder
+
+
+def _cache_and_decoder(model: Transformer, config: EngineConfig, max_len: int, device,
+                       decoder: SlotGraphDecoder | None):
+    """The engine's cache, and its graph decoder (06) when it has one: a new pair, or the
+    given decoder with its own cache, reused if it fits these settings and is idle."""
+    if decoder is None:
+        cache = config.make_cache(model, max_len, device)
+        return cache, SlotGraphDecoder(model, cache, config.buckets) if config.cuda_graph else None
+    cache = decoder.slots
+    if decoder.model is not model or cache.n_slots != config.n_slots or \
+            cache.max_len != max_len or any(cache.active):
+        raise ValueError(f"the decoder serves another model, or its cache is not "
+                         f"{config.n_slots} idle slots of {max_len} positions")
+    return cache, decoder
+
+
 class ContinuousEngine:
     """Continuous batching over a SlotCache, one step() at a time.
 
@@ -102,36 +130,20 @@ class ContinuousEngine:
 
     def __init__(self, model: Transformer, config: EngineConfig | int, *, generator=None,
                  trace: Trace | None = None, **settings):
-        decoder = settings.pop("cuda_graph", None)
-        if isinstance(decoder, SlotGraphDecoder):
-            settings["cuda_graph"] = True
-        elif decoder is not None:
-            settings["cuda_graph"], decoder = decoder, None
-        config = (dataclasses.replace(config, **settings) if isinstance(config, EngineConfig)
-                  else EngineConfig(config, **settings))
+        config, decoder = _settings(config, settings)
         check_generator(generator)
         cfg = model.cfg
-        max_len = config.max_len or cfg.max_seq_len
+        max_len = cfg.max_seq_len if config.max_len is None else config.max_len
         if max_len > cfg.max_seq_len:
             raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
         model.eval()
         self.model, self.config, self.max_len = model, config, max_len
         self.device = device = next(model.parameters()).device
-        if decoder is not None:                         # reuse its cache and graphs
-            cache = decoder.slots
-            if decoder.model is not model or cache.n_slots != config.n_slots or \
-                    cache.max_len != max_len or any(cache.active):
-                raise ValueError(f"the decoder serves another model, or its cache is not "
-                                 f"{config.n_slots} idle slots of {max_len} positions")
-        else:
-            cache = config.make_cache(model, max_len, device)
-            if config.cuda_graph:
-                decoder = SlotGraphDecoder(model, cache, config.buckets)
-        self.cache, self.decoder = cache, decoder
-        self.scheduler = Scheduler(cache)
+        self.cache, self.decoder = _cache_and_decoder(model, config, max_len, device, decoder)
+        self.scheduler = Scheduler(self.cache)
         self.sampling, self.generator, self.trace = config.sampling, generator, trace
         self.stats = Stats(kv_bytes_per_token=kv_bytes_per_token(model, device),
-                           kv_reserved_tokens=cache.reserved_tokens())
+                           kv_reserved_tokens=self.cache.reserved_tokens())
         self.results: dict[int, Result] = {}
         self._seqs: dict[int, Sequence] = {}            # unfinished requests, by id
         self._last_tok = torch.zeros(config.n_slots, 1, dtype=torch.long, device=device)

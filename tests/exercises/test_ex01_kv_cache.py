@@ -1,19 +1,16 @@
 """Exercise 01 - the KV cache: your append_kv and decode_loop, plugged into tinyllm."""
 
-import importlib
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinyllm import kv_cache
 from tinyllm.check import divergence
 from tinyllm.generate import generate, generate_uncached
+from tinyllm.kv_cache import KVCache
 from tests.conftest import make_tiny
 
 EXERCISE = "ex01_kv_cache"
-gen = importlib.import_module("tinyllm.generate")   # the module (tinyllm.generate is also a function)
 TINY = make_tiny()
 
 
@@ -45,13 +42,13 @@ def test_append_kv_writes_into_the_cache_in_place(impl):
         f"after writes at pos 0 and 1 the cache should hold [1, 2, 0, 0], holds {cache_k[0, 0, :, 0].tolist()}"
 
 
-def test_your_append_kv_gives_uncached_logits(impl, monkeypatch):
+def test_your_append_kv_gives_uncached_logits(plug):
     """KVCache with your append_kv: prefill + 6 decode steps give the logits of no cache."""
-    monkeypatch.setattr(kv_cache, "append_kv", impl.append_kv)
+    plug("append_kv")
     torch.manual_seed(1)
     ids = torch.randint(0, TINY.cfg.vocab_size, (2, 12))
     full, _ = TINY(ids)                                                   # (2, 12, V)
-    cache = kv_cache.KVCache(TINY.cfg.n_layers, 12)
+    cache = KVCache(TINY.cfg.n_layers, 12)
     with torch.no_grad():
         pre, _ = TINY(ids[:, :6], cache=cache)
         steps = [TINY(ids[:, t:t + 1], cache=cache)[0] for t in range(6, 12)]
@@ -61,9 +58,9 @@ def test_your_append_kv_gives_uncached_logits(impl, monkeypatch):
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 17])
-def test_decode_loop_matches_uncached_generate(impl, monkeypatch, max_new):
+def test_decode_loop_matches_uncached_generate(plug, max_new):
     """generate() with your decode_loop gives the tokens of generation without a cache."""
-    monkeypatch.setattr(gen, "decode_loop", impl.decode_loop)
+    plug("decode_loop")
     for i, n in enumerate([1, 5, 30]):
         prompt = torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(i)).tolist()
         expected = generate_uncached(TINY, prompt, max_new)
@@ -71,9 +68,9 @@ def test_decode_loop_matches_uncached_generate(impl, monkeypatch, max_new):
         assert msg is None, msg
 
 
-def test_decode_loop_feeds_one_token_at_a_time(impl, monkeypatch):
+def test_decode_loop_feeds_one_token_at_a_time(plug, monkeypatch):
     """Prefill runs the prompt once; each later step runs exactly one new token."""
-    monkeypatch.setattr(gen, "decode_loop", impl.decode_loop)
+    plug("decode_loop")
     seen = []
     forward = TINY.forward
     monkeypatch.setattr(TINY, "forward", lambda idx, cache=None, targets=None:
@@ -84,23 +81,23 @@ def test_decode_loop_feeds_one_token_at_a_time(impl, monkeypatch):
         f"expected one prefill of 10 tokens then 4 single-token steps, the model saw {[t for t, _ in seen]}"
 
 
-def test_decode_loop_stops_at_eos(impl, monkeypatch):
+def test_decode_loop_stops_at_eos(plug):
     """Generation stops right after eos_id, which is the last token returned."""
     prompt = [3, 1, 4, 1, 5]
     full = generate_uncached(TINY, prompt, 12)
     eos = full[4]
     expected = full[:full.index(eos) + 1]
-    monkeypatch.setattr(gen, "decode_loop", impl.decode_loop)
+    plug("decode_loop")
     got = generate(TINY, prompt, 12, eos_id=eos)
     assert got == expected, f"with eos_id={eos}: expected {expected}, got {got}"
 
 
-def test_decode_loop_uses_pick(impl, monkeypatch):
+def test_decode_loop_uses_pick(plug):
     """Sampling goes through pick: a seeded sampled run equals the reference's."""
     prompt = [7, 8, 9]
     expected = generate_uncached(TINY, prompt, 10, temperature=1.0, top_k=20,
                                  generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(gen, "decode_loop", impl.decode_loop)
+    plug("decode_loop")
     got = generate(TINY, prompt, 10, temperature=1.0, top_k=20,
                    generator=torch.Generator().manual_seed(0))
     msg = divergence("sampled run (temperature 1, top_k 20, seed 0)", expected, got)
@@ -109,23 +106,20 @@ def test_decode_loop_uses_pick(impl, monkeypatch):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, 96), min_size=1, max_size=40), max_new=st.integers(1, 30))
-def test_both_functions_match_uncached_on_random_prompts(impl, monkeypatch, prompt, max_new):
+def test_both_functions_match_uncached_on_random_prompts(plug, prompt, max_new):
     """Your append_kv and decode_loop together, on random prompts: exactly the uncached tokens."""
-    with monkeypatch.context() as m:
-        m.setattr(kv_cache, "append_kv", impl.append_kv)
-        m.setattr(gen, "decode_loop", impl.decode_loop)
-        got = generate(TINY, prompt, max_new)
+    plug()                                              # the uncached oracle calls no seam
+    got = generate(TINY, prompt, max_new)
     expected = generate_uncached(TINY, prompt, max_new)
     msg = divergence(f"prompt {prompt}", expected, got)
     assert msg is None, msg
 
 
-def test_bundled_model_with_your_cache(impl, monkeypatch, bundled64):
+def test_bundled_model_with_your_cache(plug, bundled64):
     """The bundled model, your code: a Shakespeare speech token for token as without a cache."""
     model, tok = bundled64
     prompt = tok.encode("Ham.\nTo be, or not to be")
     expected = generate_uncached(model, prompt, 40, eos_id=tok.eos_id)
-    monkeypatch.setattr(kv_cache, "append_kv", impl.append_kv)
-    monkeypatch.setattr(gen, "decode_loop", impl.decode_loop)
+    plug()
     msg = divergence("the Hamlet prompt", expected, generate(model, prompt, 40, eos_id=tok.eos_id))
     assert msg is None, msg

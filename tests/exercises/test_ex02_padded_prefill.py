@@ -5,10 +5,11 @@ import random
 import pytest
 import torch
 
-from tinyllm import engine, kv_cache
 from tinyllm.check import divergence
-from tinyllm.engine import Request, prefill_padded, run_static
 from tinyllm.generate import generate
+from tinyllm.padded import prefill_padded
+from tinyllm.requests import Request
+from tinyllm.static import run_static
 from tests.conftest import make_tiny
 
 EXERCISE = "ex02_padded_prefill"
@@ -16,6 +17,7 @@ TINY = make_tiny(seed=4)
 
 
 def test_left_pad_puts_padding_on_the_left(impl):
+    """Shorter prompts get pad_id on their left; pad_lens counts them."""
     idx, pad_lens = impl.left_pad([[1, 2, 3], [4], [5, 6]], 0)
     assert idx.tolist() == [[1, 2, 3], [0, 0, 4], [0, 5, 6]], \
         f"expected [[1, 2, 3], [0, 0, 4], [0, 5, 6]], got {idx.tolist()}"
@@ -24,16 +26,19 @@ def test_left_pad_puts_padding_on_the_left(impl):
 
 
 def test_left_pad_uses_pad_id(impl):
+    """The padding is pad_id, whatever it is."""
     idx, _ = impl.left_pad([[9], [8, 8, 8]], 7)
     assert idx.tolist() == [[7, 7, 9], [8, 8, 8]], f"pad with pad_id=7: got {idx.tolist()}"
 
 
 def test_rope_positions_without_padding(impl):
+    """No padding: one row of positions pos..pos+T-1 shared by the batch."""
     got = impl.rope_positions(5, 3, None)
     assert got.tolist() == [[5, 6, 7]], f"positions 5..7 as (1, 3), got {got.tolist()}"
 
 
 def test_rope_positions_shift_each_row_by_its_padding(impl):
+    """Each row's first real token is at position 0, in prefill and in decode."""
     pad = torch.tensor([0, 2, 3])
     got = impl.rope_positions(0, 4, pad)
     want = [[0, 1, 2, 3], [0, 0, 0, 1], [0, 0, 0, 0]]
@@ -57,6 +62,7 @@ def reference_mask(pos, T, pad):
 
 @pytest.mark.parametrize("pos, T", [(0, 5), (5, 1), (3, 2)])
 def test_attention_mask_is_causal_and_hides_padding(impl, pos, T):
+    """Entry by entry against a mask built with loops: causal, and no key of the left padding."""
     pad = [0, 2, 4]
     got = impl.attention_mask(pos, T, torch.tensor(pad), "cpu")
     want = reference_mask(pos, T, pad)
@@ -68,6 +74,7 @@ def test_attention_mask_is_causal_and_hides_padding(impl, pos, T):
 
 
 def test_attention_mask_without_padding_is_causal(impl):
+    """No padding: a plain causal mask, or None for a single new token."""
     got = impl.attention_mask(0, 3, None, "cpu")
     assert got is not None, "with T > 1 the mask must at least be causal"
     assert got.reshape(3, 3).int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
@@ -81,16 +88,11 @@ def requests(n: int, seed: int) -> list[Request]:
                     eos_id=rng.choice([None, 5])) for _ in range(n)]
 
 
-def plug(m, impl):
-    m.setattr(engine, "left_pad", impl.left_pad)
-    m.setattr(kv_cache, "rope_positions", impl.rope_positions)
-    m.setattr(kv_cache, "attention_mask", impl.attention_mask)
-
-
-def test_your_padded_prefill_gives_each_prompt_its_own_logits(impl, monkeypatch):
+def test_your_padded_prefill_gives_each_prompt_its_own_logits(plug):
+    """prefill_padded with your three functions: each row's last logits are its prompt's alone."""
     prompts = [[1, 2, 3, 4, 5, 6], [7], [8, 9, 10]]
     alone = [TINY(torch.tensor([p]))[0][0, -1] for p in prompts]
-    plug(monkeypatch, impl)
+    plug()
     logits, cache, pad = prefill_padded(TINY, prompts, max_len=6)
     for b in range(3):
         err = (logits[b] - alone[b]).abs().max().item()
@@ -98,13 +100,12 @@ def test_your_padded_prefill_gives_each_prompt_its_own_logits(impl, monkeypatch)
 
 
 @pytest.mark.parametrize("batch_size", [2, 5])
-def test_static_batches_with_your_padding_match_solo_generate(impl, monkeypatch, batch_size):
+def test_static_batches_with_your_padding_match_solo_generate(plug, batch_size):
     """Your three functions inside run_static: every request gets its solo tokens."""
     reqs = requests(10, batch_size)
     expected = [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    with monkeypatch.context() as m:
-        plug(m, impl)
-        results, _ = run_static(TINY, reqs, batch_size)
+    plug()                              # after the oracle: solo generate's KVCache uses the seams too
+    results, _ = run_static(TINY, reqs, batch_size)
     for i, (e, r) in enumerate(zip(expected, results)):
         msg = divergence(f"request {i}", e, r.tokens)
         assert msg is None, msg

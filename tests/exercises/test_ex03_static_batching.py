@@ -5,10 +5,12 @@ import random
 import pytest
 import torch
 
-from tinyllm import engine
+from tinyllm import seams
 from tinyllm.check import divergence
-from tinyllm.engine import Request, run_static
-from tinyllm.generate import generate, sample_next
+from tinyllm.generate import generate
+from tinyllm.requests import Request
+from tinyllm.sampling import sample_next
+from tinyllm.static import run_static
 from tests.conftest import make_tiny
 
 EXERCISE = "ex03_static_batching"
@@ -22,6 +24,7 @@ def clock_counter():
 
 
 def test_one_batch_gives_each_request_its_solo_tokens(impl):
+    """One batch of three prompts of different lengths: each request gets its solo tokens."""
     batch = [Request([1, 2, 3], 6), Request([4], 2), Request([5, 6, 7, 8, 9], 9)]
     results = impl.run_batch(TINY, batch, GREEDY, clock_counter())
     assert len(results) == 3, f"one Result per request, got {len(results)}"
@@ -53,6 +56,7 @@ def test_ttft_and_latency_come_from_the_clock(impl):
 
 
 def test_the_loop_runs_one_token_per_row_per_step(impl, monkeypatch):
+    """One padded prefill, then (B, 1) per step until the longest request is done."""
     seen = []
     forward = TINY.forward
     monkeypatch.setattr(TINY, "forward", lambda idx, cache=None, targets=None:
@@ -64,23 +68,30 @@ def test_the_loop_runs_one_token_per_row_per_step(impl, monkeypatch):
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
-def test_run_static_with_your_loop_matches_solo(impl, monkeypatch, batch_size):
+def test_run_static_with_your_loop_matches_solo(plug, batch_size):
+    """run_static with your loop: every request gets its solo tokens, and every token counts."""
     rng = random.Random(batch_size)
     reqs = [Request([rng.randrange(97) for _ in range(rng.randint(1, 16))], rng.randint(1, 16),
                     eos_id=rng.choice([None, 7])) for _ in range(12)]
     expected = [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    monkeypatch.setattr(engine, "run_batch", impl.run_batch)
+    plug()
     results, summary = run_static(TINY, reqs, batch_size)
     for i, (e, r) in enumerate(zip(expected, results)):
         msg = divergence(f"request {i}", e, r.tokens)
         assert msg is None, msg
-    assert summary["useful_tokens"] == sum(len(e) for e in expected)
+    assert summary["useful_tokens"] == sum(len(e) for e in expected), \
+        f"useful_tokens should be {sum(len(e) for e in expected)}, got {summary['useful_tokens']}"
 
 
 def test_sampling_goes_through_pick(impl):
+    """A seeded sampled batch: your loop draws the reference loop's tokens, so it uses pick."""
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     batch = [Request([1, 2], 8), Request([3], 8)]
     pick = lambda g: (lambda logits: sample_next(logits, 1.0, 20, None, g))
-    ours = impl.run_batch(TINY, batch, pick(g1), clock_counter())
-    ref = engine.run_batch(TINY, batch, pick(g2), clock_counter())
-    assert [r.tokens for r in ours] == [r.tokens for r in ref], "use pick(logits) for every token"
+    reference = seams.reference("03")["run_batch"]                     # the package's own loop
+    want = [r.tokens for r in reference(TINY, batch, pick(g2), clock_counter())]
+    got = [r.tokens for r in impl.run_batch(TINY, batch, pick(g1), clock_counter())]
+    assert len(got) == len(want), f"one Result per request: expected {len(want)}, got {len(got)}"
+    for i, (e, g) in enumerate(zip(want, got)):
+        assert g == e, (f"request {i}, sampled with one seeded generator: expected {e}, got {g} "
+                        f"(draw every token with pick(logits), once per step)")

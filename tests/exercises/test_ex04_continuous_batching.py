@@ -1,85 +1,194 @@
-"""Exercise 04 - continuous batching: your admission and prefill move inside ContinuousEngine."""
+"""Exercise 04 - continuous batching: your admission and ragged mask inside ContinuousEngine."""
 
+import functools
 import random
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tinyllm import continuous, kv_cache
 from tinyllm.check import divergence
-from tinyllm.engine import ContinuousEngine, Request, prefill_padded, run_continuous
+from tinyllm.continuous import ContinuousEngine, run_continuous
 from tinyllm.generate import generate
-from tinyllm.kv_cache import SlotKVCache
+from tinyllm.requests import Request
+from tinyllm.slot_cache import SlotKVCache
 from tests.conftest import make_tiny
 
 EXERCISE = "ex04_continuous_batching"
 TINY = make_tiny(seed=5)
 
 
+# ---- choose_admissions ----------------------------------------------------------------------
 def test_admission_is_first_come_first_served(impl):
-    got = impl.choose_admissions([7, 3, 9, 4], 3, lambda rids: True)
+    """Everything fits: the first n_free requests of the queue, in queue order."""
+    got = impl.choose_admissions([7, 3, 9, 4], 3, lambda reqs: True)
     assert got == [7, 3, 9], f"3 free slots, everything fits: admit the first 3 in order, got {got}"
 
 
 def test_admission_stops_at_the_first_request_that_does_not_fit(impl):
-    fits = lambda rids: sum(rids) <= 10
+    """The first request that does not fit stops admission: nobody overtakes it."""
+    fits = lambda reqs: sum(reqs) <= 10
     got = impl.choose_admissions([4, 5, 9, 1], 4, fits)
     assert got == [4, 5], (f"with fits = sum <= 10, queue [4, 5, 9, 1]: admit [4, 5] and stop at 9 "
                            f"(no overtaking: 1 waits behind 9), got {got}")
 
 
 def test_admission_with_nothing_to_do(impl):
-    assert impl.choose_admissions([], 4, lambda r: True) == []
+    """An empty queue, no free slot, or a head that does not fit: nobody enters."""
+    assert impl.choose_admissions([], 4, lambda r: True) == [], "an empty queue: admit nobody"
     assert impl.choose_admissions([1, 2], 0, lambda r: True) == [], "no free slot: admit nobody"
     assert impl.choose_admissions([1, 2], 2, lambda r: False) == [], "the head does not fit: admit nobody"
 
 
-def test_move_prefill_drops_padding_into_slots(impl):
-    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
-    _, pre, pad = prefill_padded(TINY, prompts, max_len=5)
+# ---- ragged_mask ----------------------------------------------------------------------------
+def reference_ragged(lens, q_lens):
+    """Built the slow way, one row, column and key at a time: positions [b][i], mask [b][i][j]."""
+    T, W = max(q_lens), max(n + q for n, q in zip(lens, q_lens))
+    positions = [[n + min(i, q - 1) for i in range(T)] for n, q in zip(lens, q_lens)]
+    mask = [[[j <= p for j in range(W)] for p in row] for row in positions]
+    return positions, mask
+
+
+def check_ragged(impl, lens, q_lens):
+    """Your ragged_mask against the reference: shapes, then every position, then every entry."""
+    where = f"lens {lens}, q_lens {q_lens}"
+    B, T, W = len(lens), max(q_lens), max(n + q for n, q in zip(lens, q_lens))
+    got = impl.ragged_mask(lens, q_lens, "cpu")
+    assert isinstance(got, tuple) and len(got) == 2, f"{where}: return (positions, mask), got {type(got)}"
+    positions, mask = got
+    want_pos, want_mask = reference_ragged(lens, q_lens)
+    assert tuple(positions.shape) == (B, T), \
+        f"{where}: positions should be (B, T) = {(B, T)} (T = max(q_lens)), got {tuple(positions.shape)}"
+    assert tuple(mask.shape) == (B, 1, T, W), \
+        (f"{where}: the mask should be (B, 1, T, W) = {(B, 1, T, W)} (W = max(lens + q_lens) keys), "
+         f"got {tuple(mask.shape)}")
+    for b in range(B):
+        for i in range(T):
+            what = "a new token" if i < q_lens[b] else "padding, repeats the row's last new position"
+            assert int(positions[b, i]) == want_pos[b][i], \
+                (f"{where}: row {b}, column {i} ({what}): expected position {want_pos[b][i]}, "
+                 f"got {int(positions[b, i])}")
+    for b in range(B):
+        for i in range(T):
+            for j in range(W):
+                e, g = want_mask[b][i][j], bool(mask[b, 0, i, j])
+                assert g == e, (f"{where}: row {b}, column {i} (position {want_pos[b][i]}), key {j}: "
+                                f"expected {e}, got {g} (a column sees keys 0..its own position)")
+
+
+def test_ragged_mask_of_decode_rows(impl):
+    """Decode rows (q_len 1): each new token at its row's length, seeing keys 0..length."""
+    check_ragged(impl, [4, 9, 1], [1, 1, 1])
+
+
+def test_ragged_mask_of_a_prefill_from_empty(impl):
+    """A prompt entering an empty slot: positions 0..q_len-1 and a causal mask."""
+    check_ragged(impl, [0], [5])
+
+
+def test_ragged_mask_of_a_mixed_ragged_batch(impl):
+    """A prefill, a decode row and a 2-token row in one step: padding columns included."""
+    check_ragged(impl, [0, 5, 2], [3, 1, 2])
+
+
+def test_ragged_mask_types(impl):
+    """Positions are integers (RoPE indexes with them); the mask is bool, True = attend."""
+    positions, mask = impl.ragged_mask([0, 5, 2], [3, 1, 2], "cpu")
+    assert not positions.is_floating_point() and positions.dtype != torch.bool, \
+        f"positions must be an integer tensor, got {positions.dtype}"
+    assert mask.dtype == torch.bool, \
+        f"the mask must be a bool tensor (a float one is added to the scores), got {mask.dtype}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 6)), min_size=1, max_size=5))
+def test_ragged_mask_on_random_steps(impl, rows):
+    """Random ragged steps (lens 0..12, q_lens 1..6, 1 to 5 rows) against the reference."""
+    check_ragged(impl, [n for n, _ in rows], [q for _, q in rows])
+
+
+def test_your_ragged_mask_gives_each_row_its_solo_logits(plug):
+    """SlotKVCache with your ragged_mask: prefill, decode and both mixed give the uncached logits."""
+    plug("ragged_mask")
     cfg = TINY.cfg
-    slots = SlotKVCache(cfg.n_layers, 4, cfg.n_kv_heads, cfg.head_dim, 16, torch.float64, "cpu")
-    target = [3, 0, 2]
-    impl.move_prefill(slots.k, slots.v, pre, target, pad)
-    for layer in range(cfg.n_layers):
-        for i, (s, p) in enumerate(zip(target, pad)):
-            n = 5 - p
-            assert torch.equal(slots.k[layer][s, :, :n], pre.k[layer][i, :, p:]), \
-                f"layer {layer}: slot {s} should hold prompt {i}'s {n} real keys at positions 0..{n - 1}"
-            assert torch.equal(slots.v[layer][s, :, :n], pre.v[layer][i, :, p:]), \
-                f"layer {layer}: slot {s} should hold prompt {i}'s {n} real values"
-            assert (slots.k[layer][s, :, n:] == 0).all(), f"slot {s}: nothing past position {n - 1}"
-        assert (slots.k[layer][1] == 0).all(), "slot 1 admitted nobody and must stay untouched"
+    cache = SlotKVCache(cfg.n_layers, 3, cfg.n_kv_heads, cfg.head_dim, 32, torch.float64, "cpu")
+    a, b = [5, 17, 3, 88, 40, 2], [61, 7, 7, 30]
+    alone = lambda seq: TINY(torch.tensor([seq]))[0][0]                 # (len, V), no cache
+    with torch.no_grad():
+        cache.admit(2, len(a))
+        cache.plan_step([2], [len(a)])
+        got = TINY(torch.tensor([a]), cache=cache)[0][0]                # a prefill from empty
+        err = (got - alone(a)).abs().max().item()
+        assert err < 1e-9, f"slot 2's prefill of {len(a)} tokens: logits differ from no cache by {err:.3g}"
+        cache.admit(0, len(b))
+        cache.plan_step([2, 0], [1, len(b)])                            # row 0: slot 2, row 1: slot 0
+        idx = torch.tensor([[9] + [0] * (len(b) - 1), b])               # row 0 is padded after its token
+        logits = TINY(idx, cache=cache)[0]                              # (2, len(b), V)
+        for row, seq, cols in ((0, a + [9], 1), (1, b, len(b))):
+            err = (logits[row, :cols] - alone(seq)[-cols:]).abs().max().item()
+            assert err < 1e-9, (f"mixed step, row {row} ({cols} new tokens): logits differ from "
+                                f"its sequence alone by {err:.3g}")
+        cache.plan_step([0, 2], [1, 1])                                 # both decode
+        logits = TINY(torch.tensor([[11], [12]]), cache=cache)[0]
+        for row, seq in ((0, b + [11]), (1, a + [9, 12])):
+            err = (logits[row, 0] - alone(seq)[-1]).abs().max().item()
+            assert err < 1e-9, f"decode step, row {row}: logits differ from its sequence alone by {err:.3g}"
+    assert cache.lens == [len(b) + 1, 0, len(a) + 2], f"slot lengths after three steps: {cache.lens}"
 
 
+# ---- the engine -----------------------------------------------------------------------------
 def requests(n: int, seed: int) -> list[Request]:
     rng = random.Random(seed)
     return [Request([rng.randrange(97) for _ in range(rng.randint(1, 20))], rng.randint(1, 20),
                     eos_id=rng.choice([None, 5, 9])) for _ in range(n)]
 
 
-def solo(reqs):
-    return [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+def solo(model, reqs):
+    return [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
 
 
-def test_continuous_batching_with_your_functions_matches_solo(impl, monkeypatch):
+@functools.cache
+def solo_tokens(n: int, seed: int) -> list[list[int]]:
+    """Solo generate's tokens for requests(n, seed), computed once for the module."""
+    return solo(TINY, requests(n, seed))
+
+
+def test_your_admission_fills_the_free_slots_in_order(plug):
+    """The engine with your choose_admissions: the first come take the free slots, the rest wait."""
+    plug("choose_admissions")
+    reqs = [Request([i + 1, i + 2], 6) for i in range(4)]
+    eng = ContinuousEngine(TINY, 2)
+    rids = [eng.add_request(r) for r in reqs]
+    eng.step()
+    assert eng.holders() == [rids[0], rids[1]], \
+        f"2 free slots, 4 queued: requests 0 and 1 take slots 0 and 1, the slots hold {eng.holders()}"
+    assert eng.load() == (2, 2), f"2 waiting and 2 running after the first step, got {eng.load()}"
+    while eng.has_work():
+        eng.step()
+    for i, (e, rid) in enumerate(zip(solo(TINY, reqs), rids)):
+        msg = divergence(f"request {i}", e, eng.results[rid].tokens)
+        assert msg is None, msg
+
+
+@pytest.mark.parametrize("n_slots", [1, 3, 6])
+def test_continuous_batching_with_your_functions_matches_solo(plug, n_slots):
+    """run_continuous with both your functions: every request gets its solo tokens."""
+    plug()
     reqs = requests(14, 0)
-    expected = solo(reqs)
-    monkeypatch.setattr(continuous, "choose_admissions", impl.choose_admissions)
-    monkeypatch.setattr(kv_cache, "move_prefill", impl.move_prefill)
-    for n_slots in (1, 3, 6):
-        results, summary = run_continuous(TINY, reqs, n_slots)
-        for i, (e, r) in enumerate(zip(expected, results)):
-            msg = divergence(f"request {i} ({n_slots} slots)", e, r.tokens)
-            assert msg is None, msg
-        assert summary["peak_active"] <= n_slots
+    results, summary = run_continuous(TINY, reqs, n_slots)
+    assert len(results) == len(reqs), f"one Result per request: expected {len(reqs)}, got {len(results)}"
+    for i, (e, r) in enumerate(zip(solo_tokens(14, 0), results)):
+        msg = divergence(f"request {i} ({n_slots} slots)", e, r.tokens)
+        assert msg is None, msg
+    assert summary["peak_active"] <= n_slots, \
+        f"at most {n_slots} requests decode at once, {summary['peak_active']} did"
 
 
-def test_requests_arriving_while_others_decode(impl, monkeypatch):
+def test_requests_arriving_while_others_decode(plug):
     """Requests join mid-run, one every other step: still solo tokens, and every slot freed."""
+    plug()
     reqs = requests(10, 1)
-    expected = solo(reqs)
-    monkeypatch.setattr(continuous, "choose_admissions", impl.choose_admissions)
-    monkeypatch.setattr(kv_cache, "move_prefill", impl.move_prefill)
     eng = ContinuousEngine(TINY, 3)
     rids, step = [], 0
     while len(rids) < len(reqs) or eng.has_work():
@@ -87,7 +196,28 @@ def test_requests_arriving_while_others_decode(impl, monkeypatch):
             rids.append(eng.add_request(reqs[len(rids)]))
         eng.step()
         step += 1
-    for i, rid in enumerate(rids):
-        msg = divergence(f"request {i}", expected[i], eng.results[rid].tokens)
+    for i, (e, rid) in enumerate(zip(solo_tokens(10, 1), rids)):
+        msg = divergence(f"request {i}", e, eng.results[rid].tokens)
         assert msg is None, msg
-    assert not any(eng.slots.active), "every slot is free at the end"
+    assert not any(eng.cache.active), f"every slot is free at the end, active: {eng.cache.active}"
+
+
+def test_bundled_model_with_your_functions(plug, bundled64):
+    """The bundled model (float64), speeches arriving mid-run into 2 slots: solo tokens up to EOS."""
+    model, tok = bundled64
+    texts = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
+             "Ham.\nTo be, or not to be"]
+    reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
+    plug()
+    eng = ContinuousEngine(model, 2)
+    rids = [eng.add_request(reqs[0])]
+    while len(rids) < len(reqs) or eng.has_work():
+        if len(rids) < len(reqs):
+            rids.append(eng.add_request(reqs[len(rids)]))               # one more every step
+        eng.step()
+    expected = solo(model, reqs)
+    assert any(e[-1] == tok.eos_id for e in expected), "the prompts are chosen so that EOS fires"
+    for i, (e, rid) in enumerate(zip(expected, rids)):
+        msg = divergence(f"request {i} ({texts[i]!r})", e, eng.results[rid].tokens)
+        assert msg is None, msg
+    assert not any(eng.cache.active), f"every slot is free at the end, active: {eng.cache.active}"

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from tinyllm import paged_kv
 from tinyllm.check import divergence
-from tinyllm.engine import Request, run_continuous
+from tinyllm.continuous import run_continuous
 from tinyllm.generate import generate
+from tinyllm.requests import Request
 from tests.conftest import make_tiny
 
 EXERCISE = "ex05_paged_kv"
@@ -17,6 +17,7 @@ TINY = make_tiny(seed=6)
 
 
 def test_allocate_takes_blocks_off_the_end_of_the_free_list(impl):
+    """Blocks come off the end of the free list, in pop order, and are marked allocated."""
     free, allocated = [3, 2, 1, 0], [False] * 4
     got = impl.allocate_blocks(free, allocated, 2)
     assert got == [0, 1], f"the free list [3, 2, 1, 0] hands out 0 then 1, got {got}"
@@ -25,6 +26,7 @@ def test_allocate_takes_blocks_off_the_end_of_the_free_list(impl):
 
 
 def test_allocate_more_than_is_free_changes_nothing(impl):
+    """Asking for more blocks than are free gives None and takes nothing; asking for 0 gives []."""
     free, allocated = [3, 2], [True, True, False, False]
     assert impl.allocate_blocks(free, allocated, 3) is None, "3 blocks asked, 2 free: None"
     assert free == [3, 2] and allocated == [True, True, False, False], "and nothing taken"
@@ -32,6 +34,7 @@ def test_allocate_more_than_is_free_changes_nothing(impl):
 
 
 def test_free_gives_blocks_back(impl):
+    """Freed blocks return to the free list with their flags cleared, ready to be handed out."""
     free, allocated = [3], [True, True, True, False]
     impl.free_blocks(free, allocated, [1, 0])
     assert sorted(free) == [0, 1, 3], f"0 and 1 are free again, free list {free}"
@@ -41,6 +44,7 @@ def test_free_gives_blocks_back(impl):
 
 @pytest.mark.parametrize("blocks", [[0], [2, 2], [2, 7]])
 def test_double_free_is_refused_and_changes_nothing(impl, blocks):
+    """A free block, a block given twice or one outside the pool: ValueError, nothing changed."""
     free, allocated = [1, 0], [False, False, True, True]
     with pytest.raises(ValueError, match="block"):
         impl.free_blocks(free, allocated, blocks)
@@ -49,6 +53,7 @@ def test_double_free_is_refused_and_changes_nothing(impl, blocks):
 
 
 def test_slot_mapping_follows_the_block_table(impl):
+    """Position p of a row is pool row table[p // block_size] * block_size + p % block_size."""
     tables = torch.tensor([[5, 2], [7, 0]])
     positions = torch.tensor([[0, 3, 4, 7], [1, 5, 0, 2]])
     got = impl.slot_mapping(tables, positions, 4)
@@ -58,6 +63,7 @@ def test_slot_mapping_follows_the_block_table(impl):
 
 
 def test_the_youngest_request_is_preempted(impl):
+    """The slot whose request arrived last gives up its memory."""
     assert impl.choose_victim({0: 3, 2: 9, 5: 1}) == 2, "slot 2 holds the request that arrived last"
     assert impl.choose_victim({4: 0}) == 4
 
@@ -68,11 +74,10 @@ def requests(n: int, seed: int) -> list[Request]:
                     eos_id=rng.choice([None, 5])) for _ in range(n)]
 
 
-def test_paged_engine_with_your_functions_matches_solo(impl, monkeypatch):
+def test_paged_engine_with_your_functions_matches_solo(plug):
     """A pool too small for everyone at once: requests are preempted and recomputed, and
     still each gets exactly its solo tokens, and every block comes back."""
-    for name in ("allocate_blocks", "free_blocks", "slot_mapping", "choose_victim"):
-        monkeypatch.setattr(paged_kv, name, getattr(impl, name))
+    plug()
     reqs = requests(12, 0)
     expected = [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
     for block_size, n_blocks in ((4, 14), (1, 52), (8, 7)):
@@ -81,5 +86,7 @@ def test_paged_engine_with_your_functions_matches_solo(impl, monkeypatch):
         for i, (e, r) in enumerate(zip(expected, results)):
             msg = divergence(f"request {i} (blocks of {block_size})", e, r.tokens)
             assert msg is None, msg
-        assert summary["preemptions"] > 0, "the pool is small enough that someone is preempted"
-        assert summary["kv_allocated_at_end"] == 0, "every block is freed at the end"
+        assert summary["preemptions"] > 0, \
+            f"blocks of {block_size}, {n_blocks} of them: the pool is small enough that someone is preempted"
+        assert summary["kv_allocated_at_end"] == 0, \
+            f"every block is freed at the end, {summary['kv_allocated_at_end']} positions are still allocated"
