@@ -96,12 +96,12 @@ def test_block_pool_colours_exactly_the_allocated_blocks():
     """Step 05's picture: a block is coloured by the request holding it, a free one is white."""
     from tinyllm.paged_kv import PagedKVCache
     cache = PagedKVCache(1, 3, 1, 2, n_blocks=6, block_size=2, max_len=8)
-    for s, n_blocks, n_tokens in ((0, 2, 3), (2, 1, 1)):
-        cache.tables[s] = cache.allocator.allocate(n_blocks)
-        cache.active[s], cache.lens[s] = True, n_tokens
+    for s, n_tokens in ((0, 3), (2, 1)):                # blocks for the context + 1: 2, then 1
+        cache.admit(s, n_tokens)
+        cache.lens[s] = n_tokens
     ax = viz.block_pool(cache, holders=[4, None, 7])
     grid = ax.images[0].get_array()                         # (1, 6 blocks * 2 positions)
     owners = [None if np.ma.is_masked(grid[0, 2 * b]) else int(grid[0, 2 * b]) for b in range(6)]
-    assert owners == [4, 4, 7, None, None, None]
+    assert cache.tables == [[0, 1], [], [2]] and owners == [4, 4, 7, None, None, None]
     assert np.ma.getmaskarray(grid).reshape(6, 2).all(1).tolist() == [not a for a in cache.allocator.allocated]
     assert ax.get_title() == "3 of 6 blocks allocated"

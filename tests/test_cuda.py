@@ -10,7 +10,7 @@ from tinyllm.check import near_tie
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.engine import ContinuousEngine, Request, run_continuous
 from tinyllm.generate import generate
-from tinyllm.kv_cache import SlotKVCache
+from tinyllm.slot_cache import SlotKVCache
 
 pytestmark = pytest.mark.cuda
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from tinyllm.generate import draw, generate, sample_next
+from tinyllm.generate import generate
+from tinyllm.sampling import draw, sample_next
 from tests.conftest import make_tiny
 
 TINY = make_tiny(seed=2)

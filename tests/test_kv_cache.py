@@ -65,7 +65,10 @@ def test_left_padded_rows_compute_what_they_would_alone():
 def test_positions_and_mask():
     """pos counts padding; a row's first real token has position 0; nobody attends a pad."""
     cache = KVCache(1, 8, pad_lens=torch.tensor([0, 2]))
-    assert cache.positions(4).tolist() == [[0, 1, 2, 3], [0, 0, 0, 1]]
+    assert cache.begin_step(4).tolist() == [[0, 1, 2, 3], [0, 0, 0, 1]]
+    cache.end_step()
+    assert cache.pos == 4 and cache.begin_step(1).tolist() == [[4], [2]]
+    assert KVCache(1, 8).begin_step(3).tolist() == [[0, 1, 2]], "one row of positions for all"
     mask = attention_mask(0, 4, torch.tensor([0, 2]), "cpu")
     assert mask.shape == (2, 1, 4, 4)
     assert mask[1, 0].int().tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
@@ -93,9 +96,16 @@ def test_cache_overflow_is_a_clear_error():
     assert cache.pos == 3, "a refused write leaves the cache as it was"
 
 
-def test_decode_mask_sees_each_rows_own_keys():
-    from tinyllm.kv_cache import decode_mask
-    lens, mask = decode_mask([2, 0, 3], "cpu")
-    assert lens.tolist() == [2, 0, 3] and mask.shape == (3, 1, 1, 4)
+def test_ragged_mask_sees_each_rows_own_keys():
+    """A decode step (one token per row) sees each row's own keys and its new one; a ragged step
+    (q_len tokens per row) is causal within the row, and a padding column repeats the row's
+    last position."""
+    from tinyllm.slot_cache import ragged_mask
+    positions, mask = ragged_mask([2, 0, 3], [1, 1, 1], "cpu")
+    assert positions.tolist() == [[2], [0], [3]] and mask.shape == (3, 1, 1, 4)
     assert mask[:, 0, 0].tolist() == [[True, True, True, False], [True, False, False, False],
                                       [True, True, True, True]]
+    positions, mask = ragged_mask([1, 0], [2, 3], "cpu")
+    assert positions.tolist() == [[1, 2, 2], [0, 1, 2]] and mask.shape == (2, 1, 3, 3)
+    assert mask[0, 0].int().tolist() == [[1, 1, 0], [1, 1, 1], [1, 1, 1]]
+    assert mask[1, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tinyllm.cuda_graph import SlotGraphDecoder, WindowCache, choose_bucket, default_buckets
 from tinyllm.engine import ContinuousEngine, Request, Sampling, run_continuous
-from tinyllm.kv_cache import SlotKVCache
+from tinyllm.slot_cache import SlotKVCache
 from tinyllm.paged_kv import BlockAllocator, PagedKVCache
 from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
 
@@ -20,15 +20,24 @@ def need_blocks(req: Request, block_size: int) -> int:
 
 
 def check_pool(cache: PagedKVCache) -> None:
-    """No block held twice, none lost, none held by a free slot, every active sequence covered."""
+    """The books of the block pool, between steps: no block held twice, none lost, none held
+    by a free slot, the allocator's flags and free list agree, every busy slot's table covers
+    its tokens and never exceeds max_len, and no step is left half done."""
     held = [b for table in cache.tables for b in table]
     assert len(held) == len(set(held)), "a block is held by two sequences"
-    assert sorted(held + cache.allocator.free_list) == list(range(cache.n_blocks)), \
+    free = cache.allocator.free_list
+    assert sorted(held + free) == list(range(cache.n_blocks)), \
         "every block is either held once or free once (the pool is never over-committed)"
+    assert [not a for a in cache.allocator.allocated] == [b in set(free) for b in range(cache.n_blocks)], \
+        "a block is flagged allocated exactly when it is off the free list"
+    assert cache.allocator.n_free() == len(free)
     assert cache.allocated_tokens() == len(held) * cache.block_size
+    assert cache.used_tokens() == sum(cache.lens)
+    assert cache._plan is None, "a step was planned and never run"
     for s in range(cache.n_slots):
         if cache.active[s]:
             assert len(cache.tables[s]) * cache.block_size >= cache.lens[s]
+            assert len(cache.tables[s]) <= cache.blocks_for(cache.max_len)
         else:
             assert cache.tables[s] == [] and cache.lens[s] == 0
 
@@ -48,9 +57,9 @@ def drive(eng: ContinuousEngine, reqs: list[Request], data=None, abort_odds: int
             if eng.abort(rid):
                 aborted.add(rid_of[rid])
         eng.step()
-        if isinstance(eng.slots, PagedKVCache):
-            check_pool(eng.slots)
-    assert not any(eng.slots.active) and eng.load() == (0, 0)
+        if isinstance(eng.cache, PagedKVCache):
+            check_pool(eng.cache)
+    assert not any(eng.cache.active) and eng.load() == (0, 0)
     done = {i: eng.results.pop(rid).tokens for rid, i in rid_of.items() if i not in aborted}
     return done, aborted
 
@@ -68,7 +77,7 @@ def test_paged_engine_matches_solo_generate(requests, n_slots, block_size, slack
     done, _ = drive(eng, requests)
     for i, req in enumerate(requests):
         assert done[i] == solo(req), f"request {i}"
-    assert eng.slots.allocated_tokens() == 0 and eng.slots.allocator.n_free() == n_blocks
+    assert eng.cache.allocated_tokens() == 0 and eng.cache.allocator.n_free() == n_blocks
 
 
 @settings(max_examples=25, deadline=None,
@@ -113,17 +122,19 @@ def test_abort_of_a_preempted_request_frees_nothing_twice():
     rids = [eng.add_request(r) for r in reqs]
     while eng.stats.preemptions == 0:
         eng.step()
-    waiting = [r for r in eng._queue if r in eng._outs and eng._outs[r]]
+    waiting = [seq.rid for seq in eng.scheduler.waiting if seq.tokens]
     assert waiting, "a preempted request waits in the queue"
+    assert all(seq.slot is None for seq in eng.scheduler.waiting)
     assert eng.abort(waiting[0]) is True
-    check_pool(eng.slots)
+    assert waiting[0] not in [seq.rid for seq in eng.scheduler.waiting]
+    check_pool(eng.cache)
     while eng.has_work():
         eng.step()
-        check_pool(eng.slots)
+        check_pool(eng.cache)
     for i, rid in enumerate(rids):
         if rid != waiting[0]:
             assert eng.results[rid].tokens == solo(reqs[i])
-    assert eng.slots.allocated_tokens() == 0
+    assert eng.cache.allocated_tokens() == 0
 
 
 def test_a_request_larger_than_the_pool_is_refused_at_once():
@@ -214,24 +225,33 @@ def test_a_decoder_is_reused_by_a_second_engine():
 @pytest.mark.parametrize("kind", ["slots", "paged", "graph"])
 def test_bf16_caches_under_autocast(kind):
     """What CUDA runs: a bf16 cache, the model under bf16 autocast (here on the CPU), float32
-    weights. The decode step writes and reads the cache without a dtype clash."""
+    weights. A ragged prefill and the decode step (plain, or the graph decoder's eager one)
+    write and read the cache without a dtype clash."""
     model = TINY.float()
     cfg = model.cfg
     if kind == "paged":
         cache = PagedKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 8, 4, 32, torch.bfloat16)
-        cache.tables = [cache.allocator.allocate(2), cache.allocator.allocate(2)]
     else:
         cache = SlotKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 32, torch.bfloat16)
-    cache.active, cache.lens = [True, True], [3, 5]
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     tokens = torch.tensor([[1], [2]])
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            if kind == "graph":                         # the graph decoder's cache view
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            for s, p in enumerate(prompts):
+                cache.admit(s, len(p))
+            cache.plan_step([0, 1], [3, 5])
+            model(torch.tensor([p + [0] * (5 - len(p)) for p in prompts]), cache=cache)
+            assert cache.lens == [3, 5]
+            assert cache.reserve(0, 1) and cache.reserve(1, 1)
+            cache.plan_step([0, 1], [1, 1])
+            if kind == "graph":     # the graph decoder's cache view, then its end of the step
                 logits, _ = model(tokens, cache=WindowCache(cache, torch.tensor([3, 5]), 8))
-                cache.lens = [4, 6]
+                cache.end_step()
             else:
                 logits, _ = model(tokens, cache=cache)
     finally:
         model.double()
     assert logits.shape == (2, 1, V) and torch.isfinite(logits).all()
-    assert cache.lens == [4, 6]
+    assert cache.lens == [4, 6] and cache._plan is None
+    if kind == "paged":
+        check_pool(cache)

@@ -199,6 +199,8 @@ class ContinuousEngine:
     @torch.no_grad()
     def step(self) -> list[Event]:
         """1) reserve, 2) admit and prefill, 3) decode, 4) retire. Returns the new tokens."""
+        if not self.scheduler.has_work():
+            return []
         self.stats.preemptions += len(self.scheduler.reserve())
         events = []
         if newcomers := self.scheduler.admit():

@@ -65,6 +65,7 @@ class SlotCache:
     def admit(self, slot: int, n_tokens: int) -> None:
         """Give a free slot to a sequence whose context of n_tokens is about to be prefilled
         (its length starts at 0), with memory for the context and its next token."""
+        self._check_slot(slot)
         if self.active[slot]:
             raise ValueError(f"slot {slot} is already serving a request")
         if not 0 < n_tokens < self.max_len:
@@ -105,6 +106,10 @@ class SlotCache:
         """Tokens the slot can hold with the memory it has now."""
         return self.max_len
 
+    def _check_slot(self, slot) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot!r} is not one of the cache's slots 0..{self.n_slots - 1}")
+
     # ---- a ragged step ----------------------------------------------------------------------
     def plan_step(self, rows: list[int], q_lens: list[int]) -> None:
         """The next forward pass runs these busy slots, in this order (batch row i is slot
@@ -112,9 +117,12 @@ class SlotCache:
         if not rows or len(rows) != len(q_lens) or len(set(rows)) != len(rows):
             raise ValueError(f"a step needs distinct slots and one q_len each, got {rows}, {q_lens}")
         for s, q in zip(rows, q_lens):
+            self._check_slot(s)
             if not self.active[s]:
                 raise ValueError(f"slot {s} is free: admit a sequence before stepping it")
-            if q < 1 or self.lens[s] + q > self._capacity(s):
+            if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+                raise ValueError(f"slot {s}: a row brings q_len >= 1 new tokens, got {q!r}")
+            if self.lens[s] + q > self._capacity(s):
                 raise ValueError(f"slot {s} holds {self.lens[s]} tokens and has room for "
                                  f"{self._capacity(s)}: it cannot take {q} more (reserve first)")
         self._plan = (list(rows), list(q_lens))
@@ -131,13 +139,15 @@ class SlotCache:
         # the new tokens' places in the (B * T) columns of the batch: all, or the unpadded ones
         self._new = None if min(q_lens) == T else torch.tensor(
             [b * T + i for b, q in enumerate(q_lens) for i in range(q)], device=self.device)
-        self._index(rows, positions)
         self._B, self._T = B, T
+        self._index(rows, positions)
         return positions
 
     def new_tokens(self, x: Tensor) -> Tensor:
         """The step's new keys (or values) x (B, n_kv, T, hd), padding left out: (N, n_kv, hd)."""
         B, n_kv, T, hd = x.shape
+        if B != self._B:
+            raise ValueError(f"the step was planned for {self._B} rows, the batch has {B}")
         flat = x.transpose(1, 2).reshape(B * T, n_kv, hd)                # (B * T, n_kv, hd)
         return flat if self._new is None else flat.index_select(0, self._new)
 
