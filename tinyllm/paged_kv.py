@@ -166,7 +166,7 @@ class PagedKVCache(SlotCache):
         B, W = len(rows), self._mask.size(-1)                           # keys any row may see
         tables = self._table_tensor(rows)                               # (B, n_table)
         keys = torch.arange(W, device=self.device).expand(B, W)         # (B, W)
-        self._write = self.new_positions(slot_mapping(tables, positions, self.block_size))  # (N,)
+        self._write = self.new_columns(slot_mapping(tables, positions, self.block_size))  # (N,)
         self._read = slot_mapping(tables, keys, self.block_size)        # (B, W)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -151,9 +151,10 @@ class SlotCache:
         flat = x.transpose(1, 2).reshape(B * T, n_kv, hd)                # (B * T, n_kv, hd)
         return flat if self._new is None else flat.index_select(0, self._new)
 
-    def new_positions(self, positions: Tensor) -> Tensor:
-        """The step's positions (B, T), padding left out: (N,)."""
-        flat = positions.reshape(-1)
+    def new_columns(self, x: Tensor) -> Tensor:
+        """A value per column of the batch, x (B, T) (a position, a slot, a pool row), for the
+        step's new tokens only, padding left out: (N,)."""
+        flat = x.reshape(-1)
         return flat if self._new is None else flat.index_select(0, self._new)
 
     def end_step(self) -> None:
@@ -188,8 +189,8 @@ class SlotKVCache(SlotCache):
         B, T = positions.shape
         self._rows = torch.tensor(rows, device=self.device)              # (B,) slot of each row
         self._prefix = rows == list(range(B))           # slots 0..B-1: read views, gather nothing
-        self._write_slot = self.new_positions(self._rows[:, None].expand(B, T))   # (N,)
-        self._write_pos = self.new_positions(positions)                  # (N,)
+        self._write_slot = self.new_columns(self._rows[:, None].expand(B, T))   # (N,)
+        self._write_pos = self.new_columns(positions)                  # (N,)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         ck, cv = self.k[layer], self.v[layer]
