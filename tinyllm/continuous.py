@@ -25,16 +25,12 @@ from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer
 from tinyllm.paged_kv import PagedKVCache
-from tinyllm.requests import Event, Request, Result, Sequence, check_request
+from tinyllm.requests import (Event, Request, Result, Sequence, check_positive_int,
+                              check_request)
 from tinyllm.sampling import Sampling, check_generator, sample_rows
 from tinyllm.scheduler import Scheduler
 from tinyllm.slot_cache import SlotCache, SlotKVCache
 from tinyllm.stats import Stats, Trace, kv_bytes_per_token, sync_device
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -59,11 +55,11 @@ class EngineConfig:
     buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        _positive_int("n_slots", self.n_slots)
+        check_positive_int("n_slots", self.n_slots)
         for name in ("max_len", "kv_blocks"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        _positive_int("block_size", self.block_size)
+                check_positive_int(name, getattr(self, name))
+        check_positive_int("block_size", self.block_size)
         if self.kv not in ("slots", "paged"):
             raise ValueError(f"kv must be 'slots' or 'paged', got {self.kv!r}")
         if not isinstance(self.cuda_graph, bool):
@@ -232,11 +228,12 @@ class ContinuousEngine:
         t_step = time.perf_counter()
         st, cache = self.stats, self.cache
         rows = [s.slot for s in seqs]
-        used = cache.used_tokens() / cache.reserved_tokens()
+        n_used, n_alloc, n_reserved = (cache.used_tokens(), cache.allocated_tokens(),
+                                       cache.reserved_tokens())
         st.record_step(len(rows) if self.decoder is None else self.config.n_slots, len(rows),
-                       self.config.n_slots, used, cache.used_tokens() / max(1, cache.allocated_tokens()))
+                       self.config.n_slots, n_used / n_reserved, n_used / max(1, n_alloc))
         if self.trace is not None:
-            self.trace.record(self.holders(), used, cache.allocated_tokens() / cache.reserved_tokens())
+            self.trace.record(self.holders(), n_used / n_reserved, n_alloc / n_reserved)
         t0 = time.perf_counter()
         cache.plan_step(rows, [1] * len(rows))
         if self.decoder is None:

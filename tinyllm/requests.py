@@ -42,12 +42,17 @@ def is_done(req: Request, toks: list[int]) -> bool:
     return len(toks) >= req.max_new_tokens or (req.eos_id is not None and toks[-1] == req.eos_id)
 
 
+def check_positive_int(name: str, value) -> None:
+    """Raise ValueError unless value is an int >= 1 (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
 def check_prompt(prompt, max_new_tokens: int, vocab_size: int, max_len: int) -> list[int]:
     """The prompt as a new list of ints (it may be any iterable of integers, numpy's too).
     Raises ValueError if it is empty, holds an id outside [0, vocab_size), or prompt plus new
     tokens would not fit max_len positions."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_positive_int("max_new_tokens", max_new_tokens)
     if isinstance(prompt, torch.Tensor):
         prompt = prompt.tolist()
     if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
@@ -104,6 +109,9 @@ class Sequence:
     def context(self) -> list[int]:
         """The tokens to prefill: the prompt, and after a preemption the tokens made so far."""
         return self.request.prompt + self.tokens
+
+    def context_len(self) -> int:
+        return len(self.request.prompt) + len(self.tokens)
 
     def append(self, token: int, now: float) -> bool:
         """Record a new token made at engine time now; True when the request is done."""

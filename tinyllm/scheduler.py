@@ -76,11 +76,11 @@ class Scheduler:
         free = self.cache.free_slots()
         if not (free and self.waiting):
             return []
-        fits = lambda seqs: self.cache.can_admit([len(s.context()) for s in seqs])
+        fits = lambda seqs: self.cache.can_admit([s.context_len() for s in seqs])
         chosen = choose_admissions(list(self.waiting), len(free), fits)
         for seq, slot in zip(chosen, free):
             self.waiting.remove(seq)
-            self.cache.admit(slot, len(seq.context()))
+            self.cache.admit(slot, seq.context_len())
             seq.slot = slot
             self.running[slot] = seq
         return chosen

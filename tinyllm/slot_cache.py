@@ -127,19 +127,21 @@ class SlotCache:
                                  f"{self._capacity(s)}: it cannot take {q} more (reserve first)")
         self._plan = (list(rows), list(q_lens))
 
-    def begin_step(self, T: int) -> Tensor:
+    def _planned(self) -> tuple[list[int], list[int]]:
         if self._plan is None:
             raise ValueError("no step planned: call plan_step(rows, q_lens) before the forward pass")
-        rows, q_lens = self._plan
+        return self._plan
+
+    def begin_step(self, T: int) -> Tensor:
+        rows, q_lens = self._planned()
         if T != max(q_lens):
             raise ValueError(f"the step was planned for {max(q_lens)} columns, the batch has {T}")
         lens = [self.lens[s] for s in rows]
         positions, self._mask = ragged_mask(lens, q_lens, self.device)  # (B, T), (B, 1, T, W)
-        B = len(rows)
         # the new tokens' places in the (B * T) columns of the batch: all, or the unpadded ones
         self._new = None if min(q_lens) == T else torch.tensor(
             [b * T + i for b, q in enumerate(q_lens) for i in range(q)], device=self.device)
-        self._B, self._T = B, T
+        self._B = len(rows)
         self._index(rows, positions)
         return positions
 
@@ -158,9 +160,7 @@ class SlotCache:
         return flat if self._new is None else flat.index_select(0, self._new)
 
     def end_step(self) -> None:
-        if self._plan is None:
-            raise ValueError("no step planned: call plan_step(rows, q_lens) before the forward pass")
-        rows, q_lens = self._plan
+        rows, q_lens = self._planned()
         for s, q in zip(rows, q_lens):
             self.lens[s] += q
         self._plan = None

@@ -13,7 +13,7 @@ import torch
 from tinyllm import padded
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer
-from tinyllm.requests import Request, Result, check_request, is_done
+from tinyllm.requests import Request, Result, check_positive_int, check_request, is_done
 from tinyllm.sampling import Sampling, check_generator, sample_rows
 from tinyllm.stats import ForwardTimer, Stats, Trace, kv_bytes_per_token
 
@@ -76,8 +76,7 @@ def run_static(model: Transformer, requests: list[Request], batch_size: int,
     request gets its solo tokens whatever shares its batch.
     Pass a Trace to have every decode step recorded in it; progress (a tqdm bar, or anything
     with .update(n)) is told of finished requests."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    check_positive_int("batch_size", batch_size)
     default = Sampling(temperature, top_k, top_p)                        # validates them
     check_generator(generator)
     model.eval()
