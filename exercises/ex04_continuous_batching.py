@@ -1,26 +1,49 @@
-"""Exercise 04 - continuous batching: admission, and the positions and mask of a ragged step.
+"""Exercise 04 - continuous batching: requests join and leave the slots, and the positions and
+mask of a ragged step.
 
-Two seams of the reference package:
-- `choose_admissions` is what `tinyllm.scheduler.Scheduler.admit` calls every step to pick the
-  queued requests that enter the free slots now;
+Three seams of the reference package:
+- `admit_waiting` is what `tinyllm.scheduler.Scheduler.admit` calls every step: waiting
+  requests move into the free slots, first come first served, while the cache has room;
+- `leave_slot` is what the scheduler calls when a request finishes, is aborted or preempted:
+  its slot is free at once, for the next waiting request;
 - `ragged_mask` is what `tinyllm.slot_cache.SlotCache.begin_step` calls once per forward pass:
   where each row's new tokens sit, and which keys each of them may see. Every step of the
   continuous engine goes through it: a newcomer brings its whole prompt, a running request one
   token, in the same kind of step.
 
+A request inside the engine is a `tinyllm.requests.Sequence`: `seq.rid` (its arrival number),
+`seq.slot` (None while it waits), `seq.context_len()` (its prompt and the tokens it has made).
+The cache (`tinyllm.slot_cache.SlotCache`) answers `free_slots()`, `can_admit([n_tokens])`,
+and takes `admit(slot, n_tokens)` and `release(slot)`.
+
 Check your work with `make check EX=04` (or `check_exercise("04")` in notebook 04). The tests
 plug your functions into the engine and compare every request's tokens with solo generate().
 """
 
+from collections import deque
+
 import torch
 from torch import Tensor
 
+from tinyllm.requests import Sequence
+from tinyllm.slot_cache import SlotCache
 
-def choose_admissions(queue: list, n_free: int, fits) -> list:
-    """Which queued requests enter now: the longest prefix of the queue (first come, first
-    served) with at most n_free requests for which fits(prefix) holds. fits(requests) says
-    whether the cache has room for all of these requests together."""
-    raise NotImplementedError("exercise 04: take queued requests in order while they fit")
+
+def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Sequence]:
+    """Move waiting sequences into the cache's free slots, first come first served, and return
+    them in queue order. For each free slot: the first waiting sequence enters if the cache can
+    take its context (cache.can_admit([seq.context_len()])): it leaves the queue, the cache
+    admits it (cache.admit(slot, seq.context_len())), and it is recorded as running
+    (seq.slot = slot, running[slot] = seq). The first that does not fit stops admission:
+    nobody overtakes it."""
+    raise NotImplementedError("exercise 04: move waiting requests into free slots, "
+                              "first come first served, while they fit")
+
+
+def leave_slot(seq: Sequence, running: dict, cache: SlotCache) -> None:
+    """seq leaves its slot (it finished, was aborted or is preempted): the cache frees the
+    slot and its memory (cache.release(slot)), running forgets it, and seq.slot is None."""
+    raise NotImplementedError("exercise 04: release the slot and forget the request there")
 
 
 def ragged_mask(lens: list[int], q_lens: list[int], device) -> tuple[Tensor, Tensor]:

@@ -1,26 +1,41 @@
-"""Exercise 05 - the paged KV cache: the block allocator, the block-table lookup, preemption.
+"""Exercise 05 - the paged KV cache: the block allocator, block tables that grow, the
+block-table lookup, and preemption when the pool runs dry.
 
-Four seams of the reference package:
+Five seams of the reference package:
 - `allocate_blocks` and `free_blocks` are the block allocator of `tinyllm.paged_kv`
   (`BlockAllocator` calls them): a free list of block ids, and one allocated flag per block;
+- `grow_table` (`tinyllm.paged_kv`) gives a sequence's block table the blocks it needs to hold
+  its tokens: at admission (the context and the next token) and before each decode step;
 - `slot_mapping` (`tinyllm.paged_kv`) turns sequence positions into pool rows through the block
   tables; the paged cache uses it to write each new key/value and to gather the keys a step
   attends to;
-- `choose_victim` (`tinyllm.scheduler`) picks the request that gives up its blocks when the
-  pool runs dry.
+- `reserve_or_preempt` (`tinyllm.scheduler`) runs before every step: room for each running
+  request's next token, and when the pool is dry, the youngest request gives its memory back
+  and waits to be recomputed.
+
+The scheduler's pieces: a `tinyllm.requests.Sequence` has `rid` (its arrival number) and `slot`;
+`running` maps slot -> Sequence and `waiting` is a deque of Sequences; `cache.reserve(slot, 1)`
+says (True/False) whether the cache could make room for one more token of that slot;
+`scheduler.leave_slot(seq, running, cache)` (exercise 04's, the package's here) frees a slot.
 
 Check your work with `make check EX=05` (or `check_exercise("05")` in notebook 05). The tests
 plug your functions into the paged engine, under memory pressure that forces preemptions, and
 compare every request's tokens with solo generate().
 """
 
+from collections import deque
+
 from torch import Tensor
+
+from tinyllm import scheduler
+from tinyllm.requests import Sequence
+from tinyllm.slot_cache import SlotCache
 
 
 def allocate_blocks(free_list: list[int], allocated: list[bool], n: int) -> list[int] | None:
-    """Take n blocks off the end of free_list, mark them in allocated (one flag per block of
-    the pool) and return them. When fewer than n are free, return None and change nothing."""
-    raise NotImplementedError("exercise 05: pop n blocks off the free list and mark them allocated")
+    """Take n blocks off free_list (any n of them), mark them in allocated (one flag per block
+    of the pool) and return them. When fewer than n are free, return None and change nothing."""
+    raise NotImplementedError("exercise 05: take n blocks off the free list and mark them allocated")
 
 
 def free_blocks(free_list: list[int], allocated: list[bool], blocks: list[int]) -> None:
@@ -30,6 +45,15 @@ def free_blocks(free_list: list[int], allocated: list[bool], blocks: list[int]) 
     raise NotImplementedError("exercise 05: check every block is allocated, then give them all back")
 
 
+def grow_table(table: list[int], n_tokens: int, block_size: int, allocate) -> bool:
+    """Make a block table hold n_tokens positions: append the blocks it lacks (a block holds
+    block_size positions, and a last block may be partly filled), taken with allocate(n), which
+    returns a list of n free blocks, or None when the pool has fewer. A table that already
+    holds n_tokens takes nothing. Returns False, with the table unchanged, when the pool has
+    too few blocks."""
+    raise NotImplementedError("exercise 05: allocate the blocks the table lacks for n_tokens positions")
+
+
 def slot_mapping(tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
     """Where positions live in the pool. tables (B, n_table) holds each row's block ids;
     positions (B, W) holds sequence positions of that row. Returns (B, W) indices into the
@@ -37,8 +61,12 @@ def slot_mapping(tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
     raise NotImplementedError("exercise 05: look up each position's block in the table, add its offset")
 
 
-def choose_victim(running: dict[int, int]) -> int:
-    """Which slot gives up its memory when the pool is dry. running maps each running slot to
-    its request's arrival number (lower = arrived earlier). The youngest request is preempted:
-    it has made the least progress, and the oldest ones keep going, so the run always ends."""
-    raise NotImplementedError("exercise 05: preempt the slot whose request arrived last")
+def reserve_or_preempt(running: dict, waiting: deque, cache: SlotCache) -> list[Sequence]:
+    """Room for every running sequence's next token, oldest first (lowest rid). While the cache
+    has none for a sequence (cache.reserve(seq.slot, 1) is False), the youngest running
+    sequence (highest rid; it may be this very one) is preempted: it leaves its slot
+    (leave_slot) and waits again. The waiting queue stays in arrival order (by rid), so a
+    preempted sequence goes back ahead of those that arrived after it. Returns the preempted,
+    in the order they were preempted."""
+    raise NotImplementedError("exercise 05: reserve a token for each running request, oldest "
+                              "first, preempting the youngest while the cache has no room")

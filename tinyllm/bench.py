@@ -22,7 +22,8 @@ import torch
 from tinyllm.checkpoint import resolve
 from tinyllm.continuous import run_continuous
 from tinyllm.cuda_graph import SlotGraphDecoder
-from tinyllm.model import Transformer
+from tinyllm.generate import autocast_for
+from tinyllm.model import Transformer, gpu_dtype
 from tinyllm.requests import Request
 from tinyllm.sampling import Sampling
 from tinyllm.slot_cache import SlotKVCache
@@ -101,7 +102,7 @@ def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64), 
     step elsewhere, where `graphed` is None)."""
     device = next(model.parameters()).device
     cfg = model.cfg
-    dtype = torch.bfloat16 if device.type == "cuda" else next(model.parameters()).dtype
+    dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def timed(fn, slots) -> float:
@@ -137,7 +138,7 @@ def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64), 
         tokens = torch.ones(B, 1, dtype=torch.long, device=device)
 
         def eager():
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with autocast_for(device):
                 model(tokens, cache=slots)
 
         row = {"batch": B, "eager_ms": timed(eager, slots),
@@ -175,23 +176,54 @@ def table(runs: dict[str, dict]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m tinyllm bench",
-                                 description="Compare serving engines on a named workload.")
-    ap.add_argument("--workload", default="longtail", choices=["uniform", "longtail", "eos", "poisson"])
-    ap.add_argument("--engines", default="static,continuous", help=", ".join(ENGINES))
-    ap.add_argument("--batch", type=int, default=16, help="static batch size / continuous slots")
-    ap.add_argument("--paged-slots", type=int, default=None, help="the paged engine's slots (default: --batch)")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-blocks", type=int, default=None,
-                    help="the paged pool (default: the KV memory of --batch slots)")
+    ap = argparse.ArgumentParser(
+        prog="python -m tinyllm bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Compare serving engines on a named workload: every engine serves the same requests, and their
+Stats.summary() are printed side by side (--json for a machine).
+
+workloads (--requests of them, fixed by --seed):
+  uniform     every prompt 16 random tokens and 64 new tokens, no EOS: all end together
+  longtail    prompts of 8-32 random tokens; most answers short, a few 256 tokens, no EOS
+  eos         a speaker's prompt ("Ham.", "My lord,"), sampled at temperature 0.8: the
+              model's own <|endoftext|> ends each answer, most after a line (at most 256)
+  poisson     the eos requests arriving over time, 8 a second on average (continuous
+              engines only: static batching is offline)
+
+engines (--engines, comma-separated):
+  static      step 03: a batch of --batch requests runs until its longest one ends
+  continuous  step 04: requests join and leave --batch slots at every decode step
+  paged       step 05: continuous on a pool of blocks (--block-size, --kv-blocks) shared
+              by --paged-slots slots
+  graphs      step 06: continuous with the decode step replayed as CUDA graphs (their
+              eager bucketed twin on a CPU)""",
+        epilog="""\
+examples:
+  python -m tinyllm bench --workload eos --engines static,continuous --batch 8 --requests 32
+  python -m tinyllm bench --engines continuous,paged --batch 16 --paged-slots 64
+  python -m tinyllm bench --decode-steps""")
+    default = " (default: %(default)s)"
+    ap.add_argument("--workload", default="longtail", choices=["uniform", "longtail", "eos", "poisson"],
+                    metavar="NAME", help="the requests to serve, see above" + default)
+    ap.add_argument("--engines", default="static,continuous", metavar="NAMES",
+                    help=", ".join(ENGINES) + ", comma-separated" + default)
+    ap.add_argument("--batch", type=int, default=16, metavar="N",
+                    help="static's batch size, the continuous engines' slots" + default)
+    ap.add_argument("--paged-slots", type=int, default=None, metavar="N",
+                    help="the paged engine's slots (default: --batch)")
+    ap.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block" + default)
+    ap.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                    help="the paged engine's pool of blocks (default: the KV memory of --batch slots)")
     ap.add_argument("--peers", action="store_true",
                     help="tinyllm's engines against transformers' on the same weights, and stop")
     ap.add_argument("--decode-steps", action="store_true",
                     help="time one decode step per batch size, eager against graphed, and stop")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default="default", help="checkpoint directory")
-    ap.add_argument("--device", default=None)
+    ap.add_argument("--requests", type=int, default=64, metavar="N", help="how many requests" + default)
+    ap.add_argument("--seed", type=int, default=0, metavar="N", help="the workload's seed" + default)
+    ap.add_argument("--model", default="default", metavar="DIR",
+                    help="a checkpoint directory, e.g. runs/shakespeare (default: the bundled model)")
+    ap.add_argument("--device", default=None,
+                    help="cpu, cuda, cuda:1, ... (default: cuda when there is one, else cpu)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
 

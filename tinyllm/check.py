@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from contextlib import contextmanager
 from pathlib import Path
 
 from tinyllm.seams import SEAMS, seam_names
@@ -54,6 +55,37 @@ def near_tie(model, prompt: list[int], expected: list[int], got: list[int],
     if gap <= bound:
         return True, f"near-tie at token {i}: {expected[i]} vs {got[i]}, logit gap {gap:.4f}"
     return False, f"{msg} (logit gap {gap:.4f} > {bound})"
+
+
+@contextmanager
+def explained(what: str):
+    """Turn an error raised inside the engine into a failure that says what was running:
+    'the paged engine with your functions raised IndexError: index 2 is out of bounds ...'."""
+    try:
+        yield
+    except AssertionError:
+        raise
+    except Exception as e:
+        raise AssertionError(f"{what} raised {type(e).__name__}: {e}") from e
+
+
+def leaks(engine) -> str | None:
+    """What an idle ContinuousEngine still holds (a slot, a running or waiting request, a
+    block of the pool), in words; None when every request has given everything back."""
+    cache, sched = engine.cache, engine.scheduler
+    if any(cache.active):
+        busy = [s for s, a in enumerate(cache.active) if a]
+        return f"slots {busy} are still busy after every request finished: nobody released them"
+    if sched.running or sched.waiting:
+        return (f"the scheduler still holds {len(sched.running)} running and "
+                f"{len(sched.waiting)} waiting requests after every request finished")
+    allocator = getattr(cache, "allocator", None)
+    if allocator is not None:
+        held = [b for b, a in enumerate(allocator.allocated) if a]
+        if held or allocator.n_free() != allocator.n_blocks:
+            return (f"blocks {held} are still allocated and {allocator.n_free()} of "
+                    f"{allocator.n_blocks} are free after every request finished: blocks leaked")
+    return None
 
 
 def exercise_files() -> dict[str, Path]:

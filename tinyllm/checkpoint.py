@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tinyllm.model import ModelConfig, Transformer
+from tinyllm.model import ModelConfig, Transformer, gpu_dtype
 from tinyllm.tokenizer import Tokenizer
 
 DEFAULT = Path(__file__).parent / "weights" / "shakespeare"
@@ -234,8 +234,8 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
     path: "default" (the bundled Shakespeare model), a local directory, or with download=True
     a Hugging Face Hub id such as "HuggingFaceTB/SmolLM2-135M" (needs the `hf` extra and a
     network; nothing is fetched otherwise). device None picks CUDA when there is one, else the
-    CPU; dtype None is bfloat16 on CUDA and float32 on the CPU (exact arithmetic for the
-    oracle; float64 for the tests). max_seq_len: positions to serve (default: the
+    CPU; dtype None is bfloat16 on CUDA (float16 on a GPU without it: model.gpu_dtype) and
+    float32 on the CPU (exact arithmetic for the oracle; float64 for the tests). max_seq_len: positions to serve (default: the
     checkpoint's own, at most MAX_SEQ_LEN, which keeps the RoPE table and caches small)."""
     check_max_seq_len(max_seq_len)
     path = resolve(path)
@@ -250,7 +250,7 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
     with torch.device("meta"):
         model = Transformer(cfg)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or (gpu_dtype(device) if device.type == "cuda" else torch.float32)
     load_state(model, tensors, path, device, dtype)
     model.eval()
     eos = hf.get("eos_token_id")

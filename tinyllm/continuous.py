@@ -23,7 +23,7 @@ from torch import Tensor
 
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
-from tinyllm.model import Transformer
+from tinyllm.model import Transformer, gpu_dtype
 from tinyllm.paged_kv import PagedKVCache
 from tinyllm.requests import (Event, Request, Result, Sequence, check_positive_int,
                               check_request)
@@ -75,7 +75,7 @@ class EngineConfig:
 
     def make_cache(self, model: Transformer, max_len: int, device) -> SlotCache:
         cfg = model.cfg
-        dtype = torch.bfloat16 if device.type == "cuda" else next(model.parameters()).dtype
+        dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
         if self.kv == "slots":
             return SlotKVCache(cfg.n_layers, self.n_slots, cfg.n_kv_heads, cfg.head_dim,
                                max_len, dtype, device)

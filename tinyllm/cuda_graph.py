@@ -14,7 +14,10 @@ three moves:
    (say 64, 128, 256, 512); a step replays the smallest bucket that covers the longest active
    sequence (`choose_bucket`), and the mask hides the keys past each slot's length. Above the
    largest bucket the same step runs eagerly, at the window it needs.
-3. **Capture after a warm-up**, on a side stream, every bucket's graph in one memory pool
+3. **One decode step** (`decode_step`): the window is the longest busy slot's length + 1, the
+   bucket the smallest that holds it; the step's inputs go into the static buffers, the
+   bucket's graph replays, and the slots' lengths grow by one.
+4. **Capture after a warm-up**, on a side stream, every bucket's graph in one memory pool
    (their activations are never live at the same time, so they can share it).
 
 The step decodes every slot, free or not: a graph has one batch shape. Prefill stays eager
@@ -26,7 +29,7 @@ token, and a GPU adds only the capture.
 import torch
 from torch import Tensor
 
-from tinyllm.model import Transformer
+from tinyllm.model import Transformer, gpu_dtype
 from tinyllm.slot_cache import SlotKVCache
 
 
@@ -55,6 +58,32 @@ def fill_static(static_tokens: Tensor, static_lens: Tensor, tokens: Tensor, lens
     captured with, so they must be written into, never replaced."""
     static_tokens.copy_(tokens)
     static_lens.copy_(lens)
+
+
+def decode_step(decoder: "SlotGraphDecoder", tokens: Tensor) -> Tensor:
+    """One decode step of every slot of decoder.slots (the step the engine planned):
+    tokens (S, 1) -> logits (S, 1, V).
+
+    The window is the number of keys the longest busy slot attends to: its length + 1 (the new
+    token sees itself). Fill the static buffers (decoder.tokens, decoder.lens) with the tokens
+    and each slot's length (0 for a free slot). Then run the smallest bucket W that holds the
+    window: replay decoder.graphs[W] when decoder.capture (its logits are decoder.logits[W]),
+    else decoder.run_eager(W); with no such bucket, decoder.run_eager(window). Last, end the
+    slots' step (decoder.slots.end_step()): a replay runs none of the forward pass's Python,
+    so nothing else counts the new tokens."""
+    slots = decoder.slots
+    window = max(slots.lens[s] for s in slots.live_slots()) + 1
+    W = choose_bucket(decoder.buckets, window)
+    lens = torch.tensor([n if a else 0 for n, a in zip(slots.lens, slots.active)],
+                        device=decoder.device)                         # (S,)
+    fill_static(decoder.tokens, decoder.lens, tokens, lens)
+    if W is not None and decoder.capture:
+        decoder.graphs[W].replay()
+        logits = decoder.logits[W]
+    else:                                               # eager: no capture, or no bucket fits
+        logits = decoder.run_eager(W or window)
+    slots.end_step()
+    return logits
 
 
 class WindowCache:
@@ -118,12 +147,15 @@ class SlotGraphDecoder:
         if self.capture:
             self._capture_all()
 
-    def _run(self, W: int) -> Tensor:
+    def run_eager(self, W: int) -> Tensor:
+        """The decode step at window W, run eagerly from the static buffers (what a graph of
+        bucket W records): logits (S, 1, V)."""
         if W not in self.views:                         # the eager fallback's window
             self.views[W] = WindowCache(self.slots, self.lens, W)
         # the autocast cache must be off while capturing: its casts would be captured once
-        with torch.autocast(self.device.type, dtype=torch.bfloat16,
-                            enabled=self.device.type == "cuda", cache_enabled=False):
+        on_gpu = self.device.type == "cuda"
+        with torch.autocast(self.device.type, dtype=gpu_dtype(self.device) if on_gpu else None,
+                            enabled=on_gpu, cache_enabled=False):
             logits, _ = self.model(self.tokens, cache=self.views[W])    # (S, 1, V)
         return logits
 
@@ -136,12 +168,12 @@ class SlotGraphDecoder:
         with torch.cuda.stream(side):                   # warm-up: lazy init, kernel choice
             for W in self.buckets:
                 for _ in range(3):
-                    self._run(W)
+                    self.run_eager(W)
         torch.cuda.current_stream(self.device).wait_stream(side)
         for W in reversed(self.buckets):                # largest first, then the rest share its pool
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[W] = self._run(W)
+                self.logits[W] = self.run_eager(W)
             self.pool = graph.pool() if self.pool is None else self.pool
             self.graphs[W] = graph
         torch.cuda.synchronize(self.device)
@@ -153,16 +185,6 @@ class SlotGraphDecoder:
         live = slots.live_slots()
         if not live:
             raise ValueError("no active slot to decode")
-        window = max(slots.lens[s] for s in live) + 1
-        if window > slots.max_len:
+        if max(slots.lens[s] for s in live) >= slots.max_len:
             raise ValueError(f"a slot is full ({slots.max_len} positions)")
-        W = choose_bucket(self.buckets, window)
-        lens = torch.tensor([n if a else 0 for n, a in zip(slots.lens, slots.active)])
-        fill_static(self.tokens, self.lens, tokens, lens.to(self.device))
-        if W is not None and self.capture:
-            self.graphs[W].replay()
-            logits = self.logits[W]
-        else:                                           # eager: no capture, or no bucket fits
-            logits = self._run(W or window)
-        slots.end_step()
-        return logits
+        return decode_step(self, tokens)

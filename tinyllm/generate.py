@@ -14,14 +14,17 @@ import torch
 from torch import Tensor
 
 from tinyllm import kv_cache
-from tinyllm.model import Transformer
+from tinyllm.model import Transformer, gpu_dtype
 from tinyllm.requests import check_eos, check_prompt
 from tinyllm.sampling import check_generator, check_sampling, sample_next
 
 
 def autocast_for(device: torch.device):
-    """bf16 autocast on CUDA, nothing on the CPU (where float32/float64 keep results exact)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    """Autocast to the GPU's low-precision dtype on CUDA (bf16, or fp16 where the GPU has no
+    bf16: model.gpu_dtype), nothing on the CPU (where float32/float64 keep results exact)."""
+    if device.type != "cuda":
+        return torch.autocast("cpu", enabled=False)
+    return torch.autocast("cuda", dtype=gpu_dtype(device))
 
 
 def _prepare(model: Transformer, prompt, max_new_tokens, eos_id, temperature, top_k, top_p,

@@ -20,6 +20,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def gpu_dtype(device) -> torch.dtype:
+    """The low-precision dtype of weights, caches and autocast on a CUDA device: bfloat16 where
+    the GPU computes in it (compute capability 8.0 and later: A100, L4, H100...), else float16
+    (a T4, Colab's free GPU). Its results match float32 up to near-ties (check.near_tie)."""
+    major, _ = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if major >= 8 else torch.float16
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 2048

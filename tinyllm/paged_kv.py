@@ -12,7 +12,8 @@ the engine reserves every running sequence's next token (`reserve`); when the po
 scheduler preempts a request (scheduler.py) and recomputes it later.
 
 `PagedKVCache` has the interface of `SlotKVCache` (both are `SlotCache`s), plus block tables.
-Its seams are exercise 05: the block allocator (`allocate_blocks`, `free_blocks`) and the
+Its seams are exercise 05: the block allocator (`allocate_blocks`, `free_blocks`), a block
+table's growth (`grow_table`: how many blocks a sequence needs, and taking them) and the
 block-table lookup (`slot_mapping`).
 """
 
@@ -44,8 +45,8 @@ class BlockAllocator:
 
 
 def allocate_blocks(free_list: list[int], allocated: list[bool], n: int) -> list[int] | None:
-    """Take n blocks off the end of free_list, mark them in allocated (one flag per block of
-    the pool) and return them. When fewer than n are free, return None and change nothing."""
+    """Take n blocks off free_list (any n of them), mark them in allocated (one flag per block
+    of the pool) and return them. When fewer than n are free, return None and change nothing."""
     if n > len(free_list):
         return None
     blocks = [free_list.pop() for _ in range(n)]
@@ -64,6 +65,22 @@ def free_blocks(free_list: list[int], allocated: list[bool], blocks: list[int]) 
     for b in blocks:
         allocated[b] = False
         free_list.append(b)
+
+
+def grow_table(table: list[int], n_tokens: int, block_size: int, allocate) -> bool:
+    """Make a block table hold n_tokens positions: append the blocks it lacks (a block holds
+    block_size positions, and a last block may be partly filled), taken with allocate(n), which
+    returns a list of n free blocks, or None when the pool has fewer. A table that already
+    holds n_tokens takes nothing. Returns False, with the table unchanged, when the pool has
+    too few blocks."""
+    need = -(-n_tokens // block_size) - len(table)                      # ceil, less what it has
+    if need <= 0:
+        return True
+    got = allocate(need)
+    if got is None:
+        return False
+    table += got
+    return True
 
 
 def slot_mapping(tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
@@ -111,20 +128,16 @@ class PagedKVCache(SlotCache):
             raise ValueError(f"a context of {n_tokens} tokens needs {need} blocks, "
                              f"{self.allocator.n_free()} are free")
         super().admit(slot, n_tokens)
-        self.tables[slot] = self.allocator.allocate(need)
+        self.tables[slot] = []                          # room for the context and its next token
+        grow_table(self.tables[slot], n_tokens + 1, self.block_size, self.allocator.allocate)
 
     def reserve(self, slot: int, n: int = 1) -> bool:
         """Blocks for n more tokens in slot, taken from the pool as needed; False (and nothing
         taken) when the pool has too few."""
         if self.lens[slot] + n > self.max_len:
             return False
-        need = self.blocks_for(self.lens[slot] + n) - len(self.tables[slot])
-        if need > 0:
-            got = self.allocator.allocate(need)
-            if got is None:
-                return False
-            self.tables[slot] += got
-        return True
+        return grow_table(self.tables[slot], self.lens[slot] + n, self.block_size,
+                          self.allocator.allocate)
 
     def release(self, slot: int) -> None:
         self.allocator.free(self.tables[slot])

@@ -4,11 +4,13 @@ The continuous engine's scheduler holds every unfinished request as a `Sequence`
 arrival order) or running (in a slot of the cache). Each step it first reserves room for every
 running sequence's next token, oldest first; when the cache has none (a paged pool, 05, runs
 dry), it preempts the youngest running sequence: its slot and memory go back, and it waits again
-in arrival order, to be recomputed from its prompt and the tokens it has made. Then it admits
-waiting sequences into free slots, first come first served (04). It asks the cache questions
-(`can_admit`, `reserve`) and never asks which kind of cache it holds.
+in arrival order, to be recomputed from its prompt and the tokens it has made
+(`reserve_or_preempt`). Then it moves waiting sequences into free slots, first come first
+served (`admit_waiting`, 04); a sequence that finishes or is aborted leaves its slot at once
+(`leave_slot`, 04). It asks the cache questions (`can_admit`, `reserve`) and never asks which
+kind of cache it holds.
 
-Seams: `choose_admissions` (exercise 04) and `choose_victim` (exercise 05).
+Seams: `admit_waiting` and `leave_slot` (exercise 04), `reserve_or_preempt` (exercise 05).
 """
 
 from collections import deque
@@ -17,23 +19,50 @@ from tinyllm.requests import Sequence
 from tinyllm.slot_cache import SlotCache
 
 
-def choose_admissions(queue: list, n_free: int, fits) -> list:
-    """Which queued requests enter now: the longest prefix of the queue (first come, first
-    served) with at most n_free requests for which fits(prefix) holds. fits(requests) says
-    whether the cache has room for all of these requests together."""
-    chosen = []
-    for req in queue:
-        if len(chosen) == n_free or not fits(chosen + [req]):
+def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Sequence]:
+    """Move waiting sequences into the cache's free slots, first come first served, and return
+    them in queue order. For each free slot: the first waiting sequence enters if the cache can
+    take its context (cache.can_admit([seq.context_len()])): it leaves the queue, the cache
+    admits it (cache.admit(slot, seq.context_len())), and it is recorded as running
+    (seq.slot = slot, running[slot] = seq). The first that does not fit stops admission:
+    nobody overtakes it."""
+    admitted = []
+    for slot in cache.free_slots():
+        if not waiting or not cache.can_admit([waiting[0].context_len()]):
             break
-        chosen.append(req)
-    return chosen
+        seq = waiting.popleft()
+        cache.admit(slot, seq.context_len())
+        seq.slot, running[slot] = slot, seq
+        admitted.append(seq)
+    return admitted
 
 
-def choose_victim(running: dict[int, int]) -> int:
-    """Which slot gives up its memory when the pool is dry. running maps each running slot to
-    its request's arrival number (lower = arrived earlier). The youngest request is preempted:
-    it has made the least progress, and the oldest ones keep going, so the run always ends."""
-    return max(running, key=running.get)
+def leave_slot(seq: Sequence, running: dict, cache: SlotCache) -> None:
+    """seq leaves its slot (it finished, was aborted or is preempted): the cache frees the
+    slot and its memory (cache.release(slot)), running forgets it, and seq.slot is None."""
+    cache.release(seq.slot)
+    del running[seq.slot]
+    seq.slot = None
+
+
+def reserve_or_preempt(running: dict, waiting: deque, cache: SlotCache) -> list[Sequence]:
+    """Room for every running sequence's next token, oldest first (lowest rid). While the cache
+    has none for a sequence (cache.reserve(seq.slot, 1) is False), the youngest running
+    sequence (highest rid; it may be this very one) is preempted: it leaves its slot
+    (leave_slot) and waits again. The waiting queue stays in arrival order (by rid), so a
+    preempted sequence goes back ahead of those that arrived after it. Returns the preempted,
+    in the order they were preempted."""
+    preempted = []
+    for seq in sorted(running.values(), key=lambda s: s.rid):
+        while seq.slot is not None and not cache.reserve(seq.slot, 1):
+            victim = max(running.values(), key=lambda s: s.rid)
+            leave_slot(victim, running, cache)
+            preempted.append(victim)
+    if preempted:
+        queue = sorted([*preempted, *waiting], key=lambda s: s.rid)
+        waiting.clear()
+        waiting.extend(queue)
+    return preempted
 
 
 class Scheduler:
@@ -56,44 +85,20 @@ class Scheduler:
 
     # ---- 1) reserve -------------------------------------------------------------------------
     def reserve(self) -> list[Sequence]:
-        """Room for every running sequence's next token, oldest first, preempting the youngest
-        while the cache has none. Returns the preempted sequences, now waiting again."""
-        preempted = []
-        for seq in sorted(self.running.values(), key=lambda s: s.rid):
-            while seq.slot is not None and not self.cache.reserve(seq.slot, 1):
-                slot = choose_victim({s: q.rid for s, q in self.running.items()})
-                victim = self.running[slot]
-                self._leave_slot(victim)
-                preempted.append(victim)
-        if preempted:                                   # the queue stays in arrival order
-            self.waiting = deque(sorted([*preempted, *self.waiting], key=lambda s: s.rid))
-        return preempted
+        """Room for every running sequence's next token, preempting while there is none.
+        Returns the preempted sequences, now waiting again."""
+        return reserve_or_preempt(self.running, self.waiting, self.cache)
 
     # ---- 2) admit ---------------------------------------------------------------------------
     def admit(self) -> list[Sequence]:
         """Waiting sequences that enter free slots now, each given a slot and memory for its
         context: the engine prefills them next."""
-        free = self.cache.free_slots()
-        if not (free and self.waiting):
-            return []
-        fits = lambda seqs: self.cache.can_admit([s.context_len() for s in seqs])
-        chosen = choose_admissions(list(self.waiting), len(free), fits)
-        for seq, slot in zip(chosen, free):
-            self.waiting.remove(seq)
-            self.cache.admit(slot, seq.context_len())
-            seq.slot = slot
-            self.running[slot] = seq
-        return chosen
+        return admit_waiting(self.waiting, self.running, self.cache)
 
     # ---- 4) retire --------------------------------------------------------------------------
     def finish(self, seq: Sequence) -> None:
         """seq is done, or aborted: its slot and memory are free at once."""
         if seq.slot is not None:
-            self._leave_slot(seq)
+            leave_slot(seq, self.running, self.cache)
         else:
             self.waiting.remove(seq)
-
-    def _leave_slot(self, seq: Sequence) -> None:
-        self.cache.release(seq.slot)
-        del self.running[seq.slot]
-        seq.slot = None

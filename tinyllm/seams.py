@@ -15,10 +15,13 @@ SEAMS: dict[str, tuple[tuple[str, str], ...]] = {
     "02": (("tinyllm.padded", "left_pad"), ("tinyllm.kv_cache", "rope_positions"),
            ("tinyllm.kv_cache", "attention_mask")),
     "03": (("tinyllm.static", "run_batch"),),
-    "04": (("tinyllm.scheduler", "choose_admissions"), ("tinyllm.slot_cache", "ragged_mask")),
+    "04": (("tinyllm.scheduler", "admit_waiting"), ("tinyllm.scheduler", "leave_slot"),
+           ("tinyllm.slot_cache", "ragged_mask")),
     "05": (("tinyllm.paged_kv", "allocate_blocks"), ("tinyllm.paged_kv", "free_blocks"),
-           ("tinyllm.paged_kv", "slot_mapping"), ("tinyllm.scheduler", "choose_victim")),
-    "06": (("tinyllm.cuda_graph", "choose_bucket"), ("tinyllm.cuda_graph", "fill_static")),
+           ("tinyllm.paged_kv", "grow_table"), ("tinyllm.paged_kv", "slot_mapping"),
+           ("tinyllm.scheduler", "reserve_or_preempt")),
+    "06": (("tinyllm.cuda_graph", "choose_bucket"), ("tinyllm.cuda_graph", "fill_static"),
+           ("tinyllm.cuda_graph", "decode_step")),
 }
 
 

@@ -1,17 +1,21 @@
-"""Exercise 04 - continuous batching: your admission and ragged mask inside ContinuousEngine."""
+"""Exercise 04 - continuous batching: your admission, slot release and ragged mask inside
+ContinuousEngine."""
 
 import functools
 import random
+from collections import deque
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyllm.check import divergence
+from tinyllm.check import divergence, explained, leaks
 from tinyllm.continuous import ContinuousEngine, run_continuous
 from tinyllm.generate import generate
-from tinyllm.requests import Request
+from tinyllm.paged_kv import PagedKVCache
+from tinyllm.requests import Request, Sequence
+from tinyllm.sampling import Sampling
 from tinyllm.slot_cache import SlotKVCache
 from tests.conftest import make_tiny
 
@@ -19,26 +23,77 @@ EXERCISE = "ex04_continuous_batching"
 TINY = make_tiny(seed=5)
 
 
-# ---- choose_admissions ----------------------------------------------------------------------
-def test_admission_is_first_come_first_served(impl):
-    """Everything fits: the first n_free requests of the queue, in queue order."""
-    got = impl.choose_admissions([7, 3, 9, 4], 3, lambda reqs: True)
-    assert got == [7, 3, 9], f"3 free slots, everything fits: admit the first 3 in order, got {got}"
+# ---- admit_waiting and leave_slot ---------------------------------------------------------
+def seqs(*context_lens: int) -> deque:
+    """Waiting Sequences with prompts of these lengths, rids 0, 1, ... in arrival order."""
+    return deque(Sequence(i, Request([1] * n, 4), 0.0, Sampling(), None)
+                 for i, n in enumerate(context_lens))
 
 
-def test_admission_stops_at_the_first_request_that_does_not_fit(impl):
-    """The first request that does not fit stops admission: nobody overtakes it."""
-    fits = lambda reqs: sum(reqs) <= 10
-    got = impl.choose_admissions([4, 5, 9, 1], 4, fits)
-    assert got == [4, 5], (f"with fits = sum <= 10, queue [4, 5, 9, 1]: admit [4, 5] and stop at 9 "
-                           f"(no overtaking: 1 waits behind 9), got {got}")
+def slots(n_slots: int, busy=()) -> SlotKVCache:
+    cfg = TINY.cfg
+    cache = SlotKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, 32, torch.float64, "cpu")
+    for s in busy:
+        cache.admit(s, 3)
+    return cache
+
+
+def admitted(impl, waiting, running, cache):
+    got = impl.admit_waiting(waiting, running, cache)
+    assert isinstance(got, list), f"admit_waiting returns the admitted sequences as a list, got {got!r}"
+    return got
+
+
+def test_admission_fills_the_free_slots_first_come_first_served(impl):
+    """Slot 1 is busy: the first two waiting take slots 0 and 2, the others keep waiting."""
+    waiting, running, cache = seqs(4, 2, 6, 3), {}, slots(3, busy=[1])
+    a, b, c, d = waiting
+    got = admitted(impl, waiting, running, cache)
+    assert [s.rid for s in got] == [0, 1], \
+        f"2 free slots, 4 waiting: requests 0 and 1 enter (in arrival order), got rids {[s.rid for s in got]}"
+    assert (a.slot, b.slot) == (0, 2), f"they take the free slots 0 and 2, got {a.slot} and {b.slot}"
+    assert running == {0: a, 2: b}, f"running maps each new slot to its sequence, got {running}"
+    assert list(waiting) == [c, d], f"the admitted leave the queue, the rest keep their order: {list(waiting)}"
+    assert cache.active == [True, True, True], f"the cache admitted them into their slots: active {cache.active}"
+    assert c.slot is None and d.slot is None, "a waiting sequence has no slot"
+
+
+def test_the_first_that_does_not_fit_stops_admission(impl):
+    """A pool of 4 blocks of 4: request 0 takes 2 blocks, request 1 would need 3, so it waits,
+    and request 2 (1 block, it would fit) waits behind it: nobody overtakes."""
+    cfg = TINY.cfg
+    cache = PagedKVCache(cfg.n_layers, 3, cfg.n_kv_heads, cfg.head_dim, 4, 4, 32, torch.float64, "cpu")
+    waiting, running = seqs(5, 9, 2), {}
+    got = admitted(impl, waiting, running, cache)
+    assert [s.rid for s in got] == [0], (f"request 0 fits (2 blocks), request 1 does not (3 blocks, "
+                                         f"2 free) and request 2 waits behind it: admit [0], got "
+                                         f"rids {[s.rid for s in got]} (ask cache.can_admit first)")
+    assert [s.rid for s in waiting] == [1, 2], f"1 and 2 keep waiting, in order: {[s.rid for s in waiting]}"
 
 
 def test_admission_with_nothing_to_do(impl):
-    """An empty queue, no free slot, or a head that does not fit: nobody enters."""
-    assert impl.choose_admissions([], 4, lambda r: True) == [], "an empty queue: admit nobody"
-    assert impl.choose_admissions([1, 2], 0, lambda r: True) == [], "no free slot: admit nobody"
-    assert impl.choose_admissions([1, 2], 2, lambda r: False) == [], "the head does not fit: admit nobody"
+    """An empty queue, or no free slot: nobody enters and nothing changes."""
+    cache = slots(2)
+    assert admitted(impl, deque(), {}, cache) == [], "an empty queue: admit nobody"
+    assert cache.active == [False, False], "and take no slot"
+    waiting, cache = seqs(3), slots(2, busy=[0, 1])
+    assert admitted(impl, waiting, {}, cache) == [], "no free slot: admit nobody"
+    assert len(waiting) == 1 and waiting[0].slot is None, "the request keeps waiting"
+
+
+def test_leave_slot_frees_the_slot_and_its_memory(impl):
+    """A finished sequence's slot is free at once: the cache, running and the sequence agree."""
+    cfg = TINY.cfg
+    cache = PagedKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 6, 4, 32, torch.float64, "cpu")
+    seq = Sequence(0, Request([1] * 9, 4), 0.0, Sampling(), None)
+    cache.admit(1, 9)
+    seq.slot, running = 1, {1: seq}
+    impl.leave_slot(seq, running, cache)
+    assert cache.free_slots() == [0, 1], f"slot 1 is free again (cache.release), free slots {cache.free_slots()}"
+    assert cache.allocator.n_free() == 6, \
+        f"its blocks go back to the pool: {cache.allocator.n_free()} of 6 free (cache.release frees them)"
+    assert running == {}, f"running forgets the sequence, holds {running}"
+    assert seq.slot is None, f"the sequence no longer has a slot, seq.slot = {seq.slot}"
 
 
 # ---- ragged_mask ----------------------------------------------------------------------------
@@ -154,21 +209,63 @@ def solo_tokens(n: int, seed: int) -> list[list[int]]:
     return solo(TINY, requests(n, seed))
 
 
+def run_engine(eng, reqs, every: int = 0) -> list[int]:
+    """Add reqs (all at once, or one every `every` steps) and step until done; the rids."""
+    rids, step = [], 0
+    with explained("the engine with your functions"):
+        while len(rids) < len(reqs) or eng.has_work():
+            while len(rids) < len(reqs) and (every == 0 or step % every == 0):
+                rids.append(eng.add_request(reqs[len(rids)]))
+                if every:
+                    break
+            if eng.has_work():
+                eng.step()
+            step += 1
+            assert step < 10_000, "the engine never finishes: a request is never admitted, or never leaves"
+    return rids
+
+
+def check_results(eng, rids, expected, where=""):
+    for i, (e, rid) in enumerate(zip(expected, rids)):
+        assert rid in eng.results, f"request {i}{where} never finished (no Result)"
+        msg = divergence(f"request {i}{where}", e, eng.results[rid].tokens)
+        assert msg is None, msg
+    msg = leaks(eng)
+    assert msg is None, msg
+
+
 def test_your_admission_fills_the_free_slots_in_order(plug):
-    """The engine with your choose_admissions: the first come take the free slots, the rest wait."""
-    plug("choose_admissions")
+    """The engine with your admission: the first come take the free slots, the rest wait, and a
+    finished request's slot goes to the next in line."""
+    plug("admit_waiting", "leave_slot")
     reqs = [Request([i + 1, i + 2], 6) for i in range(4)]
     eng = ContinuousEngine(TINY, 2)
     rids = [eng.add_request(r) for r in reqs]
-    eng.step()
+    with explained("the engine's first step with your admit_waiting"):
+        eng.step()
     assert eng.holders() == [rids[0], rids[1]], \
         f"2 free slots, 4 queued: requests 0 and 1 take slots 0 and 1, the slots hold {eng.holders()}"
     assert eng.load() == (2, 2), f"2 waiting and 2 running after the first step, got {eng.load()}"
-    while eng.has_work():
+    run_engine(eng, [])
+    check_results(eng, rids, solo(TINY, reqs))
+
+
+def test_an_aborted_request_frees_its_slot_at_once(plug):
+    """abort() frees the slot in the same call, and the next waiting request takes it."""
+    plug("admit_waiting", "leave_slot")
+    reqs = [Request([i + 1, i + 2], 8) for i in range(3)]
+    eng = ContinuousEngine(TINY, 2)
+    rids = [eng.add_request(r) for r in reqs]
+    with explained("the engine with your functions"):
         eng.step()
-    for i, (e, rid) in enumerate(zip(solo(TINY, reqs), rids)):
-        msg = divergence(f"request {i}", e, eng.results[rid].tokens)
-        assert msg is None, msg
+        eng.abort(rids[0])
+        assert eng.holders() == [None, rids[1]], \
+            f"after aborting request 0, slot 0 is free at once: the slots hold {eng.holders()}"
+        eng.step()
+    assert eng.holders() == [rids[2], rids[1]], \
+        f"the next step admits request 2 into the freed slot 0: the slots hold {eng.holders()}"
+    run_engine(eng, [])
+    check_results(eng, rids[1:], solo(TINY, reqs[1:]))
 
 
 @pytest.mark.parametrize("n_slots", [1, 3, 6])
@@ -176,7 +273,8 @@ def test_continuous_batching_with_your_functions_matches_solo(plug, n_slots):
     """run_continuous with both your functions: every request gets its solo tokens."""
     plug()
     reqs = requests(14, 0)
-    results, summary = run_continuous(TINY, reqs, n_slots)
+    with explained(f"run_continuous ({n_slots} slots) with your functions"):
+        results, summary = run_continuous(TINY, reqs, n_slots)
     assert len(results) == len(reqs), f"one Result per request: expected {len(reqs)}, got {len(results)}"
     for i, (e, r) in enumerate(zip(solo_tokens(14, 0), results)):
         msg = divergence(f"request {i} ({n_slots} slots)", e, r.tokens)
@@ -190,34 +288,20 @@ def test_requests_arriving_while_others_decode(plug):
     plug()
     reqs = requests(10, 1)
     eng = ContinuousEngine(TINY, 3)
-    rids, step = [], 0
-    while len(rids) < len(reqs) or eng.has_work():
-        if step % 2 == 0 and len(rids) < len(reqs):
-            rids.append(eng.add_request(reqs[len(rids)]))
-        eng.step()
-        step += 1
-    for i, (e, rid) in enumerate(zip(solo_tokens(10, 1), rids)):
-        msg = divergence(f"request {i}", e, eng.results[rid].tokens)
-        assert msg is None, msg
-    assert not any(eng.cache.active), f"every slot is free at the end, active: {eng.cache.active}"
+    rids = run_engine(eng, reqs, every=2)
+    check_results(eng, rids, solo_tokens(10, 1))
 
 
 def test_bundled_model_with_your_functions(plug, bundled64):
-    """The bundled model (float64), speeches arriving mid-run into 2 slots: solo tokens up to EOS."""
+    """The bundled model (float64), speeches arriving mid-run into 2 slots: solo tokens up to
+    EOS, and every slot free at the end."""
     model, tok = bundled64
     texts = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
              "Ham.\nTo be, or not to be"]
     reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
+    expected = solo(model, reqs)
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
     plug()
     eng = ContinuousEngine(model, 2)
-    rids = [eng.add_request(reqs[0])]
-    while len(rids) < len(reqs) or eng.has_work():
-        if len(rids) < len(reqs):
-            rids.append(eng.add_request(reqs[len(rids)]))               # one more every step
-        eng.step()
-    expected = solo(model, reqs)
-    assert any(e[-1] == tok.eos_id for e in expected), "the prompts are chosen so that EOS fires"
-    for i, (e, rid) in enumerate(zip(expected, rids)):
-        msg = divergence(f"request {i} ({texts[i]!r})", e, eng.results[rid].tokens)
-        assert msg is None, msg
-    assert not any(eng.cache.active), f"every slot is free at the end, active: {eng.cache.active}"
+    rids = run_engine(eng, reqs, every=1)
+    check_results(eng, rids, expected, where="")
