@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinyllm.check import divergence
+from tinyllm.check import divergence, explained
 from tinyllm.generate import generate, generate_uncached
 from tinyllm.kv_cache import KVCache
 from tests.conftest import make_tiny
@@ -115,11 +115,28 @@ def test_both_functions_match_uncached_on_random_prompts(plug, prompt, max_new):
     assert msg is None, msg
 
 
+SPEECHES = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
+            "Ham.\nTo be, or not to be"]
+
+
 def test_bundled_model_with_your_cache(plug, bundled64):
-    """The bundled model, your code: a Shakespeare speech token for token as without a cache."""
+    """The bundled model (float64), your code: Shakespeare speeches token for token as without a
+    cache, each ending at EOS, and not one forward pass after it."""
     model, tok = bundled64
-    prompt = tok.encode("Ham.\nTo be, or not to be")
-    expected = generate_uncached(model, prompt, 40, eos_id=tok.eos_id)
+    prompts = [tok.encode(t) for t in SPEECHES]
+    expected = [generate_uncached(model, p, 40, eos_id=tok.eos_id) for p in prompts]
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
     plug()
-    msg = divergence("the Hamlet prompt", expected, generate(model, prompt, 40, eos_id=tok.eos_id))
-    assert msg is None, msg
+    calls = []
+    hook = model.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[1]))
+    try:
+        for text, p, e in zip(SPEECHES, prompts, expected):
+            calls.clear()
+            with explained("generate with your decode_loop"):
+                got = generate(model, p, 40, eos_id=tok.eos_id)
+            msg = divergence(f"the prompt {text!r}", e, got)
+            assert msg is None, msg
+            assert len(calls) == len(e), (f"the prompt {text!r}: {len(e)} tokens take one prefill and "
+                                          f"{len(e) - 1} decode steps, the model ran {len(calls)} times")
+    finally:
+        hook.remove()

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from tinyllm.check import divergence
+from tinyllm.check import divergence, explained
 from tinyllm.generate import generate
 from tinyllm.padded import prefill_padded
 from tinyllm.requests import Request
@@ -108,4 +108,30 @@ def test_static_batches_with_your_padding_match_solo_generate(plug, batch_size):
     results, _ = run_static(TINY, reqs, batch_size)
     for i, (e, r) in enumerate(zip(expected, results)):
         msg = divergence(f"request {i}", e, r.tokens)
+        assert msg is None, msg
+
+
+SPEECHES = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
+            "Ham.\nTo be, or not to be"]
+
+
+def test_bundled_model_padded_logits_and_tokens(plug, bundled64):
+    """The bundled model (float64): a padded batch of speeches gives each its own last logits,
+    and static batches give each its solo tokens, up to EOS."""
+    model, tok = bundled64
+    prompts = [tok.encode(t) for t in SPEECHES]
+    alone = [model(torch.tensor([p]))[0][0, -1] for p in prompts]
+    reqs = [Request(p, 40, eos_id=tok.eos_id) for p in prompts]
+    expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
+    plug()
+    with explained("prefill_padded with your functions"):
+        logits, _, pad = prefill_padded(model, prompts, max_len=64)
+    for b, text in enumerate(SPEECHES):
+        err = (logits[b] - alone[b]).abs().max().item()
+        assert err < 1e-9, f"{text!r} (pad {int(pad[b])}): last logits differ from the prompt alone by {err:.3g}"
+    with explained("run_static with your functions"):
+        results, _ = run_static(model, reqs, 5)
+    for text, e, r in zip(SPEECHES, expected, results):
+        msg = divergence(f"the prompt {text!r}", e, r.tokens)
         assert msg is None, msg

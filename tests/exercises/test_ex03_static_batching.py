@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tinyllm import seams
-from tinyllm.check import divergence
+from tinyllm.check import divergence, explained
 from tinyllm.generate import generate
-from tinyllm.requests import Request
+from tinyllm.requests import Request, Result
 from tinyllm.sampling import sample_next
 from tinyllm.static import run_static
 from tests.conftest import make_tiny
@@ -23,11 +23,21 @@ def clock_counter():
     return lambda: float(next(ticks))
 
 
+def run_batch(impl, batch, pick=None, clock=None) -> list:
+    """impl.run_batch, with what came back checked: one Result per request, in order."""
+    with explained("your run_batch"):
+        results = impl.run_batch(TINY, batch, pick or GREEDY, clock or clock_counter())
+    assert isinstance(results, list) and len(results) == len(batch), \
+        f"run_batch returns a list of one Result per request ({len(batch)}), got {results!r}"
+    for i, r in enumerate(results):
+        assert isinstance(r, Result), f"request {i}: expected a Result(tokens, ttft_s, latency_s), got {r!r}"
+    return results
+
+
 def test_one_batch_gives_each_request_its_solo_tokens(impl):
     """One batch of three prompts of different lengths: each request gets its solo tokens."""
     batch = [Request([1, 2, 3], 6), Request([4], 2), Request([5, 6, 7, 8, 9], 9)]
-    results = impl.run_batch(TINY, batch, GREEDY, clock_counter())
-    assert len(results) == 3, f"one Result per request, got {len(results)}"
+    results = run_batch(impl, batch)
     for i, (r, res) in enumerate(zip(batch, results)):
         msg = divergence(f"request {i}", generate(TINY, r.prompt, r.max_new_tokens), res.tokens)
         assert msg is None, msg
@@ -38,7 +48,7 @@ def test_each_request_stops_at_its_own_end(impl):
     full = generate(TINY, [3, 1, 4], 12)
     eos = full[3]
     batch = [Request([3, 1, 4], 12, eos_id=eos), Request([2, 7], 12), Request([9], 1)]
-    results = impl.run_batch(TINY, batch, GREEDY, clock_counter())
+    results = run_batch(impl, batch)
     want = full[:full.index(eos) + 1]
     assert results[0].tokens == want, f"request 0 should stop at eos {eos}: expected {want}, got {results[0].tokens}"
     assert len(results[1].tokens) == 12, f"request 1 makes exactly 12 tokens, got {len(results[1].tokens)}"
@@ -46,13 +56,17 @@ def test_each_request_stops_at_its_own_end(impl):
 
 
 def test_ttft_and_latency_come_from_the_clock(impl):
-    """ttft_s: the clock when the first token was picked; latency_s: when the last was."""
+    """ttft_s: the clock when the first token was picked; latency_s: when the last was. The test
+    clock counts its calls (0, 1, 2, ...), so it shows when your loop read it."""
     batch = [Request([1, 2], 1), Request([3], 4)]
-    results = impl.run_batch(TINY, batch, GREEDY, clock_counter())
-    a, b = results
-    assert a.ttft_s == a.latency_s == b.ttft_s, "both first tokens are picked at the same step"
-    assert b.latency_s > b.ttft_s, "request 1's last token comes after its first"
-    assert b.latency_s - b.ttft_s >= 3, "read the clock once per step: 3 more steps after the first"
+    a, b = run_batch(impl, batch)
+    seen = f"request 0: ttft {a.ttft_s}, latency {a.latency_s}; request 1: ttft {b.ttft_s}, latency {b.latency_s}"
+    assert a.ttft_s == a.latency_s == b.ttft_s, \
+        (f"both first tokens are picked in the same step, and request 0's only token is also its "
+         f"last: its ttft, its latency and request 1's ttft are one clock reading ({seen})")
+    assert b.latency_s - b.ttft_s >= 3, \
+        (f"request 1's 4 tokens take 3 more steps after its first: its latency is at least 3 clock "
+         f"readings after its ttft if the clock is read once per step ({seen})")
 
 
 def test_the_loop_runs_one_token_per_row_per_step(impl, monkeypatch):
@@ -61,7 +75,7 @@ def test_the_loop_runs_one_token_per_row_per_step(impl, monkeypatch):
     forward = TINY.forward
     monkeypatch.setattr(TINY, "forward", lambda idx, cache=None, targets=None:
                         seen.append(tuple(idx.shape)) or forward(idx, cache, targets))
-    impl.run_batch(TINY, [Request([1, 2, 3], 4), Request([4], 2)], GREEDY, clock_counter())
+    run_batch(impl, [Request([1, 2, 3], 4), Request([4], 2)])
     assert seen[0] == (2, 3), f"one padded prefill of (2, 3) first, the model saw {seen[0]}"
     assert seen[1:] == [(2, 1)] * 3, \
         f"then (2, 1) per decode step until the longest (4 tokens) is done: saw {seen[1:]}"
@@ -75,7 +89,8 @@ def test_run_static_with_your_loop_matches_solo(plug, batch_size):
                     eos_id=rng.choice([None, 7])) for _ in range(12)]
     expected = [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
     plug()
-    results, summary = run_static(TINY, reqs, batch_size)
+    with explained("run_static with your loop"):
+        results, summary = run_static(TINY, reqs, batch_size)
     for i, (e, r) in enumerate(zip(expected, results)):
         msg = divergence(f"request {i}", e, r.tokens)
         assert msg is None, msg
@@ -90,8 +105,36 @@ def test_sampling_goes_through_pick(impl):
     pick = lambda g: (lambda logits: sample_next(logits, 1.0, 20, None, g))
     reference = seams.reference("03")["run_batch"]                     # the package's own loop
     want = [r.tokens for r in reference(TINY, batch, pick(g2), clock_counter())]
-    got = [r.tokens for r in impl.run_batch(TINY, batch, pick(g1), clock_counter())]
-    assert len(got) == len(want), f"one Result per request: expected {len(want)}, got {len(got)}"
+    got = [r.tokens for r in run_batch(impl, batch, pick(g1))]
     for i, (e, g) in enumerate(zip(want, got)):
         assert g == e, (f"request {i}, sampled with one seeded generator: expected {e}, got {g} "
                         f"(draw every token with pick(logits), once per step)")
+
+
+SPEECHES = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
+            "Ham.\nTo be, or not to be", "Queen.\n"]
+
+
+def test_bundled_model_batches_end_when_their_last_speech_does(plug, bundled64):
+    """The bundled model (float64), batches of 3 speeches that end at EOS long before
+    max_new_tokens: solo tokens, and each batch stops decoding when its last row is done."""
+    model, tok = bundled64
+    reqs = [Request(tok.encode(t), 60, eos_id=tok.eos_id) for t in SPEECHES]
+    expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+    assert all(e[-1] == tok.eos_id for e in expected), "the prompts are chosen so that EOS ends every one"
+    plug()
+    calls = []
+    hook = model.register_forward_pre_hook(lambda m, args: calls.append(tuple(args[0].shape)))
+    try:
+        with explained("run_static with your loop"):
+            results, _ = run_static(model, reqs, 3)
+    finally:
+        hook.remove()
+    for text, e, r in zip(SPEECHES, expected, results):
+        msg = divergence(f"the prompt {text!r}", e, r.tokens)
+        assert msg is None, msg
+    want = sum(max(len(e) for e in expected[i:i + 3]) for i in (0, 3))   # per batch: prefill + decodes
+    assert len(calls) == want, \
+        (f"two batches whose longest speeches take {[max(len(e) for e in expected[i:i + 3]) for i in (0, 3)]} "
+         f"tokens: {want} forward passes in all (one prefill, then one per token until the last row ends "
+         f"at EOS), the model ran {len(calls)}: stop decoding once every row is done")

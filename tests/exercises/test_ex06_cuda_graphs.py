@@ -1,15 +1,17 @@
-"""Exercise 06 - CUDA graphs: your bucket choice and static-buffer copy inside the graph
-decoder, run eagerly (capture=False), so on any machine."""
+"""Exercise 06 - CUDA graphs: your bucket choice, static-buffer copy and decode step inside the
+graph decoder, run eagerly (capture=False), so on any machine."""
 
 import random
 
 import pytest
 import torch
 
-from tinyllm.check import divergence
+from tinyllm.check import divergence, explained
 from tinyllm.continuous import run_continuous
+from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import generate
 from tinyllm.requests import Request
+from tinyllm.slot_cache import SlotKVCache
 from tests.conftest import make_tiny
 
 EXERCISE = "ex06_cuda_graphs"
@@ -44,6 +46,86 @@ def test_fill_static_writes_into_the_buffers(impl):
         "the buffers hold copies: a graph must not read tensors the caller reuses"
 
 
+# ---- decode_step ----------------------------------------------------------------------------
+def decoder_with(lens: list[int], buckets=(4, 8, 16)):
+    """A decoder (capture=False) over 3 slots of 24 positions; slot s holds lens[s] tokens of a
+    known sequence (0: free), and the next decode step is planned for the busy ones."""
+    cfg = TINY.cfg
+    slots = SlotKVCache(cfg.n_layers, 3, cfg.n_kv_heads, cfg.head_dim, 24, torch.float64, "cpu")
+    decoder = SlotGraphDecoder(TINY, slots, buckets, capture=False)
+    seqs = [[(7 * s + 3 * i) % 97 for i in range(n)] for s, n in enumerate(lens)]
+    busy = [s for s, n in enumerate(lens) if n]
+    for s in busy:
+        slots.admit(s, lens[s])
+    slots.plan_step(busy, [lens[s] for s in busy])
+    T = max(lens)
+    with torch.no_grad():
+        TINY(torch.tensor([seqs[s] + [0] * (T - lens[s]) for s in busy]), cache=slots)
+    slots.plan_step(busy, [1] * len(busy))
+    return decoder, seqs, busy
+
+
+def spy_on_run_eager(decoder, monkeypatch) -> list:
+    windows, run = [], decoder.run_eager
+    monkeypatch.setattr(decoder, "run_eager", lambda W: windows.append(W) or run(W))
+    return windows
+
+
+@pytest.mark.parametrize("lens, want", [([5, 0, 7], 8), ([3, 2, 1], 4), ([8, 4, 0], 16), ([0, 0, 15], 16)])
+def test_decode_step_runs_the_bucket_of_the_longest_busy_slot(impl, monkeypatch, lens, want):
+    """Buckets (4, 8, 16): the window is the longest busy slot's length + 1, and the step runs
+    the smallest bucket that holds it."""
+    decoder, _, _ = decoder_with(lens)
+    windows = spy_on_run_eager(decoder, monkeypatch)
+    with explained(f"your decode_step (slot lengths {lens})"):
+        impl.decode_step(decoder, torch.tensor([[1], [2], [3]]))
+    window = max(lens) + 1
+    assert windows == [want], (f"slot lengths {lens}: the window is {max(lens)} + 1 = {window} keys "
+                               f"(the new token sees itself), so bucket {want} runs; "
+                               f"run_eager was called with {windows}")
+
+
+def test_decode_step_beyond_every_bucket_runs_at_the_window(impl, monkeypatch):
+    """No bucket holds the window: the step runs eagerly at the window itself."""
+    decoder, _, _ = decoder_with([0, 18, 3])
+    windows = spy_on_run_eager(decoder, monkeypatch)
+    with explained("your decode_step (slot lengths [0, 18, 3])"):
+        impl.decode_step(decoder, torch.tensor([[1], [2], [3]]))
+    assert windows == [19], f"window 19 > every bucket (4, 8, 16): run_eager(19), got calls {windows}"
+
+
+def test_decode_step_fills_the_buffers_and_counts_the_tokens(impl):
+    """The static buffers hold the step's tokens and each slot's length (a free slot's is 0),
+    in their own memory; afterwards each busy slot holds one more token."""
+    decoder, _, _ = decoder_with([5, 0, 7])
+    where = (decoder.tokens.data_ptr(), decoder.lens.data_ptr())
+    with explained("your decode_step"):
+        impl.decode_step(decoder, torch.tensor([[11], [12], [13]]))
+    assert (decoder.tokens.data_ptr(), decoder.lens.data_ptr()) == where, \
+        "write into decoder.tokens and decoder.lens (fill_static): a graph reads only those buffers"
+    assert decoder.tokens.tolist() == [[11], [12], [13]], f"decoder.tokens holds {decoder.tokens.tolist()}"
+    assert decoder.lens.tolist() == [5, 0, 7], \
+        f"decoder.lens holds each slot's length before the step (0 for the free slot 1): {decoder.lens.tolist()}"
+    assert decoder.slots.lens == [6, 0, 8], \
+        f"after the step the busy slots hold one more token (slots.end_step()): {decoder.slots.lens}"
+
+
+def test_decode_step_gives_each_busy_slot_its_logits(impl):
+    """The logits of each busy slot are those of its sequence and new token, without a cache."""
+    decoder, seqs, busy = decoder_with([5, 0, 7])
+    tokens = torch.tensor([[11], [12], [13]])
+    with explained("your decode_step"), torch.no_grad():
+        logits = impl.decode_step(decoder, tokens)
+    assert tuple(logits.shape) == (3, 1, TINY.cfg.vocab_size), \
+        f"logits for every slot, (S, 1, V) = {(3, 1, TINY.cfg.vocab_size)}, got {tuple(logits.shape)}"
+    for s in busy:
+        with torch.no_grad():
+            alone = TINY(torch.tensor([seqs[s] + [int(tokens[s])]]))[0][0, -1]
+        err = (logits[s, 0] - alone).abs().max().item()
+        assert err < 1e-9, f"slot {s}: logits differ from its sequence without a cache by {err:.3g}"
+
+
+# ---- the engine -----------------------------------------------------------------------------
 def test_graph_decoder_with_your_functions_matches_solo(plug):
     """The graph decoder (run eagerly) with your functions: every request gets its solo tokens."""
     plug()
@@ -52,7 +134,25 @@ def test_graph_decoder_with_your_functions_matches_solo(plug):
                     eos_id=rng.choice([None, 5])) for _ in range(10)]
     expected = [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
     for n_slots, buckets in ((3, (8, 16, 32)), (5, None)):
-        results, summary = run_continuous(TINY, reqs, n_slots, cuda_graph=True, buckets=buckets)
+        with explained(f"the graph decoder with your functions ({n_slots} slots, buckets {buckets})"):
+            results, summary = run_continuous(TINY, reqs, n_slots, cuda_graph=True, buckets=buckets)
         for i, (e, r) in enumerate(zip(expected, results)):
             msg = divergence(f"request {i} ({n_slots} slots, buckets {buckets})", e, r.tokens)
             assert msg is None, msg
+
+
+def test_bundled_model_with_your_decoder(plug, bundled64):
+    """The bundled model (float64), where every key matters: small buckets (8, 16, 32, 64), so
+    steps change bucket often, speeches ending at EOS; each request's solo tokens."""
+    model, tok = bundled64
+    texts = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
+             "Ham.\nTo be, or not to be", "Queen.\n"]
+    reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
+    expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
+    plug()
+    with explained("the graph decoder with your functions"):
+        results, _ = run_continuous(model, reqs, 3, cuda_graph=True, buckets=(8, 16, 32, 64))
+    for i, (e, r) in enumerate(zip(expected, results)):
+        msg = divergence(f"request {i} ({texts[i]!r})", e, r.tokens)
+        assert msg is None, msg
