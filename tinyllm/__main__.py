@@ -9,7 +9,6 @@ is bench.py's help, with every option's default.
 """
 
 import argparse
-import runpy
 import sys
 
 COMMANDS = {
@@ -29,20 +28,6 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def check_main(argv: list[str]) -> None:
-    """`check NN` or `check --stubs-fail`, then check.py's own command line runs it."""
-    ap = argparse.ArgumentParser(prog="python -m tinyllm check",
-                                 description="Run an exercise's tests on your code and report.")
-    which = ap.add_mutually_exclusive_group(required=True)
-    which.add_argument("exercise", nargs="?",
-                       help="the exercise's number, e.g. 01: its tests on your exercises/ file")
-    which.add_argument("--stubs-fail", action="store_true",
-                       help="prove that every exercise test fails on the untouched stubs")
-    args = ap.parse_args(argv)
-    sys.argv[1:] = ["--stubs-fail"] if args.stubs_fail else [args.exercise]
-    runpy.run_module("tinyllm.check", run_name="__main__", alter_sys=True)
-
-
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ap = parser()
@@ -57,7 +42,8 @@ def main(argv=None) -> None:
         from tinyllm import train
         train.main(rest)
     else:
-        check_main(rest)
+        from tinyllm import check
+        check.main(rest)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 `divergence()` says where a batched path left solo generate, in words a learner can act on.
 `check_exercise("01")` runs an exercise's tests on the learner's file (exercises/) and prints
-a short report; a notebook calls it, so it never raises. `python -m tinyllm.check 01` does
-the same from a shell, and `python -m tinyllm.check --stubs-fail` proves that every exercise
+a short report; a notebook calls it, so it never raises. `python -m tinyllm check 01` does
+the same from a shell, and `python -m tinyllm check --stubs-fail` proves that every exercise
 test fails on the untouched stubs (no test can pass vacuously).
 """
 
@@ -195,10 +195,20 @@ def prove_stubs_fail() -> bool:
     return ok
 
 
+def main(argv=None) -> None:
+    """`python -m tinyllm check NN` (your exercise's tests, a short report) or `--stubs-fail`."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m tinyllm check",
+                                 description="Run an exercise's tests on your code and report.")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("exercise", nargs="?",
+                       help="the exercise's number, e.g. 01: its tests on your exercises/ file")
+    which.add_argument("--stubs-fail", action="store_true",
+                       help="prove that every exercise test fails on the untouched stubs")
+    args = ap.parse_args(argv)
+    ok = prove_stubs_fail() if args.stubs_fail else check_exercise(args.exercise)
+    sys.exit(0 if ok else 1)
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if args == ["--stubs-fail"]:
-        sys.exit(0 if prove_stubs_fail() else 1)
-    if len(args) == 1:
-        sys.exit(0 if check_exercise(args[0]) else 1)
-    sys.exit("usage: python -m tinyllm.check NN | --stubs-fail")
+    main()
