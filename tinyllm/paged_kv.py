@@ -60,7 +60,9 @@ def free_blocks(free_list: list[int], allocated: list[bool], blocks: list[int]) 
     that is not allocated (or is given twice) raises ValueError naming it, and nothing changes:
     a double free would later hand one block to two sequences."""
     for i, b in enumerate(blocks):
-        if not 0 <= b < len(allocated) or not allocated[b] or b in blocks[:i]:
+        if b in blocks[:i]:
+            raise ValueError(f"block {b} is given twice")
+        if not 0 <= b < len(allocated) or not allocated[b]:
             raise ValueError(f"block {b} is not allocated")
     for b in blocks:
         allocated[b] = False

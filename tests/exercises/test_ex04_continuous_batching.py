@@ -299,9 +299,9 @@ def test_bundled_model_with_your_functions(plug, bundled64):
     texts = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
              "Ham.\nTo be, or not to be"]
     reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
-    expected = solo(model, reqs)
-    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
-    plug()
+    plug()                          # solo generate calls no seam of this exercise
     eng = ContinuousEngine(model, 2)
     rids = run_engine(eng, reqs, every=1)
+    expected = solo(model, reqs)
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
     check_results(eng, rids, expected, where="")

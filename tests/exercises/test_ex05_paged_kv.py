@@ -184,12 +184,13 @@ def test_paged_engine_with_your_functions_matches_solo(plug):
     still each gets exactly its solo tokens, and every block comes back."""
     plug()
     reqs = requests(12, 0)
-    expected = [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+    expected = None
     for block_size, n_blocks in ((4, 14), (1, 52), (8, 7)):
         where = f"blocks of {block_size}, {n_blocks} of them"
         with explained(f"the paged engine with your functions ({where})"):
             results, summary = run_continuous(TINY, reqs, 4, kv="paged", block_size=block_size,
                                               kv_blocks=n_blocks)
+        expected = expected or [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
         for i, (e, r) in enumerate(zip(expected, results)):
             msg = divergence(f"request {i} ({where})", e, r.tokens)
             assert msg is None, msg
@@ -205,9 +206,7 @@ def test_bundled_model_under_memory_pressure(plug, bundled64):
     texts = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
              "Ham.\nTo be, or not to be", "Queen.\n", "Hor.\n", "Laer.\n"]
     reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
-    expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
-    plug()
+    plug()                          # solo generate calls no seam of this exercise
     eng = ContinuousEngine(model, 4, kv="paged", block_size=4, kv_blocks=15)
     with explained("the paged engine with your functions"):
         rids = [eng.add_request(r) for r in reqs]
@@ -216,6 +215,8 @@ def test_bundled_model_under_memory_pressure(plug, bundled64):
                 break
             eng.step()
     assert not eng.has_work(), "the engine never finished: a request is never admitted, or never leaves"
+    expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
     for i, (e, rid) in enumerate(zip(expected, rids)):
         msg = divergence(f"request {i} ({texts[i]!r})", e, eng.results[rid].tokens)
         assert msg is None, msg

@@ -132,10 +132,11 @@ def test_graph_decoder_with_your_functions_matches_solo(plug):
     rng = random.Random(0)
     reqs = [Request([rng.randrange(97) for _ in range(rng.randint(1, 20))], rng.randint(1, 40),
                     eos_id=rng.choice([None, 5])) for _ in range(10)]
-    expected = [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+    expected = None
     for n_slots, buckets in ((3, (8, 16, 32)), (5, None)):
         with explained(f"the graph decoder with your functions ({n_slots} slots, buckets {buckets})"):
             results, summary = run_continuous(TINY, reqs, n_slots, cuda_graph=True, buckets=buckets)
+        expected = expected or [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
         for i, (e, r) in enumerate(zip(expected, results)):
             msg = divergence(f"request {i} ({n_slots} slots, buckets {buckets})", e, r.tokens)
             assert msg is None, msg
@@ -148,11 +149,11 @@ def test_bundled_model_with_your_decoder(plug, bundled64):
     texts = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
              "Ham.\nTo be, or not to be", "Queen.\n"]
     reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
-    expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
-    plug()
+    plug()                          # solo generate calls no seam of this exercise
     with explained("the graph decoder with your functions"):
         results, _ = run_continuous(model, reqs, 3, cuda_graph=True, buckets=(8, 16, 32, 64))
+    expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
     for i, (e, r) in enumerate(zip(expected, results)):
         msg = divergence(f"request {i} ({texts[i]!r})", e, r.tokens)
         assert msg is None, msg
