@@ -1,13 +1,22 @@
-"""Steps 03-05 - pictures of a run: who held which row at each step, KV use, latencies, and
-the paged cache's block pool.
+"""Steps 03-05 - pictures of a run: who held which row at each step, KV use, latencies (in
+seconds and in decode steps), the scheduler's queue and slots, the paged cache's block pool and
+a block table's slot mapping; and step 04's interactive slot stepper.
 
-Reads only what the engines record: a `Trace` (stats.py) and the Results / Stats.summary()
-they return. Matplotlib only; every function draws on an Axes it is given or makes one.
+Reads only what the engines record: a `Trace` (stats.py), the Results / Stats.summary() they
+return, and the state a cache or scheduler shows. Every drawing function draws on an Axes it is
+given or makes one (matplotlib); `SlotStepper` is the one widget (ipywidgets, imported when it
+is first shown).
 """
+
+import html
 
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
+from matplotlib.patches import Rectangle
+
+# per request: 10 strong colours, then 10 pale ones (block_pool, queue_and_slots, table_map)
+COLOURS = plt.get_cmap("tab20")(np.r_[0:20:2, 1:20:2])
 
 
 def _axes(ax, size=(9, 3)):
@@ -51,16 +60,42 @@ def kv_usage(traces: dict, ax=None):
     return ax
 
 
+def step_times(trace, n_requests: int) -> tuple[list[int], list[int]]:
+    """Each request's TTFT and latency in decode steps, a clock the machine does not change,
+    read from the Trace of a run whose requests all arrived at its start (ids 0..n_requests-1).
+    A request's first token comes from its prefill, just before the first decode step it holds
+    a row in: its TTFT is the number of decode steps before that one; its latency counts the
+    decode steps up to its last one. Every request must decode at least once, and none be
+    preempted: a preempted request's last token may come from the prefill that brings it back."""
+    first, last = [None] * n_requests, [None] * n_requests
+    for step, holders in enumerate(trace.rows):
+        for rid in holders:
+            if rid is None:
+                continue
+            if last[rid] is not None and last[rid] != step:
+                raise ValueError(f"request {rid} left its row at step {last[rid]} and came back at "
+                                 f"step {step} (preempted): the trace cannot say when it ended")
+            first[rid] = step if first[rid] is None else first[rid]
+            last[rid] = step + 1
+    missing = [rid for rid in range(n_requests) if first[rid] is None]
+    if missing:
+        raise ValueError(f"requests {missing} never decoded: the trace cannot say when they ran")
+    return first, last
+
+
 def latencies(runs: dict[str, list], ax=None, what: str = "latency_s"):
-    """Cumulative per-request latency (or TTFT, what="ttft_s") of each run: the fraction of
-    requests that had their answer (their first token) by each time."""
+    """Cumulative per-request latency (or TTFT) of each run: the fraction of requests that had
+    their last token (their first) by each time. runs maps a name to its Results, read in
+    seconds (what: "latency_s" or "ttft_s"), or to one number per request in decode steps
+    (what: "latency_steps" or "ttft_steps", e.g. from step_times)."""
     ax = _axes(ax, (6, 3.5))
-    for name, results in runs.items():
-        xs = sorted(getattr(r, what) for r in results)
-        ax.plot([0.0] + xs, np.arange(len(xs) + 1) / len(xs), drawstyle="steps-post", label=name)
-    label = "TTFT" if what == "ttft_s" else "latency"
-    got = "a first token" if what == "ttft_s" else "their last token"
-    ax.set(xlabel=f"{label} (s)", ylabel=f"fraction of requests with {got}", ylim=(0, 1.02))
+    for name, values in runs.items():
+        xs = sorted(v if isinstance(v, (int, float)) else getattr(v, what) for v in values)
+        ax.plot([0] + xs, np.arange(len(xs) + 1) / len(xs), drawstyle="steps-post", label=name)
+    label = "TTFT" if what.startswith("ttft") else "latency"
+    got = "a first token" if what.startswith("ttft") else "their last token"
+    unit = "decode steps" if what.endswith("_steps") else "s"
+    ax.set(xlabel=f"{label} ({unit})", ylabel=f"fraction of requests with {got}", ylim=(0, 1.02))
     ax.legend()
     return ax
 
@@ -86,8 +121,7 @@ def block_pool(cache, ax=None, holders: list | None = None, tables: bool = True,
             filled[r, c * bs:(c + 1) * bs] = np.arange(i * bs, (i + 1) * bs) < cache.lens[s]
     if n_requests is None:
         n_requests = int(np.nanmax(owner)) + 1 if np.isfinite(owner).any() else 1
-    colours = plt.get_cmap("tab20")(np.r_[0:20:2, 1:20:2])  # 10 strong colours, then pale
-    cmap = ListedColormap(colours[np.arange(n_requests) % 20]).with_extremes(bad="white")
+    cmap = ListedColormap(COLOURS[np.arange(n_requests) % 20]).with_extremes(bad="white")
     ax.imshow(np.ma.masked_invalid(owner), aspect="auto", interpolation="nearest", cmap=cmap,
               vmin=-0.5, vmax=n_requests - 0.5)
     pale = np.zeros(owner.shape + (4,))
@@ -116,3 +150,155 @@ def block_pool(cache, ax=None, holders: list | None = None, tables: bool = True,
             ax.text(0.07, y, f"{label}: {cache.tables[s]}", transform=ax.transAxes, va="top",
                     fontsize=8, family="monospace")
     return ax
+
+
+def _box(ax, x, y, text, colour, marked=False):
+    ax.add_patch(Rectangle((x, y), 0.9, 0.8, facecolor=colour, edgecolor="k" if marked else "0.4",
+                           lw=2.5 if marked else 0.8))
+    ax.text(x + 0.45, y + 0.4, text, ha="center", va="center", fontsize=9)
+
+
+def queue_and_slots(holders: list, waiting: list, ax=None, title: str = "", mark=()):
+    """The scheduler's state (04, 05) as boxes: each slot with the request it holds (r3; white:
+    free), then the waiting queue in order, first in line on the left. Requests in `mark` (those
+    just admitted, or preempted) get a thick border. Colours per request as in block_pool."""
+    ax = _axes(ax, (7, 1.3))
+    S, q0 = len(holders), len(holders) + 1
+    for s, rid in enumerate(holders):
+        colour = "white" if rid is None else COLOURS[rid % 20]
+        _box(ax, s, 0, "free" if rid is None else f"r{rid}", colour, rid is not None and rid in mark)
+        ax.text(s + 0.45, -0.1, f"slot {s}", ha="center", va="top", fontsize=8)
+    for i, rid in enumerate(waiting):
+        _box(ax, q0 + i, 0, f"r{rid}", COLOURS[rid % 20], rid in mark)
+    ax.text(q0, -0.1, "waiting, first in line on the left" if waiting else "nobody waiting",
+            ha="left", va="top", fontsize=8)
+    ax.axvline(S + 0.45, color="0.6", ls=":")
+    ax.set(xlim=(-0.1, q0 + max(len(waiting), 5)), ylim=(-0.5, 0.9))
+    ax.set_aspect("equal")
+    ax.axis("off")
+    if title:
+        ax.set_title(title, fontsize=10, loc="left")
+    return ax
+
+
+def table_map(table: list[int], n_tokens: int, block_size: int, n_blocks: int, ax=None):
+    """Step 05's slot mapping as a picture: a sequence's positions 0..n_tokens-1 (top), in
+    blocks of block_size, each joined to the pool row it lives in (bottom: the pool's n_blocks
+    blocks of block_size rows), through the block table: position p lives in row
+    table[p // block_size] * block_size + p % block_size. One colour per entry of the table."""
+    ax = _axes(ax, (max(6.0, 0.22 * n_blocks * block_size), 2.6))
+    small = 7 if n_blocks * block_size <= 64 else 5
+    for p in range(n_tokens):
+        i = p // block_size
+        row = table[i] * block_size + p % block_size
+        ax.add_patch(Rectangle((p, 2), 1, 0.6, facecolor=COLOURS[i % 20], edgecolor="0.4", lw=0.6))
+        ax.text(p + 0.5, 2.3, str(p), ha="center", va="center", fontsize=small)
+        ax.plot([p + 0.5, row + 0.5], [2, 0.6], color=COLOURS[i % 20], lw=1)
+    for i, b in enumerate(table):
+        if i * block_size < n_tokens:
+            ax.text(i * block_size + block_size / 2, 2.7, f"table[{i}] = {b}", ha="center",
+                    va="bottom", fontsize=8)
+    owner = {b: i for i, b in enumerate(table)}
+    for r in range(n_blocks * block_size):
+        b = r // block_size
+        colour = COLOURS[owner[b] % 20] if b in owner else "white"
+        ax.add_patch(Rectangle((r, 0), 1, 0.6, facecolor=colour, edgecolor="0.75", lw=0.4))
+        ax.text(r + 0.5, 0.3, str(r), ha="center", va="center", fontsize=small - 1)
+    for b in range(n_blocks):
+        ax.add_patch(Rectangle((b * block_size, 0), block_size, 0.6, fill=False, edgecolor="0.3", lw=1))
+        ax.text(b * block_size + block_size / 2, -0.1, f"block {b}", ha="center", va="top", fontsize=7)
+    ax.text(-0.5, 2.3, "position", ha="right", va="center", fontsize=9)
+    ax.text(-0.5, 0.3, "pool row", ha="right", va="center", fontsize=9)
+    ax.set(xlim=(-0.2, max(n_tokens, n_blocks * block_size) + 0.2), ylim=(-0.6, 3.1))
+    ax.axis("off")
+    return ax
+
+
+class SlotStepper:
+    """Step 04's interactive view of a ContinuousEngine: buttons that run it one step, 10 steps
+    or to the end, and add a request; under them, which request each slot holds with its text
+    so far, the queue, and the last requests to finish. new_request(i) makes the i-th request to
+    add; decode turns token ids into text. run(n) and add() drive it from code too.
+
+    The last expression of a cell, it shows as one live widget; a frontend without widgets (a
+    saved notebook read as text) shows the same view as text, as it was when the cell ran.
+    While the engine works, the buttons are disabled and the view updates after every step."""
+
+    def __init__(self, engine, new_request, decode, width: int = 90):
+        self.engine, self.new_request, self.decode, self.width = engine, new_request, decode, width
+        self.texts: dict[int, list[int]] = {}          # request id -> prompt + tokens so far
+        self.finished: list[int] = []                  # request ids, in the order they finished
+        self.steps = 0
+        self._ui = None
+
+    def add(self) -> int:
+        """Queue one more request (new_request(i)); returns its id."""
+        req = self.new_request(len(self.texts))
+        rid = self.engine.add_request(req)
+        self.texts[rid] = list(req.prompt)
+        self._show()
+        return rid
+
+    def run(self, n: int) -> None:
+        """Run n steps, or until the engine has no work left."""
+        for _ in range(n):
+            if not self.engine.has_work():
+                break
+            self.steps += 1
+            for ev in self.engine.step():              # Event(rid, token, done)
+                self.texts[ev.rid].append(ev.token)
+                if ev.done:
+                    self.finished.append(ev.rid)
+            self._show()
+
+    def text(self) -> str:
+        waiting, active = self.engine.load()
+        lines = [f"step {self.steps}: {waiting} waiting, {active} of {self.engine.config.n_slots} "
+                 f"slots decoding, {len(self.finished)} finished"]
+        for s, rid in enumerate(self.engine.holders()):  # the request each slot holds (None: free)
+            lines.append(f"slot {s}: " + ("free" if rid is None else f"r{rid:<3} {self._line(rid)}"))
+        for rid in self.finished[-3:][::-1]:
+            lines.append(f"done    r{rid:<3} {self._line(rid)}")
+        return "\n".join(lines)
+
+    def _line(self, rid: int) -> str:
+        text = self.decode(self.texts[rid]).replace("\n", "↵ ")
+        return text if len(text) <= self.width else "…" + text[-self.width:]
+
+    # ---- the widget -----------------------------------------------------------------------
+    def widget(self):
+        if self._ui is None:
+            import ipywidgets as widgets
+            self._view, self._status = widgets.HTML(), widgets.Label()
+            self._buttons = [self._button(widgets, label, fn) for label, fn in (
+                ("step", lambda: self.run(1)), ("10 steps", lambda: self.run(10)),
+                ("run to the end", lambda: self.run(10**6)), ("add a request", self.add))]
+            self._ui = widgets.VBox([widgets.HBox(self._buttons + [self._status]), self._view])
+            self._show()
+        return self._ui
+
+    def _button(self, widgets, label: str, fn):
+        button = widgets.Button(description=label)
+        button.on_click(lambda _: self._busy(label, fn))
+        return button
+
+    def _busy(self, label: str, fn) -> None:
+        """Run fn with the buttons disabled and a 'running…' label, whatever happens."""
+        for b in self._buttons:
+            b.disabled = True
+        self._status.value = f"{label}: running…"
+        try:
+            fn()
+        finally:
+            for b in self._buttons:
+                b.disabled = False
+            self._status.value = "" if self.engine.has_work() else "no work left: add a request"
+
+    def _show(self) -> None:
+        if self._ui is not None:
+            self._view.value = "<pre>" + html.escape(self.text()) + "</pre>"
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = self.widget()._repr_mimebundle_(**kwargs)
+        bundle["text/plain"] = self.text()              # what a frontend without widgets shows
+        return bundle
