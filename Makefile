@@ -12,6 +12,10 @@ TORCH  ?= torch==2.13.0
 # make lab TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 NBVAL  := --nbval-lax --nbval-current-env
+# PyTorch's CPU threads spin while they wait for each other, which burns a shared or busy
+# machine's cores; passive waiting costs nothing on a quiet one. Every target (and JupyterLab's
+# kernels) inherits it.
+export OMP_WAIT_POLICY ?= PASSIVE
 # Progress by test file and by notebook (a dot per test or cell), without pytest's header.
 PYTEST := $(BIN)/python -m pytest --no-header -p no:cacheprovider
 # Jupyter refuses to run as root (containers often are) unless told to.
