@@ -103,6 +103,17 @@ def test_grow_table_with_a_dry_pool_changes_nothing(impl):
     assert table == [7], f"and leave the table as it was, it is {table}"
 
 
+# ---- slot_mapping ----------------------------------------------------------------------------
+def test_slot_mapping_follows_the_block_table(impl):
+    """Position p of a row is pool row table[p // block_size] * block_size + p % block_size."""
+    tables = torch.tensor([[5, 2], [7, 0]])
+    positions = torch.tensor([[0, 3, 4, 7], [1, 5, 0, 2]])
+    got = impl.slot_mapping(tables, positions, 4)
+    want = torch.tensor([[20, 23, 8, 11], [29, 1, 28, 30]])
+    assert torch.equal(got, want), (f"block size 4: position p of a row lives in pool row "
+                                    f"table[p // 4] * 4 + p % 4; want {want.tolist()}, got {got.tolist()}")
+
+
 # ---- reserve_or_preempt --------------------------------------------------------------------
 class Budget(SlotCache):
     """A cache whose memory is a count of free tokens: reserve(slot, 1) takes one, release gives
@@ -218,6 +229,7 @@ def test_bundled_model_under_memory_pressure(plug, bundled64):
     expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
     assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
     for i, (e, rid) in enumerate(zip(expected, rids)):
+        assert rid in eng.results, f"request {i} ({texts[i]!r}) never finished: was it preempted and never re-queued?"
         msg = divergence(f"request {i} ({texts[i]!r})", e, eng.results[rid].tokens)
         assert msg is None, msg
     assert eng.stats.preemptions > 0, "a pool of 15 blocks is small enough that someone is preempted"
