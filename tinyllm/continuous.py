@@ -203,9 +203,10 @@ class ContinuousEngine:
             events += self._prefill(newcomers)
         if running := self.scheduler.in_slot_order():
             events += self._decode(running)
-        elif self.scheduler.waiting and not events:     # add_request's checks make this unreachable
-            raise RuntimeError(f"request {self.scheduler.waiting[0].rid} cannot be admitted "
-                               "into an empty cache")
+        elif self.scheduler.waiting and not events:     # unreachable while slots are released
+            raise RuntimeError(f"request {self.scheduler.waiting[0].rid} waits, no request runs, "
+                               f"and the cache has free slots {self.cache.free_slots()} of "
+                               f"{self.cache.n_slots}: a finished request never released its slot")
         self.stats.wall_s = self.now() - self._start
         self.stats.kv_allocated_at_end = self.cache.allocated_tokens()
         return events
