@@ -16,6 +16,9 @@ NBVAL  := --nbval-lax --nbval-current-env
 # machine's cores; passive waiting costs nothing on a quiet one. Every target (and JupyterLab's
 # kernels) inherits it.
 export OMP_WAIT_POLICY ?= PASSIVE
+# Notebooks draw with Jupyter's inline backend; a backend chosen in the shell (MPLBACKEND=Agg)
+# would leave their figures blank, so kernels started from here never see one.
+unexport MPLBACKEND
 # Progress by test file and by notebook (a dot per test or cell), without pytest's header.
 PYTEST := $(BIN)/python -m pytest --no-header -p no:cacheprovider
 # Jupyter refuses to run as root (containers often are) unless told to.
