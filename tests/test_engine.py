@@ -200,17 +200,17 @@ def test_step_of_an_engine_that_never_had_a_request():
 
 
 def test_trace_records_who_holds_each_slot():
+    """Every step: who holds each slot and how many tokens it computed. A newcomer's prompt is
+    its step's prefill (a 1-token prompt too); its next token comes with the next step."""
     reqs = [Request([i + 1], n) for i, n in enumerate([3, 1, 5, 2])]
     trace = Trace()
     _, summary = run_continuous(TINY, reqs, 2, trace=trace)
-    assert len(trace.rows) == len(trace.kv_used) == summary["decode_steps"]
-    assert all(len(r) == 2 for r in trace.rows)
-    held = {rid for r in trace.rows for rid in r if rid is not None}
-    assert held == {0, 2, 3}, "request 1 (one token) is done at prefill and never decodes"
-    assert [r.count(2) for r in trace.rows].count(1) == 4, "request 2 decodes 4 steps"
-    busy = sum(rid is not None for r in trace.rows for rid in r)
-    assert summary["occupancy"] == busy / (2 * len(trace.rows)) < 1
-    assert summary["row_util"] == 1, "the decode step computes the busy slots only"
+    assert trace.rows == [[0, 1], [0, 2], [0, 2], [3, 2], [3, 2], [None, 2]]
+    assert trace.computed == [[1, 1]] * 5 + [[0, 1]]
+    assert len(trace.kv_used) == len(trace.kv_alloc) == 6
+    assert summary["decode_steps"] == 5, "step 1 only prefills"
+    assert summary["occupancy"] == 7 / 10, "decoding rows: 1, 2, 1, 2, 1 of 2 slots"
+    assert summary["row_util"] == 1, "the decode step computes the decoding slots only"
 
 
 def test_static_trace_shows_the_wasted_rows():

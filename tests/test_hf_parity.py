@@ -1,4 +1,4 @@
-"""Step 07 - real checkpoints: for each supported architecture, a small random model built and
+"""Step 09 - real checkpoints: for each supported architecture, a small random model built and
 saved by transformers loads in tinyllm, gives transformers' logits, and every engine gives
 transformers' greedy tokens. No download: the models are made here."""
 

@@ -42,9 +42,11 @@ def check_pool(cache: PagedKVCache) -> None:
             assert cache.tables[s] == [] and cache.lens[s] == 0
 
 
-def drive(eng: ContinuousEngine, reqs: list[Request], data=None, abort_odds: int = 0):
+def drive(eng: ContinuousEngine, reqs: list[Request], data=None, abort_odds: int = 0,
+          check=check_pool):
     """Add requests between steps (all at once without data), abort some, check the pool after
-    every step. Returns {index: tokens} of the finished requests and the aborted indices."""
+    every step (check: the books of a paged cache). Returns {index: tokens} of the finished
+    requests and the aborted indices."""
     pending, rid_of, aborted = list(enumerate(reqs)), {}, set()
     while pending or eng.has_work():
         n = data.draw(st.integers(0, 3)) if data is not None else len(pending)
@@ -58,7 +60,7 @@ def drive(eng: ContinuousEngine, reqs: list[Request], data=None, abort_odds: int
                 aborted.add(rid_of[rid])
         eng.step()
         if isinstance(eng.cache, PagedKVCache):
-            check_pool(eng.cache)
+            check(eng.cache)
     assert not any(eng.cache.active) and eng.load() == (0, 0)
     done = {i: eng.results.pop(rid).tokens for rid, i in rid_of.items() if i not in aborted}
     return done, aborted

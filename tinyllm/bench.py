@@ -1,12 +1,16 @@
-"""Steps 03-06 - the benchmark: named workloads on named engines, Stats.summary() side by side.
+"""Steps 03-08 - the benchmark: named workloads on named engines, Stats.summary() side by side.
 
     python -m tinyllm bench --workload longtail --engines static,continuous --batch 16
     python -m tinyllm bench --engines continuous,paged --batch 16 --paged-slots 64
     python -m tinyllm bench --decode-steps          # one decode step, eager against graphed
+    python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
+    python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix
 
 Engines: static (03), continuous (04, slots), paged (05: the same continuous engine on a pool
 of blocks, by default the memory of --batch slots, shared by --paged-slots slots) and graphs
-(06: continuous with the decode step replayed as CUDA graphs; eager bucketed on a CPU).
+(06: continuous with the decode step replayed as CUDA graphs; eager bucketed on a CPU). A
+continuous engine's name may carry the later steps: +chunked (07: at most --max-step-tokens
+tokens a step) and +prefix (08, paged: a prefix cache).
 Timing lives here and in the notebooks, never in a test. Besides the summary keys of every engine it
 reports where a decode step's time goes: the model's forward pass against the engine's own
 bookkeeping (admission, sampling, slot moves, Python).
@@ -42,10 +46,15 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
     eos:      speaker prompts, sampled (temperature 0.8, a seed per request); the bundled
               model's own <|endoftext|> decides each length (cap 256): most speeches are a
               line, a few run to hundreds of tokens;
-    poisson:  the eos workload arriving over time, 8 requests per second on average."""
+    poisson:  the eos workload arriving over time, 8 requests per second on average;
+    shared-prefix: one 360-token system prompt, then a distinct 40-token question each (90% of
+              every prompt shared), 16 new tokens, arriving over time (16 a second);
+    long-prompt: short requests (prompts of 8-32 tokens, 32-96 new tokens), and every 16th a
+              448-token prompt (8 new tokens): each long one is admitted while others decode."""
     rng = random.Random(seed)
     vocab = tok.vocab_size
     rand_prompt = lambda L: [0] + [rng.randrange(1, vocab) for _ in range(L - 1)]
+    rand_tokens = lambda L: [rng.randrange(1, vocab) for _ in range(L)]
     if name == "uniform":
         reqs = [Request(rand_prompt(16), 64) for _ in range(n)]
     elif name == "longtail":
@@ -56,41 +65,76 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
         reqs = [Request(tok.encode(t), 256, eos_id=tok.eos_id,
                         sampling=Sampling(temperature=0.8, seed=seed * 1000 + i))
                 for i, t in enumerate(texts)]
+    elif name == "shared-prefix":
+        system = rand_prompt(360)
+        reqs = [Request(system + rand_tokens(40), 16) for _ in range(n)]
+    elif name == "long-prompt":
+        reqs = [Request(rand_prompt(448), 8) if i % 16 == 15 else
+                Request(rand_prompt(rng.randint(8, 32)), rng.randint(32, 96)) for i in range(n)]
     else:
-        raise ValueError(f"unknown workload {name!r}: uniform, longtail, eos or poisson")
+        raise ValueError(f"unknown workload {name!r}: {', '.join(WORKLOADS)}")
     arrivals = [0.0] * n
-    if name == "poisson":
-        t = 0.0
+    if name in ("poisson", "shared-prefix"):
+        rate, t = {"poisson": 8.0, "shared-prefix": 16.0}[name], 0.0
         for i in range(n):
-            t += rng.expovariate(8.0)
+            t += rng.expovariate(rate)
             arrivals[i] = t
     return reqs, arrivals
 
 
+WORKLOADS = ("uniform", "longtail", "eos", "poisson", "shared-prefix", "long-prompt")
+
+
 ENGINES = ("static", "continuous", "paged", "graphs")
+OPTIONS = ("chunked", "prefix")                         # +chunked (07), +prefix (08)
+DEFAULT_STEP_TOKENS = 64                                # a +chunked engine's budget by default
+
+
+def engine_settings(engine: str, max_step_tokens: int | None = None,
+                    prefix_cache: bool = False) -> tuple[str, dict]:
+    """An engine's name -> its base engine and its ContinuousEngine settings from steps 07-08:
+    'continuous+chunked' -> ('continuous', {'max_step_tokens': 64}). max_step_tokens and
+    prefix_cache (the command's flags) apply to every continuous engine, the latter to the
+    paged ones."""
+    base, *opts = engine.split("+")
+    if base not in ENGINES or any(o not in OPTIONS for o in opts):
+        raise ValueError(f"unknown engine {engine!r}: {', '.join(ENGINES)}, the continuous "
+                         f"ones with +chunked and (paged) +prefix, e.g. paged+prefix")
+    if opts and base == "static":
+        raise ValueError(f"{engine}: static batching has no token budget and no prefix cache")
+    if "prefix" in opts and base != "paged":
+        raise ValueError(f"{engine}: a prefix cache shares blocks: use paged+prefix")
+    kw = {}
+    if base != "static" and (max_step_tokens is not None or "chunked" in opts):
+        kw["max_step_tokens"] = max_step_tokens or DEFAULT_STEP_TOKENS
+    if base == "paged" and (prefix_cache or "prefix" in opts):
+        kw["prefix_cache"] = True
+    return base, kw
 
 
 def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, seed: int = 0,
         progress=None, paged_slots: int | None = None, block_size: int = 16,
-        kv_blocks: int | None = None) -> dict:
+        kv_blocks: int | None = None, max_step_tokens: int | None = None,
+        prefix_cache: bool = False) -> dict:
     """One benchmark run -> its Stats.summary(). batch: static's batch size, the slots of the
     continuous engines; the paged engine gets paged_slots slots (default: batch) and kv_blocks
-    blocks of block_size (default: the memory of `batch` slots)."""
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}: {', '.join(ENGINES)}")
+    blocks of block_size (default: the memory of `batch` slots). engine may carry +chunked
+    and +prefix (engine_settings)."""
+    base, kw = engine_settings(engine, max_step_tokens, prefix_cache)
     reqs, arrivals = workload(workload_name, tok, n, seed)
-    if engine == "static":
-        if workload_name == "poisson":
-            raise ValueError("static batching is offline: it cannot take the poisson workload")
+    if base == "static":
+        if any(arrivals):
+            raise ValueError(f"static batching is offline: it cannot take the {workload_name} "
+                             f"workload, whose requests arrive over time")
         return run_static(model, reqs, batch, progress=progress)[1]
-    slots, kw = batch, {}
-    if engine == "paged":
+    slots = batch
+    if base == "paged":
         max_len = model.cfg.max_seq_len
         slots = paged_slots or batch
-        kw = dict(kv="paged", block_size=block_size,
+        kw.update(kv="paged", block_size=block_size,
                   kv_blocks=kv_blocks or batch * -(-max_len // block_size))
-    elif engine == "graphs":
-        kw = dict(cuda_graph=True)
+    elif base == "graphs":
+        kw["cuda_graph"] = True
     return run_continuous(model, reqs, slots, arrivals, progress=progress, **kw)[1]
 
 
@@ -167,11 +211,12 @@ def warm_up(model: Transformer) -> None:
 def table(runs: dict[str, dict]) -> str:
     """The summaries side by side, one row per key."""
     names = list(runs)
-    lines = [f"{'':22}" + "".join(f"{n:>14}" for n in names)]
+    w = [max(14, len(n) + 2) for n in names]
+    lines = [f"{'':22}" + "".join(f"{n:>{k}}" for n, k in zip(names, w))]
     for key in runs[names[0]]:
         cells = [runs[n][key] for n in names]
         lines.append(f"{key:22}" + "".join(
-            f"{c:>14.3f}" if isinstance(c, float) else f"{str(c):>14}" for c in cells))
+            f"{c:>{k}.3f}" if isinstance(c, float) else f"{str(c):>{k}}" for c, k in zip(cells, w)))
     return "\n".join(lines)
 
 
@@ -189,6 +234,10 @@ workloads (--requests of them, fixed by --seed):
               model's own <|endoftext|> ends each answer, most after a line (at most 256)
   poisson     the eos requests arriving over time, 8 a second on average (continuous
               engines only: static batching is offline)
+  shared-prefix  a 360-token system prompt shared by all, then a distinct 40-token question
+              each, 16 new tokens; arriving over time, 16 a second (continuous engines only)
+  long-prompt short requests (8-32 prompt tokens, 32-96 new) and every 16th a 448-token
+              prompt, which joins while the others decode
 
 engines (--engines, comma-separated):
   static      step 03: a batch of --batch requests runs until its longest one ends
@@ -196,17 +245,22 @@ engines (--engines, comma-separated):
   paged       step 05: continuous on a pool of blocks (--block-size, --kv-blocks) shared
               by --paged-slots slots
   graphs      step 06: continuous with the decode step replayed as CUDA graphs (their
-              eager bucketed twin on a CPU)""",
+              eager bucketed twin on a CPU)
+  +chunked    step 07, after a continuous engine's name: at most --max-step-tokens tokens a
+              step (default %d), decodes first, prompts in chunks
+  +prefix     step 08, after paged: requests share the blocks of a common prefix""" % DEFAULT_STEP_TOKENS,
         epilog="""\
 examples:
   python -m tinyllm bench --workload eos --engines static,continuous --batch 8 --requests 32
   python -m tinyllm bench --engines continuous,paged --batch 16 --paged-slots 64
-  python -m tinyllm bench --decode-steps""")
+  python -m tinyllm bench --decode-steps
+  python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
+  python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix""")
     default = " (default: %(default)s)"
-    ap.add_argument("--workload", default="longtail", choices=["uniform", "longtail", "eos", "poisson"],
+    ap.add_argument("--workload", default="longtail", choices=WORKLOADS,
                     metavar="NAME", help="the requests to serve, see above" + default)
     ap.add_argument("--engines", default="static,continuous", metavar="NAMES",
-                    help=", ".join(ENGINES) + ", comma-separated" + default)
+                    help=", ".join(ENGINES) + " (+chunked, +prefix), comma-separated" + default)
     ap.add_argument("--batch", type=int, default=16, metavar="N",
                     help="static's batch size, the continuous engines' slots" + default)
     ap.add_argument("--paged-slots", type=int, default=None, metavar="N",
@@ -214,6 +268,11 @@ examples:
     ap.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block" + default)
     ap.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                     help="the paged engine's pool of blocks (default: the KV memory of --batch slots)")
+    ap.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
+                    help="every continuous engine computes at most N tokens a step (step 07; "
+                         "default: no budget, but %d for +chunked engines)" % DEFAULT_STEP_TOKENS)
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="every paged engine shares the blocks of common prefixes (step 08)")
     ap.add_argument("--peers", action="store_true",
                     help="tinyllm's engines against transformers' on the same weights, and stop")
     ap.add_argument("--decode-steps", action="store_true",
@@ -258,12 +317,19 @@ examples:
         if "graphed_ms" not in keys:
             print("\nno CUDA here: the right column is the graph decoder's eager bucketed step")
         return
+    names = args.engines.split(",")
+    for name in names:                                  # refuse a bad name before any run
+        try:
+            engine_settings(name, args.max_step_tokens, args.prefix_cache)
+        except ValueError as e:
+            ap.error(str(e))
     warm_up(model)
     runs = {}
-    for name in args.engines.split(","):
+    for name in names:
         bar = _bar(args.requests, name, quiet=args.json)
         runs[name] = run(model, tok, args.workload, name, args.batch, args.requests, args.seed, bar,
-                         args.paged_slots, args.block_size, args.kv_blocks)
+                         args.paged_slots, args.block_size, args.kv_blocks,
+                         args.max_step_tokens, args.prefix_cache)
         if bar is not None:
             bar.close()
     if args.json:

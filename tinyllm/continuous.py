@@ -6,11 +6,13 @@ nobody waits for a stranger's long answer. Requests may arrive while others deco
 run is the same loop with every request arriving at 0.
 
 One step of `ContinuousEngine` reads as its four calls: 1) reserve (room for every running
-request's next token; scheduler.py), 2) admit and prefill the newcomers (their contexts go
-straight into their slots), 3) decode one token for every running request, 4) retire what
-finished. Each forward pass is one ragged step of the cache (slot_cache.py). With kv="paged"
-(05) the memory is a pool of blocks, and requests may be preempted; with cuda_graph (06) the
-decode step is a replayed CUDA graph.
+request's next token; scheduler.py), 2) admit the newcomers and plan the step (a token for
+every decoding request, the newcomers' contexts), 3) decode, then prefill (the contexts go
+straight into their slots), 4) retire what finished. Each forward pass is one ragged step of the
+cache (slot_cache.py). With kv="paged" (05) the memory is a pool of blocks, and requests may be
+preempted; with cuda_graph (06) the decode step is a replayed CUDA graph; with max_step_tokens
+(07) contexts are prefilled a chunk at a time; with prefix_cache (08) requests share the blocks
+of a common prefix.
 """
 
 import dataclasses
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tinyllm import chunked_prefill
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer, gpu_dtype
@@ -42,6 +45,10 @@ class EngineConfig:
     request's own `sampling` overrides. kv: "slots" (04) or "paged" (05), a pool of kv_blocks
     blocks of block_size positions (None: the memory of the slot cache). cuda_graph (06,
     kv="slots"): decode steps replayed as CUDA graphs, one per window in `buckets`.
+    max_step_tokens (07): at most this many tokens computed per step, decodes first, the rest
+    in prompt chunks (None: every context whole); at least n_slots, so that every running
+    request can decode. prefix_cache (08, kv="paged"): requests share the blocks of a
+    common prefix.
     """
     n_slots: int
     max_len: int | None = None
@@ -53,6 +60,8 @@ class EngineConfig:
     kv_blocks: int | None = None
     cuda_graph: bool = False
     buckets: tuple[int, ...] | None = None
+    max_step_tokens: int | None = None
+    prefix_cache: bool = False
 
     def __post_init__(self):
         check_positive_int("n_slots", self.n_slots)
@@ -67,6 +76,15 @@ class EngineConfig:
                              f"got {self.cuda_graph!r}")
         if self.cuda_graph and self.kv != "slots":
             raise ValueError("cuda_graph decodes a slot cache: use kv='slots'")
+        if self.max_step_tokens is not None:
+            check_positive_int("max_step_tokens", self.max_step_tokens)
+            if self.max_step_tokens < self.n_slots:
+                raise ValueError(f"max_step_tokens {self.max_step_tokens} is less than n_slots "
+                                 f"{self.n_slots}: every running request decodes one token a step")
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        if self.prefix_cache and self.kv != "paged":
+            raise ValueError("prefix_cache shares blocks of a paged cache: use kv='paged'")
         self.sampling                                   # checks temperature, top_k, top_p
 
     @property
@@ -81,7 +99,7 @@ class EngineConfig:
                                max_len, dtype, device)
         n_blocks = self.kv_blocks or self.n_slots * math.ceil(max_len / self.block_size)
         return PagedKVCache(cfg.n_layers, self.n_slots, cfg.n_kv_heads, cfg.head_dim,
-                            n_blocks, self.block_size, max_len, dtype, device)
+                            n_blocks, self.block_size, max_len, dtype, device, self.prefix_cache)
 
 
 def _settings(config: EngineConfig | int, settings: dict):
@@ -142,7 +160,6 @@ class ContinuousEngine:
                            kv_reserved_tokens=self.cache.reserved_tokens())
         self.results: dict[int, Result] = {}
         self._seqs: dict[int, Sequence] = {}            # unfinished requests, by id
-        self._last_tok = torch.zeros(config.n_slots, 1, dtype=torch.long, device=device)
         self._next_id = 0
         self._t0 = time.perf_counter()
         self._start: float | None = None                # the first arrival
@@ -194,37 +211,36 @@ class ContinuousEngine:
 
     @torch.no_grad()
     def step(self) -> list[Event]:
-        """1) reserve, 2) admit and prefill, 3) decode, 4) retire. Returns the new tokens."""
+        """1) reserve, 2) admit and plan, 3) decode, then prefill, 4) retire. Returns the new
+        tokens."""
         if not self.scheduler.has_work():
             return []
         self.stats.preemptions += len(self.scheduler.reserve())
-        events = []
-        if newcomers := self.scheduler.admit():
-            events += self._prefill(newcomers)
-        if running := self.scheduler.in_slot_order():
-            events += self._decode(running)
-        elif self.scheduler.waiting and not events:     # unreachable while slots are released
-            raise RuntimeError(f"request {self.scheduler.waiting[0].rid} waits, no request runs, "
-                               f"and the cache has free slots {self.cache.free_slots()} of "
-                               f"{self.cache.n_slots}: a finished request never released its slot")
+        decodes, chunks = self.scheduler.plan(self.config.max_step_tokens)
+        if not decodes and not chunks:                  # unreachable while slots are released
+            raise RuntimeError(f"request {self.scheduler.waiting[0].rid} waits and no request "
+                               f"runs: the cache has free slots {self.cache.free_slots()} of "
+                               f"{self.cache.n_slots} (a finished request never released its "
+                               f"slot?) and nothing was planned")
+        if self.trace is not None:
+            computed = [0] * self.config.n_slots
+            for seq, n in [(s, 1) for s in decodes] + chunks:
+                computed[seq.slot] = n
+            self._record_trace(computed)
+        events = self._decode(decodes) if decodes else []
+        if chunks:
+            events += self._prefill(chunks)
         self.stats.wall_s = self.now() - self._start
         self.stats.kv_allocated_at_end = self.cache.allocated_tokens()
         return events
 
-    # ---- 2) prefill: each newcomer's context straight into its slot ------------------------
-    def _prefill(self, seqs: list[Sequence]) -> list[Event]:
-        contexts = [s.context() for s in seqs]
-        self.stats.recomputed_tokens += sum(len(c) for s, c in zip(seqs, contexts) if s.tokens)
-        q_lens = [len(c) for c in contexts]
-        T = max(q_lens)
-        idx = torch.tensor([c + [0] * (T - len(c)) for c in contexts], device=self.device)  # (B, T)
-        self.cache.plan_step([s.slot for s in seqs], q_lens)
-        with autocast_for(self.device):
-            logits, _ = self.model(idx, cache=self.cache)                # (B, T, V)
-        last = torch.tensor(q_lens, device=self.device) - 1             # each row's last token
-        return self._retire(seqs, logits[torch.arange(len(seqs), device=self.device), last])
+    def _record_trace(self, computed: list[int]) -> None:
+        cache = self.cache
+        n_reserved = cache.reserved_tokens()
+        self.trace.record(self.holders(), cache.used_tokens() / n_reserved,
+                          cache.allocated_tokens() / n_reserved, computed)
 
-    # ---- 3) decode: one token for every running request ------------------------------------
+    # ---- 3) decode: one token for every sequence that has one left ---------------------------
     def _decode(self, seqs: list[Sequence]) -> list[Event]:
         t_step = time.perf_counter()
         st, cache = self.stats, self.cache
@@ -233,21 +249,55 @@ class ContinuousEngine:
                                        cache.reserved_tokens())
         st.record_step(len(rows) if self.decoder is None else self.config.n_slots, len(rows),
                        self.config.n_slots, n_used / n_reserved, n_used / max(1, n_alloc))
-        if self.trace is not None:
-            self.trace.record(self.holders(), n_used / n_reserved, n_alloc / n_reserved)
+        last = [s.tokens[-1] if s.tokens else s.request.prompt[-1] for s in seqs]
         t0 = time.perf_counter()
         cache.plan_step(rows, [1] * len(rows))
         if self.decoder is None:
-            rows_t = torch.tensor(rows, device=self.device)
+            idx = torch.tensor(last, device=self.device)[:, None]       # (B, 1)
             with autocast_for(self.device):
-                logits, _ = self.model(self._last_tok[rows_t], cache=cache)   # (B, 1, V)
+                logits, _ = self.model(idx, cache=cache)                # (B, 1, V)
         else:                                           # every slot, one graph replay (06)
-            logits = self.decoder.step(self._last_tok)[rows]            # (S, 1, V) -> (B, 1, V)
+            idx = torch.zeros(self.config.n_slots, 1, dtype=torch.long, device=self.device)
+            idx[rows, 0] = torch.tensor(last, device=self.device)
+            logits = self.decoder.step(idx)[rows]                       # (S, 1, V) -> (B, 1, V)
         sync_device(self.device)
         st.forward_s += time.perf_counter() - t0
+        self._computed(seqs, [1] * len(seqs))
         events = self._retire(seqs, logits[:, -1])
         st.decode_s += time.perf_counter() - t_step
         return events
+
+    # ---- 3) prefill: each chunk of a context straight into its slot --------------------------
+    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Event]:
+        """Compute each sequence's next chunk (the whole rest of its context without a
+        budget); only a chunk that ends its context gives logits to sample from."""
+        seqs = [s for s, _ in chunks]
+        planned = [chunked_prefill.next_chunk(s, n) for s, n in chunks]
+        for (seq, n), (toks, _) in zip(chunks, planned):
+            if len(toks) != n:
+                raise ValueError(f"next_chunk gave {len(toks)} tokens for request {seq.rid}'s "
+                                 f"chunk of {n}")
+        q_lens = [n for _, n in chunks]
+        T = max(q_lens)
+        idx = torch.tensor([t + [0] * (T - len(t)) for t, _ in planned], device=self.device)  # (B, T)
+        self.cache.plan_step([s.slot for s in seqs], q_lens)
+        with autocast_for(self.device):
+            logits, _ = self.model(idx, cache=self.cache)               # (B, T, V)
+        self._computed(seqs, q_lens)
+        ends = [i for i, (_, done) in enumerate(planned) if done]
+        if not ends:
+            return []
+        last = logits[torch.tensor(ends, device=self.device),
+                      torch.tensor([q_lens[i] - 1 for i in ends], device=self.device)]   # (E, V)
+        return self._retire([seqs[i] for i in ends], last)
+
+    def _computed(self, seqs: list[Sequence], n: list[int]) -> None:
+        """The step wrote these tokens: each sequence holds more of its context, and a prefix
+        cache (08) names the blocks that are full now."""
+        for seq, k in zip(seqs, n):
+            seq.computed += k
+            if self.config.prefix_cache:
+                self.cache.cache_blocks(seq.slot, seq.context())
 
     # ---- 4) retire: sample, record, free the slots of the finished -------------------------
     def _retire(self, seqs: list[Sequence], logits: Tensor) -> list[Event]:
@@ -255,14 +305,17 @@ class ContinuousEngine:
         leaves its slot at once."""
         nxt = sample_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
                           self.generator)                               # (B, 1)
-        self._last_tok[torch.tensor([s.slot for s in seqs], device=self.device)] = nxt
         now = self.now()
-        events = []
+        events, st = [], self.stats
         for seq, tok in zip(seqs, nxt.squeeze(-1).tolist()):
             done = seq.append(tok, now)
             if done:
                 self.results[seq.rid] = seq.result(now)
-                self.stats.useful_tokens += len(seq.tokens)
+                st.useful_tokens += len(seq.tokens)
+                st.prompt_tokens += len(seq.request.prompt)
+                st.prefill_tokens += seq.prefilled
+                st.cached_prompt_tokens += seq.cached
+                st.recomputed_tokens += seq.prefilled + seq.cached - len(seq.request.prompt)
                 self.scheduler.finish(seq)
                 del self._seqs[seq.rid]
             events.append(Event(seq.rid, tok, done))

@@ -12,7 +12,8 @@ the engine reserves every running sequence's next token (`reserve`); when the po
 scheduler preempts a request (scheduler.py) and recomputes it later.
 
 `PagedKVCache` has the interface of `SlotKVCache` (both are `SlotCache`s), plus block tables.
-Its seams are exercise 05: the block allocator (`allocate_blocks`, `free_blocks`), a block
+With `prefix_cache=True` (08, prefix_cache.py) its full blocks are named by the prefix they
+hold and shared between the tables of requests that start alike. Its seams are exercise 05: the block allocator (`allocate_blocks`, `free_blocks`), a block
 table's growth (`grow_table`: how many blocks a sequence needs, and taking them) and the
 block-table lookup (`slot_mapping`).
 """
@@ -22,6 +23,8 @@ import math
 import torch
 from torch import Tensor
 
+from tinyllm import prefix_cache
+from tinyllm.prefix_cache import PrefixCache
 from tinyllm.slot_cache import SlotCache
 
 
@@ -101,11 +104,16 @@ class PagedKVCache(SlotCache):
     allocated_tokens() what the block tables hold, used_tokens() the positions written. A step
     writes each new token through its row's block table and gathers the first W positions of
     every row (`slot_mapping`), indices built once for every layer.
+
+    prefix_cache (08): blocks are counted by the tables that hold them (`prefix`, a
+    PrefixCache), hashes[s] names slot s's full blocks in order, a newcomer's table starts with
+    the cached blocks of its context's prefix (`reuse_prefix`), and each block that fills up is
+    named for the next (`cache_blocks`).
     """
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int,
                  n_blocks: int, block_size: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None, prefix_cache: bool = False):
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need n_blocks >= 1 and block_size >= 1, got {n_blocks}, {block_size}")
         super().__init__(n_layers, n_slots, max_len, device)
@@ -115,43 +123,97 @@ class PagedKVCache(SlotCache):
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.allocator = BlockAllocator(n_blocks)
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
+        self.prefix = PrefixCache(self.allocator, block_size) if prefix_cache else None
+        self.hashes: list[list[bytes]] = [[] for _ in range(n_slots)]
 
     def blocks_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block_size)
 
+    # ---- the pool: the allocator's, or shared through the prefix cache (08) ----------------
+    def n_free(self) -> int:
+        """Blocks a table could take now (with a prefix cache: cached blocks nobody holds too)."""
+        return self.allocator.n_free() if self.prefix is None else self.prefix.n_free()
+
+    def _allocate(self, n: int) -> list[int] | None:
+        return self.allocator.allocate(n) if self.prefix is None else self.prefix.allocate(n)
+
+    def _free(self, blocks: list[int]) -> None:
+        if self.prefix is None:
+            self.allocator.free(blocks)
+        else:
+            self.prefix.free(blocks)
+
     # ---- memory: blocks on demand ----------------------------------------------------------
     def can_admit(self, lens: list[int]) -> bool:
         return (super().can_admit(lens)
-                and sum(self.blocks_for(n + 1) for n in lens) <= self.allocator.n_free())
+                and sum(self.blocks_for(n + 1) for n in lens) <= self.n_free())
 
     def admit(self, slot: int, n_tokens: int) -> None:
         need = self.blocks_for(n_tokens + 1)
-        if need > self.allocator.n_free():
+        if need > self.n_free():
             raise ValueError(f"a context of {n_tokens} tokens needs {need} blocks, "
-                             f"{self.allocator.n_free()} are free")
+                             f"{self.n_free()} are free")
         super().admit(slot, n_tokens)
-        self.tables[slot] = []                          # room for the context and its next token
-        grow_table(self.tables[slot], n_tokens + 1, self.block_size, self.allocator.allocate)
+        self.tables[slot], self.hashes[slot] = [], []   # room for the context and its next token
+        grow_table(self.tables[slot], n_tokens + 1, self.block_size, self._allocate)
 
     def reserve(self, slot: int, n: int = 1) -> bool:
         """Blocks for n more tokens in slot, taken from the pool as needed; False (and nothing
         taken) when the pool has too few."""
         if self.lens[slot] + n > self.max_len:
             return False
-        return grow_table(self.tables[slot], self.lens[slot] + n, self.block_size,
-                          self.allocator.allocate)
+        return grow_table(self.tables[slot], self.lens[slot] + n, self.block_size, self._allocate)
 
     def release(self, slot: int) -> None:
-        self.allocator.free(self.tables[slot])
-        self.tables[slot] = []
+        self._free(self.tables[slot])
+        self.tables[slot], self.hashes[slot] = [], []
         super().release(slot)
 
     def rollback(self, slot: int, n: int) -> None:
-        """As SlotCache.rollback, and the blocks left holding no token go back to the pool."""
+        """As SlotCache.rollback, and the blocks left holding no token go back to the pool.
+        A named block (08) is never rolled into: others may be reading it."""
+        named = len(self.hashes[slot]) * self.block_size
+        if named and 0 < n <= self.lens[slot] and named > self.lens[slot] - n:
+            raise ValueError(f"cannot roll slot {slot} back by {n}: its first "
+                             f"{len(self.hashes[slot])} blocks are in the prefix cache")
         super().rollback(slot, n)
         keep = self.blocks_for(self.lens[slot])
-        self.allocator.free(self.tables[slot][keep:])
+        self._free(self.tables[slot][keep:])
         del self.tables[slot][keep:]
+
+    # ---- the prefix cache (08) -------------------------------------------------------------
+    def reuse_prefix(self, slot: int, context: list[int]) -> int:
+        """A newcomer's table starts with the cached blocks of its context's longest cached
+        prefix (match_prefix) in place of the fresh blocks admit gave it, which go back.
+        Returns the tokens it need not compute: the slot now holds them. (The lookup follows
+        admission, so in a pool so full that admission evicted a cached block, that block's
+        prefix is computed again; vLLM looks up first.)"""
+        if self.prefix is None or self.lens[slot] != 0:
+            return 0
+        blocks = prefix_cache.match_prefix(context, self.block_size, self.prefix.cached)
+        if not blocks:
+            return 0
+        m = len(blocks)
+        self.prefix.share(blocks)
+        fresh, self.tables[slot][:m] = self.tables[slot][:m], blocks
+        self._free(fresh)
+        self.hashes[slot] = [self.prefix.hash_of[b] for b in blocks]
+        self.lens[slot] = m * self.block_size
+        return m * self.block_size
+
+    def cache_blocks(self, slot: int, context: list[int]) -> None:
+        """Name the slot's blocks that are full now (their tokens are context's, in order),
+        so that later requests can share them."""
+        if self.prefix is None:
+            return
+        named, full = self.hashes[slot], self.lens[slot] // self.block_size
+        if full > len(named):
+            bs = self.block_size
+            new = prefix_cache.block_hashes(context[len(named) * bs:full * bs], bs,
+                                            named[-1] if named else b"")
+            for b, h in zip(self.tables[slot][len(named):full], new):
+                self.prefix.register(b, h)
+            named += new
 
     def never_fits(self, n_tokens: int) -> str | None:
         need = self.blocks_for(n_tokens)
@@ -164,7 +226,7 @@ class PagedKVCache(SlotCache):
         return self.n_blocks * self.block_size
 
     def allocated_tokens(self) -> int:
-        return (self.n_blocks - self.allocator.n_free()) * self.block_size
+        return (self.n_blocks - self.n_free()) * self.block_size
 
     def _capacity(self, slot: int) -> int:
         return min(self.max_len, len(self.tables[slot]) * self.block_size)

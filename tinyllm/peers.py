@@ -1,4 +1,4 @@
-"""Step 07 - the peers: one workload through tinyllm's engines and through transformers.
+"""Step 09 - the peers: one workload through tinyllm's engines and through transformers.
 
     python -m tinyllm bench --peers                     # the bundled model, longtail workload
     python -m tinyllm bench --peers --model DIR --workload eos --batch 8

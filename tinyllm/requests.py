@@ -8,7 +8,7 @@ The checks here run before a request touches any engine state.
 """
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,9 +25,12 @@ class Request:
 
 @dataclass
 class Result:
+    """A finished request: its tokens, the time to its first token and to its last (from its
+    arrival), and itl_s, the gaps between its consecutive tokens (len(tokens) - 1 of them)."""
     tokens: list[int]
     ttft_s: float
     latency_s: float
+    itl_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -95,7 +98,13 @@ class Sequence:
     Request; arrival: the engine clock when it came; sampling: its settings (the request's or
     the engine's); generator: its own when seeded, else None; tokens: generated so far (kept
     through a preemption, when they become part of the context to recompute); ttft: the clock
-    at its first token; slot: the slot holding it, None while it waits.
+    at its first token; itl: the gaps between its tokens; slot: the slot holding it, None
+    while it waits; computed: how many tokens of its context the slot holds (0 at admission,
+    or what a prefix cache already held, 08). The tokens from `computed` on are still to be
+    computed: the whole context after admission, a chunk of it at a time under a token budget
+    (07), then one token per step, the one it last sampled (decode). prefilled and cached: the
+    context tokens its admissions left to compute, and those a prefix cache served (summed over
+    its admissions: a preempted request is admitted again).
     """
 
     def __init__(self, rid: int, request: Request, arrival: float, sampling: Sampling,
@@ -104,7 +113,11 @@ class Sequence:
         self.sampling, self.generator = sampling, generator
         self.tokens: list[int] = []
         self.ttft: float | None = None
+        self.itl: list[float] = []
+        self._last: float | None = None
         self.slot: int | None = None
+        self.computed = 0
+        self.prefilled = self.cached = 0
 
     def context(self) -> list[int]:
         """The tokens to prefill: the prompt, and after a preemption the tokens made so far."""
@@ -113,15 +126,24 @@ class Sequence:
     def context_len(self) -> int:
         return len(self.request.prompt) + len(self.tokens)
 
+    def left(self) -> int:
+        """Tokens of the context still to compute before the next token can be sampled: 1
+        while it decodes, more while its context is prefilled."""
+        return self.context_len() - self.computed
+
     def append(self, token: int, now: float) -> bool:
         """Record a new token made at engine time now; True when the request is done."""
         self.tokens.append(token)
         if self.ttft is None:
             self.ttft = now
+        else:
+            self.itl.append(now - self._last)
+        self._last = now
         return is_done(self.request, self.tokens)
 
     def result(self, now: float) -> Result:
-        return Result(self.tokens, self.ttft - self.arrival, now - self.arrival)
+        return Result(self.tokens, self.ttft - self.arrival, now - self.arrival, self.itl)
 
     def __repr__(self) -> str:
-        return f"Sequence(rid={self.rid}, slot={self.slot}, tokens={len(self.tokens)})"
+        return (f"Sequence(rid={self.rid}, slot={self.slot}, tokens={len(self.tokens)}, "
+                f"computed={self.computed})")

@@ -7,14 +7,17 @@ dry), it preempts the youngest running sequence: its slot and memory go back, an
 in arrival order, to be recomputed from its prompt and the tokens it has made
 (`reserve_or_preempt`). Then it moves waiting sequences into free slots, first come first
 served (`admit_waiting`, 04); a sequence that finishes or is aborted leaves its slot at once
-(`leave_slot`, 04). It asks the cache questions (`can_admit`, `reserve`) and never asks which
-kind of cache it holds.
+(`leave_slot`, 04). Last it plans the step (`plan`): one token for each decoding sequence, and
+the contexts of the others, whole or in chunks within a token budget (chunked_prefill.py, 07).
+It asks the cache questions (`can_admit`, `reserve`, `reuse_prefix`) and never asks which kind
+of cache it holds.
 
 Seams: `admit_waiting` and `leave_slot` (exercise 04), `reserve_or_preempt` (exercise 05).
 """
 
 from collections import deque
 
+from tinyllm import chunked_prefill
 from tinyllm.requests import Sequence
 from tinyllm.slot_cache import SlotCache
 
@@ -89,11 +92,39 @@ class Scheduler:
         Returns the preempted sequences, now waiting again."""
         return reserve_or_preempt(self.running, self.waiting, self.cache)
 
-    # ---- 2) admit ---------------------------------------------------------------------------
+    # ---- 2) admit, and plan the step ---------------------------------------------------------
     def admit(self) -> list[Sequence]:
         """Waiting sequences that enter free slots now, each given a slot and memory for its
-        context: the engine prefills them next."""
-        return admit_waiting(self.waiting, self.running, self.cache)
+        context, and what the cache already holds of it (seq.computed: a prefix cache's
+        blocks, 08): the engine computes the rest."""
+        admitted = admit_waiting(self.waiting, self.running, self.cache)
+        for seq in admitted:
+            seq.computed = self.cache.reuse_prefix(seq.slot, seq.context())
+            seq.prefilled += seq.left()
+            seq.cached += seq.computed
+        return admitted
+
+    def plan(self, max_tokens: int | None) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """This step's work within a budget of max_tokens (None: no limit; 07): the decodes,
+        every running sequence with one token left, in slot order; then, if the budget is not
+        spent, newcomers are admitted, and the chunks go to the sequences with more left
+        (the newcomers among them), first come first served (plan_chunks). Returns the decodes
+        and the chunks (sequence, tokens it computes)."""
+        decodes = [s for s in self.in_slot_order() if s.left() == 1]
+        budget = None if max_tokens is None else max_tokens - len(decodes)
+        if budget is None or budget > 0:
+            self.admit()
+        ids = {s.rid for s in decodes}
+        prefilling = sorted((s for s in self.running.values() if s.rid not in ids),
+                            key=lambda s: s.rid)
+        left = [s.left() for s in prefilling]
+        sizes = chunked_prefill.plan_chunks(list(left), budget)
+        if not isinstance(sizes, (list, tuple)) or len(sizes) != len(left) \
+                or any(not 0 <= n <= m for n, m in zip(sizes, left)) \
+                or (budget is not None and sum(sizes) > budget):
+            raise ValueError(f"plan_chunks gave {sizes} to sequences with {left} tokens left "
+                             f"and a budget of {budget}")
+        return decodes, [(s, n) for s, n in zip(prefilling, sizes) if n > 0]
 
     # ---- 4) retire --------------------------------------------------------------------------
     def finish(self, seq: Sequence) -> None:

@@ -87,6 +87,15 @@ class SlotCache:
             raise ValueError(f"cannot roll slot {slot} back by {n}: it holds {self.lens[slot]} tokens")
         self.lens[slot] -= n
 
+    def reuse_prefix(self, slot: int, context: list[int]) -> int:
+        """Right after admission: how many leading tokens of the slot's context the cache
+        already holds, now the slot's (a prefix cache shares them, 08; a slot has none)."""
+        return 0
+
+    def cache_blocks(self, slot: int, context: list[int]) -> None:
+        """After a step: the slot's stored tokens (context's first lens[slot]) may serve later
+        requests (a prefix cache names its full blocks, 08; a slot keeps nothing)."""
+
     def never_fits(self, n_tokens: int) -> str | None:
         """Why a sequence of n_tokens can never be held, even alone; None when it can."""
         if n_tokens > self.max_len:

@@ -49,6 +49,16 @@ def run_batch(model: Transformer, batch: list[Request], pick, clock) -> list[Res
         logits = logits[:, -1]                                          # (B, V)
 
 
+def with_gaps(result: Result, picked: list[float]) -> Result:
+    """result with its inter-token gaps: its k-th token came with the batch's k-th pick.
+    (Anything but a Result is passed on as it is, for the caller's checks to name.)"""
+    if not isinstance(result, Result):
+        return result
+    times = picked[:len(result.tokens)]
+    return Result(result.tokens, result.ttft_s, result.latency_s,
+                  [b - a for a, b in zip(times, times[1:])])
+
+
 def account_batch(stats: Stats, batch: list[Request], results: list[Result],
                   trace: Trace | None, ids: list[int]) -> None:
     """Stats (and the trace) of a finished static batch, from its results alone: request j
@@ -105,8 +115,13 @@ def run_static(model: Transformer, requests: list[Request], batch_size: int,
             batch = requests[b0:b0 + batch_size]
             rows = [r.sampling or default for r in batch]
             gens = [s.generator(device) for s in rows]
-            pick = lambda logits: sample_rows(logits, rows, gens, generator)
-            done = run_batch(model, batch, pick, clock)
+            picked: list[float] = []                    # the clock at each step's tokens
+
+            def pick(logits):
+                picked.append(clock())
+                return sample_rows(logits, rows, gens, generator)
+
+            done = [with_gaps(r, picked) for r in run_batch(model, batch, pick, clock)]
             # decode time: from the first token (the end of the prefill) to the last
             stats.decode_s += max(r.latency_s for r in done) - min(r.ttft_s for r in done)
             account_batch(stats, batch, done, trace, list(range(b0, b0 + len(batch))))

@@ -30,7 +30,10 @@ class Stats:
     decode_s: float = 0.0             # time in decode steps, all of it,
     forward_s: float = 0.0            # and the part of it inside the model's forward;
     slot_rows: int = 0                # rows the engine had (batch size or slots) per step
-    recomputed_tokens: int = 0        # context prefilled again after a preemption
+    recomputed_tokens: int = 0        # context brought back after a preemption
+    prompt_tokens: int = 0            # prompts of the finished requests,
+    prefill_tokens: int = 0           # the context tokens computed for them (recompute too),
+    cached_prompt_tokens: int = 0     # and those a prefix cache served instead
     kv_used_sum: float = 0.0          # per decode step: KV positions in use / reserved,
     kv_used_peak: float = 0.0
     kv_alloc_sum: float = 0.0         # and in use / allocated (the paged cache's blocks)
@@ -54,7 +57,10 @@ class Stats:
     def summary(self, results: list[Result]) -> dict:
         lat = sorted(r.latency_s for r in results)
         ttft = sorted(r.ttft_s for r in results)
-        p95 = lambda xs: xs[min(len(xs) - 1, math.ceil(0.95 * len(xs)) - 1)] if xs else 0.0
+        itl = sorted(gap for r in results for gap in r.itl_s)          # every request's gaps
+        tpot = [(r.latency_s - r.ttft_s) / (len(r.tokens) - 1) for r in results if len(r.tokens) > 1]
+        pct = lambda xs, p: xs[min(len(xs) - 1, math.ceil(p * len(xs)) - 1)] if xs else 0.0
+        p95 = lambda xs: pct(xs, 0.95)
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
         return {
             "requests": len(results),
@@ -68,6 +74,12 @@ class Stats:
             "latency_p95_s": p95(lat),
             "ttft_mean_s": mean(ttft),
             "ttft_p95_s": p95(ttft),
+            "tpot_mean_s": mean(tpot),
+            "itl_p99_s": pct(itl, 0.99),
+            "itl_max_s": itl[-1] if itl else 0.0,
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "kv_reserved_mib": self.kv_reserved_tokens * self.kv_bytes_per_token / 2**20,
             "kv_used_mean": self.kv_used_sum / max(1, self.decode_steps),
             "kv_used_peak": self.kv_used_peak,
@@ -82,21 +94,26 @@ class Stats:
 
 
 class Trace:
-    """What each decode step looked like: rows[step][row] = the request id a row or slot
-    served (None: nobody), kv_used[step] = KV positions in use / reserved, kv_alloc[step] =
-    positions allocated / reserved (the paged cache's blocks; else 1 or None).
-    Pass one to an engine to fill it; one short list per step. viz.py draws it."""
+    """What each step looked like: rows[step][row] = the request id a row or slot served
+    (None: nobody), kv_used[step] = KV positions in use / reserved (at the step's start),
+    kv_alloc[step] = positions allocated / reserved (the paged cache's blocks; else 1 or None),
+    computed[step][row] = the tokens the row computed (1 for a decode, more for a prompt or a
+    chunk of one, 0 for a row that waited; None where the engine does not say). Static
+    batching records its decode steps, the continuous engine every step. Pass one to an engine
+    to fill it; one short list per step. viz.py draws it."""
 
     def __init__(self):
         self.rows: list[list[int | None]] = []
         self.kv_used: list[float] = []
         self.kv_alloc: list[float | None] = []
+        self.computed: list[list[int] | None] = []
 
     def record(self, holders: list[int | None], kv_used: float,
-               kv_alloc: float | None = None) -> None:
+               kv_alloc: float | None = None, computed: list[int] | None = None) -> None:
         self.rows.append(list(holders))
         self.kv_used.append(kv_used)
         self.kv_alloc.append(kv_alloc)
+        self.computed.append(None if computed is None else list(computed))
 
 
 def sync_device(device: torch.device) -> None:
