@@ -53,9 +53,19 @@ setup: $(STAMP)                   ## only set up .venv (then: source .venv/bin/a
 lab: $(STAMP)                     ## open the course in JupyterLab
 	$(BIN)/jupyter lab $(ROOT_OK) notebooks/
 
+# The package and exercise tests and the stub proof run beside the notebooks (two processes, one
+# core each): the notebooks report as they go, the tests' report follows theirs.
 test: $(STAMP)                    ## every test: package, exercises (solutions), notebooks, stub proof
-	$(BIN)/python -m tinyllm check --stubs-fail
-	$(PYTEST) tests notebooks $(NBVAL)
+	@echo "The package and exercise tests, and the proof that every exercise test fails on the"
+	@echo "untouched stubs, run beside the notebooks; their report follows the notebooks'."
+	@( $(BIN)/python -m tinyllm check --stubs-fail; proof=$$?; $(PYTEST) tests; \
+	  exit $$(( $$? || proof )) ) > $(VENV)/tests.log 2>&1 & \
+	tests=$$!; \
+	$(PYTEST) notebooks $(NBVAL); notebooks=$$?; \
+	echo; echo "== the stub proof, then the package and exercise tests"; \
+	wait $$tests; status=$$?; cat $(VENV)/tests.log; echo; \
+	if [ $$notebooks -eq 0 ] && [ $$status -eq 0 ]; then echo "make test: everything passed"; \
+	else echo "make test: FAILED (see above)"; exit 1; fi
 
 test-fast: $(STAMP)               ## the package and exercise tests only
 	$(PYTEST) tests

@@ -1,4 +1,4 @@
-"""Steps 03-04 - the benchmark entry point and the pictures: they run and count right.
+"""Steps 03-08 - the benchmark entry point and the pictures: they run and count right.
 (Speed is never asserted here: the benchmark measures it.)"""
 
 import json
@@ -14,13 +14,20 @@ from tinyllm.engine import Request, Trace, run_continuous, run_static  # noqa: E
 from tests.conftest import make_tiny  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["uniform", "longtail", "eos", "poisson"])
+@pytest.mark.parametrize("name", bench.WORKLOADS)
 def test_workloads_are_well_formed(bundled, name):
-    _, tok = bundled
+    model, tok = bundled
     reqs, arrivals = bench.workload(name, tok, n=20, seed=1)
     assert len(reqs) == len(arrivals) == 20
     assert all(0 < len(r.prompt) and all(0 <= t < tok.vocab_size for t in r.prompt) for r in reqs)
-    assert (arrivals == sorted(arrivals)) and (max(arrivals) > 0) == (name == "poisson")
+    assert all(len(r.prompt) + r.max_new_tokens <= model.cfg.max_seq_len for r in reqs)
+    assert (arrivals == sorted(arrivals)) and (max(arrivals) > 0) == (name in ("poisson", "shared-prefix"))
+    if name == "shared-prefix":
+        shared = [sum(1 for a, b in zip(r.prompt, reqs[0].prompt) if a == b) for r in reqs[1:]]
+        assert min(shared) >= 0.9 * len(reqs[0].prompt), "90% of every prompt is the system prompt"
+    if name == "long-prompt":
+        long = [i for i, r in enumerate(reqs) if len(r.prompt) > 400]
+        assert long == [15], f"every 16th request has a long prompt: {long}"
     if name == "longtail":
         lens = sorted(r.max_new_tokens for r in reqs)
         assert lens[-1] > 3 * lens[len(lens) // 2], f"not long-tailed: {lens}"
@@ -51,6 +58,37 @@ def test_bench_table_and_bad_names(bundled, capsys, monkeypatch):
         bench.run(model, tok, "uniform", "vllm", 2, n=2)
     with pytest.raises(ValueError, match="unknown workload"):
         bench.workload("bursty", tok)
+    for bad, why in [("static+chunked", "static batching has no token budget"),
+                     ("continuous+prefix", "use paged\\+prefix"), ("paged+fast", "unknown engine")]:
+        with pytest.raises(ValueError, match=why):
+            bench.run(model, tok, "uniform", bad, 2, n=2)
+    with pytest.raises(SystemExit):
+        bench.main(["--engines", "paged+fast"])
+    assert "unknown engine 'paged+fast'" in capsys.readouterr().err
+
+
+def test_engine_names_carry_steps_07_and_08():
+    assert bench.engine_settings("continuous") == ("continuous", {})
+    assert bench.engine_settings("continuous+chunked") == ("continuous", {"max_step_tokens": 64})
+    assert bench.engine_settings("paged+prefix+chunked", 32) == \
+        ("paged", {"max_step_tokens": 32, "prefix_cache": True})
+    assert bench.engine_settings("paged", prefix_cache=True) == ("paged", {"prefix_cache": True})
+    assert bench.engine_settings("static", 32, True) == ("static", {}), "the flags skip static"
+
+
+def test_chunked_and_prefix_engines_serve_the_same_tokens(bundled, capsys, monkeypatch):
+    """The step 07-08 engines make the same tokens as the plain one; the prefix cache computes
+    fewer prompt tokens; --json keeps its shape."""
+    model, tok = bundled
+    monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
+    bench.main(["--workload", "shared-prefix", "--requests", "4", "--batch", "2", "--json",
+                "--engines", "paged,paged+prefix,continuous+chunked", "--block-size", "8"])
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert list(runs) == ["paged", "paged+prefix", "continuous+chunked"]
+    assert len({r["useful_tokens"] for r in runs.values()}) == 1
+    assert runs["paged"]["prefill_tokens"] == runs["paged"]["prompt_tokens"] == 4 * 400
+    assert runs["paged+prefix"]["prefill_tokens"] + runs["paged+prefix"]["cached_prompt_tokens"] \
+        == 4 * 400
 
 
 def test_paged_and_graph_engines_and_the_decode_step_table(bundled, capsys, monkeypatch):

@@ -97,6 +97,16 @@ def test_chunked_engine_online_with_preemption_aborts_and_sampling(requests, n_s
     budget_kept(trace, budget)
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=requests_st, n_slots=st.integers(1, 4), extra=st.integers(0, 6))
+def test_chunked_engine_with_the_graph_decoder(requests, n_slots, extra):
+    """The graph decoder's step (eager bucketed on a CPU) writes every slot, a slot halfway
+    through its prefill too; that slot's next chunk overwrites the stray key: solo tokens."""
+    results, _ = run_continuous(TINY, requests, n_slots, cuda_graph=True,
+                                max_step_tokens=n_slots + extra)
+    assert_oracle(requests, results)
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode():
     """The picture of 07 in numbers: three short requests decode every step while a long
     prompt takes the rest of the budget, a chunk a step."""
