@@ -79,6 +79,14 @@ def leaks(engine) -> str | None:
     if sched.running or sched.waiting:
         return (f"the scheduler still holds {len(sched.running)} running and "
                 f"{len(sched.waiting)} waiting requests after every request finished")
+    prefix = getattr(cache, "prefix", None)
+    if prefix is not None:                              # a prefix cache (08) keeps named blocks
+        held = [b for b, r in enumerate(prefix.refs) if r]
+        if held or prefix.n_free() != cache.n_blocks:
+            return (f"blocks {held} are still referenced and {prefix.n_free()} of "
+                    f"{cache.n_blocks} are free or cached after every request finished: "
+                    f"blocks leaked")
+        return None
     allocator = getattr(cache, "allocator", None)
     if allocator is not None:
         held = [b for b, a in enumerate(allocator.allocated) if a]

@@ -98,6 +98,15 @@ class Scheduler:
         context, and what the cache already holds of it (seq.computed: a prefix cache's
         blocks, 08): the engine computes the rest."""
         admitted = admit_waiting(self.waiting, self.running, self.cache)
+        for seq in admitted:                            # an admission that is not one is named
+            if seq.slot is None or self.running.get(seq.slot) is not seq \
+                    or not self.cache.active[seq.slot]:
+                raise ValueError(f"admit_waiting returned request {seq.rid} with slot "
+                                 f"{seq.slot!r}: an admitted request holds the slot the cache "
+                                 f"admitted it to (seq.slot), and running[seq.slot] is it")
+            if any(w is seq for w in self.waiting):
+                raise ValueError(f"admit_waiting returned request {seq.rid}, which still waits: "
+                                 f"an admitted request leaves the queue")
         for seq in admitted:
             seq.computed = self.cache.reuse_prefix(seq.slot, seq.context())
             seq.prefilled += seq.left()

@@ -50,10 +50,7 @@ def run_batch(model: Transformer, batch: list[Request], pick, clock) -> list[Res
 
 
 def with_gaps(result: Result, picked: list[float]) -> Result:
-    """result with its inter-token gaps: its k-th token came with the batch's k-th pick.
-    (Anything but a Result is passed on as it is, for the caller's checks to name.)"""
-    if not isinstance(result, Result):
-        return result
+    """result with its inter-token gaps: its k-th token came with the batch's k-th pick."""
     times = picked[:len(result.tokens)]
     return Result(result.tokens, result.ttft_s, result.latency_s,
                   [b - a for a, b in zip(times, times[1:])])
@@ -121,7 +118,12 @@ def run_static(model: Transformer, requests: list[Request], batch_size: int,
                 picked.append(clock())
                 return sample_rows(logits, rows, gens, generator)
 
-            done = [with_gaps(r, picked) for r in run_batch(model, batch, pick, clock)]
+            done = run_batch(model, batch, pick, clock)
+            if not isinstance(done, list) or len(done) != len(batch) or \
+                    not all(isinstance(r, Result) for r in done):
+                raise TypeError(f"run_batch returned {done!r} for a batch of {len(batch)} "
+                                f"requests: expected a list of {len(batch)} Results, in order")
+            done = [with_gaps(r, picked) for r in done]
             # decode time: from the first token (the end of the prefill) to the last
             stats.decode_s += max(r.latency_s for r in done) - min(r.ttft_s for r in done)
             account_batch(stats, batch, done, trace, list(range(b0, b0 + len(batch))))
