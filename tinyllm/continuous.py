@@ -318,7 +318,8 @@ class ContinuousEngine:
                 st.recomputed_tokens += seq.prefilled + seq.cached - len(seq.request.prompt)
                 self.scheduler.finish(seq)
                 del self._seqs[seq.rid]
-            events.append(Event(seq.rid, tok, done))
+            events.append(Event(seq.rid, tok, done, self.results[seq.rid].finish_reason
+                                if done else None))
         return events
 
 

@@ -26,23 +26,35 @@ class Request:
 @dataclass
 class Result:
     """A finished request: its tokens, the time to its first token and to its last (from its
-    arrival), and itl_s, the gaps between its consecutive tokens (len(tokens) - 1 of them)."""
+    arrival), itl_s, the gaps between its consecutive tokens (len(tokens) - 1 of them), and
+    why it ended: "stop" (its EOS) or "length" (max_new_tokens), as the OpenAI API says."""
     tokens: list[int]
     ttft_s: float
     latency_s: float
     itl_s: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 @dataclass
 class Event:
-    """One generated token, as step() reports it (a server streams these)."""
+    """One generated token, as step() reports it (a server streams these); the last of a
+    request is done, with its finish_reason ("stop" or "length")."""
     rid: int
     token: int
     done: bool
+    finish_reason: str | None = None
 
 
 def is_done(req: Request, toks: list[int]) -> bool:
     return len(toks) >= req.max_new_tokens or (req.eos_id is not None and toks[-1] == req.eos_id)
+
+
+def finish_reason(req: Request, toks: list[int]) -> str | None:
+    """Why a request with these tokens is done: "stop" (its EOS), "length" (max_new_tokens),
+    None while it is not."""
+    if req.eos_id is not None and toks and toks[-1] == req.eos_id:
+        return "stop"
+    return "length" if len(toks) >= req.max_new_tokens else None
 
 
 def check_positive_int(name: str, value) -> None:
@@ -142,7 +154,8 @@ class Sequence:
         return is_done(self.request, self.tokens)
 
     def result(self, now: float) -> Result:
-        return Result(self.tokens, self.ttft - self.arrival, now - self.arrival, self.itl)
+        return Result(self.tokens, self.ttft - self.arrival, now - self.arrival, self.itl,
+                      finish_reason(self.request, self.tokens))
 
     def __repr__(self) -> str:
         return (f"Sequence(rid={self.rid}, slot={self.slot}, tokens={len(self.tokens)}, "

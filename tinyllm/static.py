@@ -13,7 +13,8 @@ import torch
 from tinyllm import padded
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer
-from tinyllm.requests import Request, Result, check_positive_int, check_request, is_done
+from tinyllm.requests import (Request, Result, check_positive_int, check_request, finish_reason,
+                              is_done)
 from tinyllm.sampling import Sampling, check_generator, sample_rows
 from tinyllm.stats import ForwardTimer, Stats, Trace, kv_bytes_per_token
 
@@ -49,11 +50,12 @@ def run_batch(model: Transformer, batch: list[Request], pick, clock) -> list[Res
         logits = logits[:, -1]                                          # (B, V)
 
 
-def with_gaps(result: Result, picked: list[float]) -> Result:
-    """result with its inter-token gaps: its k-th token came with the batch's k-th pick."""
+def finished(result: Result, req: Request, picked: list[float]) -> Result:
+    """result with its inter-token gaps (its k-th token came with the batch's k-th pick) and
+    its finish reason."""
     times = picked[:len(result.tokens)]
     return Result(result.tokens, result.ttft_s, result.latency_s,
-                  [b - a for a, b in zip(times, times[1:])])
+                  [b - a for a, b in zip(times, times[1:])], finish_reason(req, result.tokens))
 
 
 def account_batch(stats: Stats, batch: list[Request], results: list[Result],
@@ -123,7 +125,7 @@ def run_static(model: Transformer, requests: list[Request], batch_size: int,
                     not all(isinstance(r, Result) for r in done):
                 raise TypeError(f"run_batch returned {done!r} for a batch of {len(batch)} "
                                 f"requests: expected a list of {len(batch)} Results, in order")
-            done = [with_gaps(r, picked) for r in done]
+            done = [finished(r, req, picked) for r, req in zip(done, batch)]
             # decode time: from the first token (the end of the prefill) to the last
             stats.decode_s += max(r.latency_s for r in done) - min(r.ttft_s for r in done)
             account_batch(stats, batch, done, trace, list(range(b0, b0 + len(batch))))
