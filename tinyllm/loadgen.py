@@ -1,0 +1,210 @@
+"""Step 10 - the load generator: a server measured the way serving systems are measured.
+
+    python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --rate 4 --requests 64
+    python -m tinyllm loadgen --url ... --rate 1,2,4,8 --json      # a sweep: latency against load
+
+It speaks only the OpenAI API (streamed `/v1/completions`), so the same command measures
+tinyllm's server, vLLM's, SGLang's, llama.cpp's or `transformers serve`. Requests arrive
+open-loop: at Poisson times of the given rate, whether or not the server keeps up (a server
+that falls behind shows it in its latencies, not by slowing the clients down), or at a fixed
+concurrency (--concurrency N: N clients, each sending its next request when one ends).
+
+Per request it records the time of every streamed chunk, and reports what vLLM's benchmark
+reports: request throughput, output tokens per second, and at p50 / p90 / p99 the time to first
+token (TTFT), the time per output token after the first (TPOT), the gaps between chunks (ITL)
+and end-to-end latency; goodput is the rate of requests that met the SLO (--slo-ttft-ms,
+--slo-tpot-ms).
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Record:
+    """One request as the client saw it: when it was sent, when each chunk came, how many
+    tokens it got (the usage the server reported, else one per chunk), and any error."""
+    sent: float
+    chunks: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0] - self.sent
+
+    @property
+    def latency(self) -> float:
+        return self.chunks[-1] - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.latency - self.ttft) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+def percentile(xs: list[float], p: float) -> float:
+    """The p-th percentile (0-100) of xs by linear interpolation between closest ranks, as
+    numpy's default; 0.0 for no values."""
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(records: list[Record], duration: float, slo_ttft: float | None = None,
+              slo_tpot: float | None = None) -> dict:
+    """The serving figures of a run: counts, throughputs, and TTFT / TPOT / ITL / latency at
+    p50, p90, p99 (milliseconds), and goodput (requests a second meeting the SLO)."""
+    ok = [r for r in records if r.error is None and r.chunks]
+    out = {"requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+           "duration_s": duration,
+           "request_throughput": len(ok) / duration if duration else 0.0,
+           "output_tok_s": sum(r.tokens for r in ok) / duration if duration else 0.0}
+    series = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
+              "itl": [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])],
+              "e2e": [r.latency for r in ok]}
+    for name, xs in series.items():
+        out[f"{name}_mean_ms"] = 1e3 * sum(xs) / len(xs) if xs else 0.0
+        for p in (50, 90, 99):
+            out[f"{name}_p{p}_ms"] = 1e3 * percentile(xs, p)
+    good = [r for r in ok if (slo_ttft is None or r.ttft * 1e3 <= slo_ttft)
+            and (slo_tpot is None or (r.tpot or 0.0) * 1e3 <= slo_tpot)]
+    out["goodput"] = len(good) / duration if duration else 0.0
+    return out
+
+
+async def one_request(client, model: str, prompt: str, max_tokens: int, rec: Record) -> None:
+    """Stream one completion into rec: a time per chunk with text, and the tokens made."""
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        chunks = 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                rec.chunks.append(time.perf_counter())
+                chunks += 1
+            if getattr(chunk, "usage", None) is not None:
+                rec.tokens = chunk.usage.completion_tokens
+        rec.tokens = rec.tokens or chunks
+    except Exception as e:                              # a failed request is counted, not fatal
+        rec.error = f"{type(e).__name__}: {e}"
+
+
+async def run_load(url: str, prompts: list[tuple[str, int]], rate: float | None = None,
+                   concurrency: int | None = None, model: str | None = None,
+                   seed: int = 0) -> tuple[list[Record], float]:
+    """Send every (prompt, max_tokens): at Poisson arrivals of `rate` a second (None: all at
+    once), or from `concurrency` clients each waiting for its last answer. Returns the
+    records and the run's duration in seconds."""
+    import httpx
+    import openai
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600,
+                                http_client=httpx.AsyncClient(limits=limits, timeout=600))
+    if model is None:
+        model = (await client.models.list()).data[0].id
+    rng = random.Random(seed)
+    records = [Record(0.0) for _ in prompts]
+    t0 = time.perf_counter()
+
+    async def send(i: int) -> None:
+        records[i].sent = time.perf_counter()
+        await one_request(client, model, *prompts[i], records[i])
+
+    if concurrency:
+        nxt = iter(range(len(prompts)))
+
+        async def worker():
+            for i in nxt:
+                await send(i)
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    else:
+        tasks, t = [], 0.0
+        for i in range(len(prompts)):
+            if rate:
+                t += rng.expovariate(rate)
+                await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
+            tasks.append(asyncio.ensure_future(send(i)))
+        await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    await client.close()
+    return records, duration
+
+
+def prompts_of(workload: str, n: int, seed: int = 0) -> list[tuple[str, int]]:
+    """(prompt text, max_tokens) of a named workload of bench.py, as text (any server's
+    tokenizer reads it): its requests decoded with the bundled tokenizer."""
+    from tinyllm import bench
+    from tinyllm.checkpoint import resolve
+    from tinyllm.tokenizer import Tokenizer
+    tok = Tokenizer.from_file(resolve("default") / "tokenizer.json")
+    reqs, _ = bench.workload(workload, tok, n, seed)
+    return [(tok.decode(r.prompt), r.max_new_tokens) for r in reqs]
+
+
+def table(rows: dict[str, dict]) -> str:
+    """Runs side by side, one row per figure."""
+    names = list(rows)
+    w = [max(12, len(n) + 2) for n in names]
+    lines = [f"{'':22}" + "".join(f"{n:>{k}}" for n, k in zip(names, w))]
+    for key in rows[names[0]]:
+        lines.append(f"{key:22}" + "".join(
+            f"{rows[n][key]:>{k}.2f}" if isinstance(rows[n][key], float) else f"{rows[n][key]:>{k}}"
+            for n, k in zip(names, w)))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m tinyllm loadgen", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Measure an OpenAI-compatible server (tinyllm's, vLLM's, SGLang's, "
+                    "llama.cpp's, transformers serve) with streamed completions: open-loop "
+                    "Poisson arrivals or a fixed concurrency; throughput, TTFT, TPOT, ITL and "
+                    "latency at p50/p90/p99, and goodput under an SLO.",
+        epilog="examples:\n"
+               "  python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --rate 4 --requests 64\n"
+               "  python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --rate 1,2,4,8\n"
+               "  python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --concurrency 16")
+    ap.add_argument("--url", required=True, help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    ap.add_argument("--rate", default="4", metavar="R[,R...]",
+                    help="requests per second, Poisson arrivals; several for a sweep; inf: all at once (default: 4)")
+    ap.add_argument("--concurrency", type=int, default=None, metavar="N",
+                    help="instead of a rate: N clients, each sending its next request when its last ends")
+    ap.add_argument("--requests", type=int, default=64, metavar="N", help="requests per run (default: 64)")
+    ap.add_argument("--workload", default="longtail", metavar="NAME",
+                    help="a workload of `python -m tinyllm bench --help`, as text (default: longtail)")
+    ap.add_argument("--model", default=None, help="the model name to ask for (default: the server's first)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS", help="goodput: TTFT at most MS")
+    ap.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS", help="goodput: TPOT at most MS")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = ap.parse_args(argv)
+    try:
+        rates = [None if r.strip() in ("inf", "") else float(r) for r in args.rate.split(",")]
+    except ValueError:
+        ap.error(f"--rate takes numbers separated by commas, got {args.rate!r}")
+    prompts = prompts_of(args.workload, args.requests, args.seed)
+    runs = {}
+    for rate in ([None] if args.concurrency else rates):
+        name = f"concurrency {args.concurrency}" if args.concurrency else \
+            ("all at once" if rate is None else f"{rate:g} req/s")
+        records, duration = asyncio.run(run_load(args.url, prompts, rate, args.concurrency,
+                                                 args.model, args.seed))
+        runs[name] = summarize(records, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+        failed = [r.error for r in records if r.error]
+        if failed and not args.json:
+            print(f"{name}: {len(failed)} requests failed, the first with {failed[0]}")
+    if args.json:
+        print(json.dumps({"url": args.url, "workload": args.workload, "requests": args.requests,
+                          "runs": runs}, indent=2))
+        return
+    print(f"{args.url}: {args.requests} requests of {args.workload} per run\n")
+    print(table(runs))
