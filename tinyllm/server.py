@@ -58,8 +58,8 @@ class EngineLoop:
     """The thread that owns a ContinuousEngine: submit() and abort() from any thread, the
     engine only from here. At most max_waiting requests wait for a slot at once."""
 
-    def __init__(self, engine: ContinuousEngine, max_waiting: int = 64, on_step=None):
-        self.engine, self.max_waiting, self.on_step = engine, max_waiting, on_step
+    def __init__(self, engine: ContinuousEngine, max_waiting: int = 64):
+        self.engine, self.max_waiting = engine, max_waiting
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.tickets: dict[int, Ticket] = {}            # engine id -> ticket, while it runs
         self.wake = threading.Event()
@@ -93,7 +93,7 @@ class EngineLoop:
         self.wake.set()
 
     def _deliver(self, ticket: Ticket, item) -> None:
-        ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, item)
+        ticket.loop.call_soon_threadsafe(_put_all, [(ticket, item)])
 
     def _drain(self) -> None:
         while True:
@@ -119,15 +119,23 @@ class EngineLoop:
                 self.wake.clear()
                 continue
             events: list[Event] = self.engine.step()
-            for ev in events:
+            batches: dict[asyncio.AbstractEventLoop, list] = {}
+            for ev in events:                           # one wake-up per event loop and step
                 ticket = self.tickets.get(ev.rid)
                 if ticket is not None:
-                    self._deliver(ticket, ev)
+                    batches.setdefault(ticket.loop, []).append((ticket, ev))
                     if ev.done:
                         del self.tickets[ev.rid]
-                self.engine.results.pop(ev.rid, None) if ev.done else None
-            if self.on_step is not None:
-                self.on_step(self.engine)
+                if ev.done:
+                    self.engine.results.pop(ev.rid, None)
+            for loop, items in batches.items():
+                loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list) -> None:
+    """On the event loop: each (ticket, event) into the ticket's queue."""
+    for ticket, item in items:
+        ticket.events.put_nowait(item)
 
 
 # ---- the API: bodies checked as the OpenAI API checks them --------------------------------------
