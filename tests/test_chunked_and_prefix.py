@@ -158,10 +158,11 @@ def test_evictable_blocks_go_least_recently_used_first():
     for blk, name in zip(a + b, [b"a0", b"a1", b"b0", b"b1"]):
         pc.register(blk, name)
     pc.free(b)
-    pc.free(a)                                          # b's blocks were let go first
+    pc.free(a)                                          # b's blocks were let go first,
     assert pc.n_free() == 4 and pc.allocator.n_free() == 0
+    assert list(pc.evictable) == [b[1], b[0], a[1], a[0]], "each table's from its end"
     got = pc.allocate(2)
-    assert got == b and b"b0" not in pc.cached and b"a0" in pc.cached
+    assert got == [b[1], b[0]] and b"b0" not in pc.cached and b"a0" in pc.cached
     with pytest.raises(ValueError, match="not held by any table"):
         pc.free([a[0]])
 

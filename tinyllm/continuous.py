@@ -217,11 +217,13 @@ class ContinuousEngine:
             return []
         self.stats.preemptions += len(self.scheduler.reserve())
         decodes, chunks = self.scheduler.plan(self.config.max_step_tokens)
-        if not decodes and not chunks:                  # unreachable while slots are released
-            raise RuntimeError(f"request {self.scheduler.waiting[0].rid} waits and no request "
-                               f"runs: the cache has free slots {self.cache.free_slots()} of "
-                               f"{self.cache.n_slots} (a finished request never released its "
-                               f"slot?) and nothing was planned")
+        if not decodes and not chunks:                  # unreachable with the reference seams
+            sched = self.scheduler
+            raise RuntimeError(
+                f"a step with nothing to compute: {len(sched.waiting)} requests wait, the running "
+                f"ones have {[s.left() for s in sched.in_slot_order()]} tokens left, and the "
+                f"cache's free slots are {self.cache.free_slots()} of {self.cache.n_slots} (a "
+                f"finished request that never released its slot, or a plan that gave no tokens?)")
         if self.trace is not None:
             computed = [0] * self.config.n_slots
             for seq, n in [(s, 1) for s in decodes] + chunks:

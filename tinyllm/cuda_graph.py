@@ -116,7 +116,9 @@ class SlotGraphDecoder:
     """Decode steps of a SlotKVCache's slots, replayed as CUDA graphs, one per window bucket.
 
     step(tokens (S, 1)) -> logits (S, 1, V) for every slot (read the busy ones): the decode
-    step the engine planned (`slots.plan_step(busy slots, one token each)`). A replay runs the
+    step the engine planned (`slots.plan_step(the decoding slots, one token each)`; a busy
+    slot it does not plan, one whose prompt is still being prefilled, is computed like a free
+    one, and the prefill that follows overwrites the key it wrote). A replay runs the
     captured kernels but none of the forward pass's Python, so step() ends the slots' step
     itself, as the model's forward pass does. capture: record graphs
     (default: on CUDA); False runs the same bucketed static-buffer step eagerly. Capture writes

@@ -14,6 +14,8 @@ reports: request throughput, output tokens per second, and at p50 / p90 / p99 th
 token (TTFT), the time per output token after the first (TPOT), the gaps between chunks (ITL)
 and end-to-end latency; goodput is the rate of requests that met the SLO (--slo-ttft-ms,
 --slo-tpot-ms).
+
+Seam: `percentile` (exercise 10).
 """
 
 import argparse

@@ -186,8 +186,8 @@ class PagedKVCache(SlotCache):
         """A newcomer's table starts with the cached blocks of its context's longest cached
         prefix (match_prefix) in place of the fresh blocks admit gave it, which go back.
         Returns the tokens it need not compute: the slot now holds them. (The lookup follows
-        admission, so in a pool so full that admission evicted a cached block, that block's
-        prefix is computed again; vLLM looks up first.)"""
+        the step's admissions, so in a pool so full that a newcomer's fresh blocks evicted a
+        cached block, that block's prefix is computed again; vLLM looks up first.)"""
         if self.prefix is None or self.lens[slot] != 0:
             return 0
         blocks = prefix_cache.match_prefix(context, self.block_size, self.prefix.cached)

@@ -29,7 +29,9 @@ from collections import OrderedDict
 def block_hashes(tokens: list[int], block_size: int, parent: bytes = b"") -> list[bytes]:
     """One hash per *full* block of tokens (a last partial block gets none): block i's is the
     sha256 digest of the previous block's hash (parent for block 0) followed by its own
-    block_size tokens, so equal hashes mean equal prefixes, not only equal blocks."""
+    block_size tokens, so equal hashes mean equal prefixes, not only equal blocks.
+    (The bytes of a block's tokens: array("q", block).tobytes(); the digest:
+    hashlib.sha256(previous + those bytes).digest().)"""
     hashes = []
     for i in range(len(tokens) // block_size):
         block = array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes()
@@ -40,9 +42,9 @@ def block_hashes(tokens: list[int], block_size: int, parent: bytes = b"") -> lis
 
 def match_prefix(context: list[int], block_size: int, cached: dict[bytes, int]) -> list[int]:
     """The cached blocks that hold context's longest cached prefix, in order: the blocks of
-    its leading full blocks whose hashes (block_hashes) are all in cached (hash -> block),
-    stopping at the first miss. The last token of the context is never covered: a request
-    must compute at least one token to have logits to sample from."""
+    its leading full blocks whose hashes (prefix_cache.block_hashes) are all in cached
+    (hash -> block), stopping at the first miss. The last token of the context is never
+    covered: a request must compute at least one token to have logits to sample from."""
     blocks = []
     for h in block_hashes(context[:-1], block_size):
         if h not in cached:
@@ -93,11 +95,13 @@ class PrefixCache:
 
     def free(self, blocks: list[int]) -> None:
         """A table lets go of blocks: a block nobody holds goes back to the allocator, or,
-        if it holds a prefix, waits among the evictable as the most recently used."""
+        if it holds a prefix, waits among the evictable as the most recently used. The last
+        block goes first, so a prefix is evicted from its end: its first blocks, which more
+        requests share, stay longest (a block is only found after its parents)."""
         for b in blocks:
             if self.refs[b] < 1:
                 raise ValueError(f"block {b} is not held by any table")
-        for b in blocks:
+        for b in reversed(blocks):
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 if b in self.hash_of:

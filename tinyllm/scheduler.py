@@ -116,14 +116,16 @@ class Scheduler:
     def plan(self, max_tokens: int | None) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """This step's work within a budget of max_tokens (None: no limit; 07): the decodes,
         every running sequence with one token left, in slot order; then, if the budget is not
-        spent, newcomers are admitted, and the chunks go to the sequences with more left
-        (the newcomers among them), first come first served (plan_chunks). Returns the decodes
-        and the chunks (sequence, tokens it computes)."""
+        spent by them and the prompts already being prefilled, newcomers are admitted; the
+        chunks go to the sequences with more left (the newcomers among them), first come first
+        served (plan_chunks). Returns the decodes and the chunks (sequence, tokens it
+        computes)."""
         decodes = [s for s in self.in_slot_order() if s.left() == 1]
-        budget = None if max_tokens is None else max_tokens - len(decodes)
-        if budget is None or budget > 0:
-            self.admit()
         ids = {s.rid for s in decodes}
+        budget = None if max_tokens is None else max_tokens - len(decodes)
+        started = sum(s.left() for s in self.running.values() if s.rid not in ids)
+        if budget is None or budget > started:          # room for a newcomer's first chunk
+            self.admit()
         prefilling = sorted((s for s in self.running.values() if s.rid not in ids),
                             key=lambda s: s.rid)
         left = [s.left() for s in prefilling]

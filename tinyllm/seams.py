@@ -24,6 +24,7 @@ SEAMS: dict[str, tuple[tuple[str, str], ...]] = {
            ("tinyllm.cuda_graph", "decode_step")),
     "07": (("tinyllm.chunked_prefill", "plan_chunks"), ("tinyllm.chunked_prefill", "next_chunk")),
     "08": (("tinyllm.prefix_cache", "block_hashes"), ("tinyllm.prefix_cache", "match_prefix")),
+    "10": (("tinyllm.textstream", "next_piece"), ("tinyllm.loadgen", "percentile")),
 }
 
 

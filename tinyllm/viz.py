@@ -1,5 +1,5 @@
 """Steps 03-05 - pictures of a run: who held which row at each step, KV use, latencies (in
-seconds and in decode steps), the scheduler's queue and slots, the paged cache's block pool and
+seconds and in steps), the scheduler's queue and slots, the paged cache's block pool and
 a block table's slot mapping; and step 04's interactive slot stepper.
 
 Reads only what the engines record: a `Trace` (stats.py), the Results / Stats.summary() they
@@ -26,8 +26,9 @@ def _axes(ax, size=(9, 3)):
 
 
 def timeline(trace, ax=None, title: str = "", n_requests: int | None = None):
-    """Rows (or slots) against decode steps, each cell coloured by the request it serves;
-    white cells are rows computed for nobody (wasted)."""
+    """Rows (or slots) against the trace's steps (static batching's decode steps, the continuous
+    engine's every step), each cell coloured by the request it serves; white cells are rows
+    computed for nobody (wasted)."""
     ax = _axes(ax)
     rows = trace.rows
     n_rows = max((len(r) for r in rows), default=0)
@@ -44,49 +45,58 @@ def timeline(trace, ax=None, title: str = "", n_requests: int | None = None):
     ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=cmap,
               vmin=-0.5, vmax=n - 0.5)
     wasted = np.isnan(grid).sum()
-    ax.set(xlabel="decode step", ylabel="row / slot",
-           title=title or f"{len(rows)} decode steps, {wasted / max(1, grid.size):.0%} of rows wasted")
+    ax.set(xlabel="step", ylabel="row / slot",
+           title=title or f"{len(rows)} steps, {wasted / max(1, grid.size):.0%} of rows wasted")
     ax.set_yticks(range(n_rows))
     return ax
 
 
 def kv_usage(traces: dict, ax=None):
-    """Fraction of the reserved KV cache in use at each decode step, one line per traced run."""
+    """Fraction of the reserved KV cache in use at each traced step, one line per traced run."""
     ax = _axes(ax)
     for name, trace in traces.items():
         ax.plot(trace.kv_used, label=name)
-    ax.set(xlabel="decode step", ylabel="KV used / reserved", ylim=(0, 1.02))
+    ax.set(xlabel="step", ylabel="KV used / reserved", ylim=(0, 1.02))
     ax.legend()
     return ax
 
 
 def step_times(trace, n_requests: int) -> tuple[list[int], list[int]]:
-    """Each request's TTFT and latency in decode steps, a clock the machine does not change,
-    read from the Trace of a run whose requests all arrived at its start (ids 0..n_requests-1).
-    A request's first token comes from its prefill, just before the first decode step it holds
-    a row in: its TTFT is the number of decode steps before that one; its latency counts the
-    decode steps up to its last one. Every request must decode at least once, and none be
-    preempted: a preempted request's last token may come from the prefill that brings it back."""
+    """Each request's TTFT and latency in steps, a clock the machine does not change, read from
+    the Trace of a run whose requests all arrived at its start (ids 0..n_requests-1): the steps
+    run when it had its first token, and its last (from the last step it holds a row in). The
+    continuous engine's trace holds every step (trace.computed says what each row computed): a
+    request's first token comes from the step that prefills it, the first it holds a slot in.
+    Static batching's holds only its decode steps: a request's first token comes from its
+    batch's prefill, just before the first decode step it holds a row in, so its TTFT counts
+    the steps before that one. None may be preempted (a preempted request's last token may come
+    from the prefill that brings it back) or prefilled in chunks (07), and in static batching
+    every request must decode at least once."""
+    every_step = any(c is not None for c in trace.computed)        # the continuous engine's
     first, last = [None] * n_requests, [None] * n_requests
     for step, holders in enumerate(trace.rows):
-        for rid in holders:
+        for row, rid in enumerate(holders):
             if rid is None:
                 continue
             if last[rid] is not None and last[rid] != step:
                 raise ValueError(f"request {rid} left its row at step {last[rid]} and came back at "
                                  f"step {step} (preempted): the trace cannot say when it ended")
+            if every_step and first[rid] == step - 1 and trace.computed[step][row] != 1:
+                raise ValueError(f"request {rid} computed {trace.computed[step][row]} tokens in "
+                                 f"its second step (prefilled in chunks): the trace cannot say "
+                                 f"when its first token came")
             first[rid] = step if first[rid] is None else first[rid]
             last[rid] = step + 1
     missing = [rid for rid in range(n_requests) if first[rid] is None]
     if missing:
-        raise ValueError(f"requests {missing} never decoded: the trace cannot say when they ran")
-    return first, last
+        raise ValueError(f"requests {missing} never held a row: the trace cannot say when they ran")
+    return [f + every_step for f in first], last
 
 
 def latencies(runs: dict[str, list], ax=None, what: str = "latency_s"):
     """Cumulative per-request latency (or TTFT) of each run: the fraction of requests that had
     their last token (their first) by each time. runs maps a name to its Results, read in
-    seconds (what: "latency_s" or "ttft_s"), or to one number per request in decode steps
+    seconds (what: "latency_s" or "ttft_s"), or to one number per request in steps
     (what: "latency_steps" or "ttft_steps", e.g. from step_times)."""
     ax = _axes(ax, (6, 3.5))
     for name, values in runs.items():
@@ -94,7 +104,7 @@ def latencies(runs: dict[str, list], ax=None, what: str = "latency_s"):
         ax.plot([0] + xs, np.arange(len(xs) + 1) / len(xs), drawstyle="steps-post", label=name)
     label = "TTFT" if what.startswith("ttft") else "latency"
     got = "a first token" if what.startswith("ttft") else "their last token"
-    unit = "decode steps" if what.endswith("_steps") else "s"
+    unit = "steps" if what.endswith("_steps") else "s"
     ax.set(xlabel=f"{label} ({unit})", ylabel=f"fraction of requests with {got}", ylim=(0, 1.02))
     ax.legend()
     return ax
@@ -302,3 +312,145 @@ class SlotStepper:
         bundle = self.widget()._repr_mimebundle_(**kwargs)
         bundle["text/plain"] = self.text()              # what a frontend without widgets shows
         return bundle
+
+
+# ---- 08: prefix caching
+def prefix_pool(cache, ax=None, holders: list | None = None, title: str = "",
+                cols: int | None = None, tables: bool = True, legend: bool = True):
+    """Step 08's pool with a prefix cache (cache.prefix), one box per block, its number on
+    top: a block that tables hold is coloured by their requests (side by side when several
+    share it, with a thick border; holders[s] is slot s's request id, e.g. engine.holders();
+    default: the slot number) and shows its reference count; a block named by the prefix it
+    holds shows its name's first 4 hex digits; a cached block nobody holds is grey and dashed,
+    with its place in the eviction order (1: the least recently used, the next to go); a free
+    block is white. tables=True lists the block tables below, legend=True says what grey and
+    white mean. Colours per request as in block_pool."""
+    from matplotlib.patches import Patch
+    pc, n_blocks = cache.prefix, cache.n_blocks
+    cols = cols or min(n_blocks, 10)
+    n_rows = -(-n_blocks // cols)
+    ax = _axes(ax, (0.6 * cols + 0.5, 0.6 * n_rows + 1.5))
+    keys = {s: holders[s] if holders is not None else s
+            for s in range(cache.n_slots) if cache.tables[s]}
+    held_by = {b: [] for b in range(n_blocks)}
+    for s, key in keys.items():
+        for b in cache.tables[s]:
+            held_by[b].append(key)
+    order = {b: i + 1 for i, b in enumerate(pc.evictable)}             # 1: evicted next
+    for b in range(n_blocks):
+        x, y = b % cols, -(b // cols)
+        who = held_by[b]
+        for i, key in enumerate(who):                                   # one stripe per holder
+            w = 0.9 / len(who)
+            ax.add_patch(Rectangle((x + i * w, y), w, 0.8, facecolor=COLOURS[key % 20], lw=0))
+        cached = b in order
+        ax.add_patch(Rectangle((x, y), 0.9, 0.8, facecolor="0.85" if cached else "none",
+                               edgecolor="k" if len(who) > 1 else "0.4",
+                               lw=2 if len(who) > 1 else 0.8, ls="--" if cached else "-"))
+        ax.text(x + 0.45, y + 0.66, str(b), ha="center", va="center", fontsize=9, weight="bold")
+        if b in pc.hash_of:
+            ax.text(x + 0.45, y + 0.41, pc.hash_of[b].hex()[:4], ha="center", va="center",
+                    fontsize=7, family="monospace")
+        note = f"refs {pc.refs[b]}" if who else f"evict {order[b]}" if cached else ""
+        ax.text(x + 0.45, y + 0.15, note, ha="center", va="center", fontsize=7)
+    ax.set(xlim=(-0.1, cols), ylim=(-n_rows + 0.9, 0.9))
+    ax.set_aspect("equal")
+    ax.axis("off")
+    held = sum(1 for b in held_by if held_by[b])
+    ax.set_title(title or f"{held} blocks held, {len(order)} cached (refs 0), "
+                          f"{cache.allocator.n_free()} free", fontsize=10)
+    if tables:
+        for i, (s, key) in enumerate(keys.items()):
+            y = -0.04 - 0.11 * i
+            ax.text(0, y, "■", color=COLOURS[key % 20], transform=ax.transAxes, va="top", fontsize=11)
+            label = f"r{key} (slot {s})" if holders is not None else f"slot {s}"
+            ax.text(0.06, y, f"{label}: {cache.tables[s]}", transform=ax.transAxes, va="top",
+                    fontsize=8, family="monospace")
+    if legend:
+        ax.legend(handles=[Patch(facecolor="0.85", edgecolor="k", ls="--", label="cached, refs 0"),
+                           Patch(facecolor="white", edgecolor="0.4", label="free")],
+                  loc="upper right", bbox_to_anchor=(1, 0), fontsize=8, frameon=False)
+    return ax
+
+
+# ---- 07: chunked prefill
+
+def decode_cells(trace) -> list[list[bool]]:
+    """Which cells of a Trace were decodes: is_decode[step][row]. While a slot holds a request,
+    its last run of one-token steps is its decodes: a decode never waits for the budget, and
+    only decodes follow the chunk that ends a context. Every other step that computed
+    something was a prompt chunk, of one token or more."""
+    is_decode = [[False] * len(r) for r in trace.rows]
+    for step in reversed(range(len(trace.rows))):
+        for row, rid in enumerate(trace.rows[step]):
+            if rid is None:
+                continue
+            n = trace.computed[step][row] if trace.computed[step] is not None else 1
+            stays = (step + 1 < len(trace.rows) and row < len(trace.rows[step + 1])
+                     and trace.rows[step + 1][row] == rid)       # the same request, next step
+            is_decode[step][row] = n == 1 and (not stays or is_decode[step + 1][row])
+    return is_decode
+
+
+def chunk_timeline(trace, ax=None, step_s: list[float] | None = None, title: str = "",
+                   n_requests: int | None = None, legend: bool = True):
+    """Step 07's picture of a run: slots against steps, each cell coloured by the request the
+    slot holds and drawn by what it computed (trace.computed): a decode, one token (pale); a
+    chunk of its context (strong, its size written in it where it fits); nothing, a context
+    that waits for the budget (hatched). step_s, each step's duration in seconds, makes the x
+    axis time (ms), each step as wide as it took; without it the x axis counts steps."""
+    ax = _axes(ax)
+    n_rows = max((len(r) for r in trace.rows), default=0)
+    widths = [1.0] * len(trace.rows) if step_s is None else [1e3 * s for s in step_s]
+    lo = -0.5 if step_s is None else 0.0
+    starts = lo + np.r_[0.0, np.cumsum(widths)[:-1]]
+    total = float(sum(widths))
+    is_decode = decode_cells(trace)
+    for step, holders in enumerate(trace.rows):
+        x, w = starts[step], widths[step]
+        for row, rid in enumerate(holders):
+            if rid is None:
+                continue
+            n = trace.computed[step][row] if trace.computed[step] is not None else 1
+            colour = COLOURS[rid % 20]
+            if n == 0:
+                ax.add_patch(Rectangle((x, row - 0.5), w, 1, facecolor="white", edgecolor=colour,
+                                       hatch="///", lw=0))
+            else:
+                ax.add_patch(Rectangle((x, row - 0.5), w, 1, facecolor=colour, lw=0,
+                                       alpha=0.35 if is_decode[step][row] else 1.0))
+            ax.add_patch(Rectangle((x, row - 0.5), w, 1, fill=False, edgecolor="white", lw=0.6))
+            if n > 0 and not is_decode[step][row] and w >= total / 45:     # the chunk's size
+                narrow = w < len(str(n)) * total / 60
+                ax.text(x + w / 2, row, str(n), ha="center", va="center", fontsize=7,
+                        rotation=90 if narrow else 0)
+    ax.set(xlim=(lo, lo + total), ylim=(n_rows - 0.5, -0.5), title=title, ylabel="slot",
+           xlabel="step" if step_s is None else "time (ms), each step as wide as it took")
+    ax.set_yticks(range(n_rows))
+    if legend:
+        grey = "0.45"
+        ax.legend(handles=[Rectangle((0, 0), 1, 1, facecolor=grey, alpha=0.35, label="decode: 1 token"),
+                           Rectangle((0, 0), 1, 1, facecolor=grey, label="prompt chunk (its tokens)"),
+                           Rectangle((0, 0), 1, 1, facecolor="white", edgecolor=grey, hatch="///",
+                                     label="waits for the budget")],
+                  loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    return ax
+
+
+def step_tokens(trace, ax=None, budget: int | None = None, title: str = "", legend: bool = True):
+    """Tokens each step computed (trace.computed), stacked: the decodes (decode_cells) and the
+    prompt chunks; a dashed line at the step's budget (max_step_tokens), if one is given."""
+    ax = _axes(ax, (9, 2))
+    is_decode = decode_cells(trace)
+    counts = [c if c is not None else [1] * len(r) for c, r in zip(trace.computed, trace.rows)]
+    decodes = np.array([sum(d) for d in is_decode])
+    chunks = np.array([sum(n for n, d in zip(c, ds) if not d) for c, ds in zip(counts, is_decode)])
+    steps = np.arange(len(counts))
+    ax.bar(steps, decodes, width=0.85, color="0.7", label="decodes (1 token each)")
+    ax.bar(steps, chunks, width=0.85, bottom=decodes, color="0.25", label="prompt tokens")
+    if budget is not None:
+        ax.axhline(budget, color="tab:red", ls="--", lw=1, label=f"budget: {budget} tokens")
+    ax.set(xlim=(-0.5, len(steps) - 0.5), xlabel="step", ylabel="tokens", title=title)
+    if legend:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    return ax
