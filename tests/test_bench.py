@@ -72,8 +72,12 @@ def test_engine_names_carry_steps_07_and_08():
     assert bench.engine_settings("continuous+chunked") == ("continuous", {"max_step_tokens": 64})
     assert bench.engine_settings("paged+prefix+chunked", 32) == \
         ("paged", {"max_step_tokens": 32, "prefix_cache": True})
+    assert bench.engine_settings("continuous", 32) == ("continuous", {}), \
+        "beside a +chunked engine the budget is its own"
+    assert bench.engine_settings("continuous", 32, budget_for_all=True) == \
+        ("continuous", {"max_step_tokens": 32})
     assert bench.engine_settings("paged", prefix_cache=True) == ("paged", {"prefix_cache": True})
-    assert bench.engine_settings("static", 32, True) == ("static", {}), "the flags skip static"
+    assert bench.engine_settings("static", 32, True, True) == ("static", {}), "the flags skip static"
 
 
 def test_chunked_and_prefix_engines_serve_the_same_tokens(bundled, capsys, monkeypatch):

@@ -90,12 +90,13 @@ OPTIONS = ("chunked", "prefix")                         # +chunked (07), +prefix
 DEFAULT_STEP_TOKENS = 64                                # a +chunked engine's budget by default
 
 
-def engine_settings(engine: str, max_step_tokens: int | None = None,
-                    prefix_cache: bool = False) -> tuple[str, dict]:
+def engine_settings(engine: str, max_step_tokens: int | None = None, prefix_cache: bool = False,
+                    budget_for_all: bool = False) -> tuple[str, dict]:
     """An engine's name -> its base engine and its ContinuousEngine settings from steps 07-08:
-    'continuous+chunked' -> ('continuous', {'max_step_tokens': 64}). max_step_tokens and
-    prefix_cache (the command's flags) apply to every continuous engine, the latter to the
-    paged ones."""
+    'continuous+chunked' -> ('continuous', {'max_step_tokens': 64}). max_step_tokens (the
+    command's flag) is the budget of a +chunked engine, and of every continuous engine when
+    budget_for_all (no +chunked engine was named); prefix_cache gives every paged engine a
+    prefix cache."""
     base, *opts = engine.split("+")
     if base not in ENGINES or any(o not in OPTIONS for o in opts):
         raise ValueError(f"unknown engine {engine!r}: {', '.join(ENGINES)}, the continuous "
@@ -105,7 +106,7 @@ def engine_settings(engine: str, max_step_tokens: int | None = None,
     if "prefix" in opts and base != "paged":
         raise ValueError(f"{engine}: a prefix cache shares blocks: use paged+prefix")
     kw = {}
-    if base != "static" and (max_step_tokens is not None or "chunked" in opts):
+    if "chunked" in opts or (base != "static" and budget_for_all and max_step_tokens is not None):
         kw["max_step_tokens"] = max_step_tokens or DEFAULT_STEP_TOKENS
     if base == "paged" and (prefix_cache or "prefix" in opts):
         kw["prefix_cache"] = True
@@ -115,12 +116,12 @@ def engine_settings(engine: str, max_step_tokens: int | None = None,
 def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, seed: int = 0,
         progress=None, paged_slots: int | None = None, block_size: int = 16,
         kv_blocks: int | None = None, max_step_tokens: int | None = None,
-        prefix_cache: bool = False) -> dict:
+        prefix_cache: bool = False, budget_for_all: bool = False) -> dict:
     """One benchmark run -> its Stats.summary(). batch: static's batch size, the slots of the
     continuous engines; the paged engine gets paged_slots slots (default: batch) and kv_blocks
     blocks of block_size (default: the memory of `batch` slots). engine may carry +chunked
     and +prefix (engine_settings)."""
-    base, kw = engine_settings(engine, max_step_tokens, prefix_cache)
+    base, kw = engine_settings(engine, max_step_tokens, prefix_cache, budget_for_all)
     reqs, arrivals = workload(workload_name, tok, n, seed)
     if base == "static":
         if any(arrivals):
@@ -269,8 +270,9 @@ examples:
     ap.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                     help="the paged engine's pool of blocks (default: the KV memory of --batch slots)")
     ap.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
-                    help="every continuous engine computes at most N tokens a step (step 07; "
-                         "default: no budget, but %d for +chunked engines)" % DEFAULT_STEP_TOKENS)
+                    help="the +chunked engines compute at most N tokens a step (step 07; "
+                         "default %d); with no +chunked engine named, every continuous engine "
+                         "does" % DEFAULT_STEP_TOKENS)
     ap.add_argument("--prefix-cache", action="store_true",
                     help="every paged engine shares the blocks of common prefixes (step 08)")
     ap.add_argument("--peers", action="store_true",
@@ -318,9 +320,10 @@ examples:
             print("\nno CUDA here: the right column is the graph decoder's eager bucketed step")
         return
     names = args.engines.split(",")
+    budget_for_all = not any("+chunked" in name for name in names)
     for name in names:                                  # refuse a bad name before any run
         try:
-            engine_settings(name, args.max_step_tokens, args.prefix_cache)
+            engine_settings(name, args.max_step_tokens, args.prefix_cache, budget_for_all)
         except ValueError as e:
             ap.error(str(e))
     warm_up(model)
@@ -329,7 +332,7 @@ examples:
         bar = _bar(args.requests, name, quiet=args.json)
         runs[name] = run(model, tok, args.workload, name, args.batch, args.requests, args.seed, bar,
                          args.paged_slots, args.block_size, args.kv_blocks,
-                         args.max_step_tokens, args.prefix_cache)
+                         args.max_step_tokens, args.prefix_cache, budget_for_all)
         if bar is not None:
             bar.close()
     if args.json:
