@@ -277,8 +277,8 @@ class ContinuousEngine:
         planned = [chunked_prefill.next_chunk(s, n) for s, n in chunks]
         for (seq, n), (toks, _) in zip(chunks, planned):
             if len(toks) != n:
-                raise ValueError(f"next_chunk gave {len(toks)} tokens for request {seq.rid}'s "
-                                 f"chunk of {n}")
+                raise ValueError(f"next_chunk gave {len(toks)} token{'s' * (len(toks) != 1)} "
+                                 f"for request {seq.rid}'s chunk of {n}")
         q_lens = [n for _, n in chunks]
         T = max(q_lens)
         idx = torch.tensor([t + [0] * (T - len(t)) for t, _ in planned], device=self.device)  # (B, T)
