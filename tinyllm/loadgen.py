@@ -3,7 +3,8 @@
     python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --rate 4 --requests 64
     python -m tinyllm loadgen --url ... --rate 1,2,4,8 --json      # a sweep: latency against load
 
-It speaks only the OpenAI API (streamed `/v1/completions`), so the same command measures
+It speaks only the OpenAI API (streamed `/v1/completions`, read with httpx as plain server-sent
+events, so the client costs far less than the server it measures), so the same command measures
 tinyllm's server, vLLM's, SGLang's, llama.cpp's or `transformers serve`. Requests arrive
 open-loop: at Poisson times of the given rate, whether or not the server keeps up (a server
 that falls behind shows it in its latencies, not by slowing the clients down), or at a fixed
@@ -82,20 +83,33 @@ def summarize(records: list[Record], duration: float, slo_ttft: float | None = N
     return out
 
 
-async def one_request(client, model: str, prompt: str, max_tokens: int, rec: Record) -> None:
-    """Stream one completion into rec: a time per chunk with text, and the tokens made."""
+async def one_request(client, url: str, model: str, prompt: str, max_tokens: int,
+                      rec: Record) -> None:
+    """Stream one completion (POST url/completions, server-sent events) into rec: a time per
+    chunk with text, and the tokens made. The events are read as plain JSON: a client that
+    builds objects for every chunk would spend more than the server does."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
     try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True})
-        chunks = 0
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
-                rec.chunks.append(time.perf_counter())
-                chunks += 1
-            if getattr(chunk, "usage", None) is not None:
-                rec.tokens = chunk.usage.completion_tokens
-        rec.tokens = rec.tokens or chunks
+        async with client.stream("POST", f"{url}/completions", json=body) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return
+            chunks = 0
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                choices = event.get("choices") or []
+                if choices and choices[0].get("text"):
+                    rec.chunks.append(time.perf_counter())
+                    chunks += 1
+                if event.get("usage"):
+                    rec.tokens = event["usage"]["completion_tokens"]
+            rec.tokens = rec.tokens or chunks
     except Exception as e:                              # a failed request is counted, not fatal
         rec.error = f"{type(e).__name__}: {e}"
 
@@ -107,38 +121,35 @@ async def run_load(url: str, prompts: list[tuple[str, int]], rate: float | None 
     once), or from `concurrency` clients each waiting for its last answer. Returns the
     records and the run's duration in seconds."""
     import httpx
-    import openai
+    url = url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600,
-                                http_client=httpx.AsyncClient(limits=limits, timeout=600))
-    if model is None:
-        model = (await client.models.list()).data[0].id
-    rng = random.Random(seed)
-    records = [Record(0.0) for _ in prompts]
-    t0 = time.perf_counter()
+    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
+        if model is None:
+            model = (await client.get(f"{url}/models")).json()["data"][0]["id"]
+        rng = random.Random(seed)
+        records = [Record(0.0) for _ in prompts]
+        t0 = time.perf_counter()
 
-    async def send(i: int) -> None:
-        records[i].sent = time.perf_counter()
-        await one_request(client, model, *prompts[i], records[i])
+        async def send(i: int) -> None:
+            records[i].sent = time.perf_counter()
+            await one_request(client, url, model, *prompts[i], records[i])
 
-    if concurrency:
-        nxt = iter(range(len(prompts)))
+        if concurrency:
+            nxt = iter(range(len(prompts)))
 
-        async def worker():
-            for i in nxt:
-                await send(i)
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    else:
-        tasks, t = [], 0.0
-        for i in range(len(prompts)):
-            if rate:
-                t += rng.expovariate(rate)
-                await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
-            tasks.append(asyncio.ensure_future(send(i)))
-        await asyncio.gather(*tasks)
-    duration = time.perf_counter() - t0
-    await client.close()
-    return records, duration
+            async def worker():
+                for i in nxt:
+                    await send(i)
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:
+            tasks, t = [], 0.0
+            for i in range(len(prompts)):
+                if rate:
+                    t += rng.expovariate(rate)
+                    await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
+                tasks.append(asyncio.ensure_future(send(i)))
+            await asyncio.gather(*tasks)
+        return records, time.perf_counter() - t0
 
 
 def prompts_of(workload: str, n: int, seed: int = 0) -> list[tuple[str, int]]:

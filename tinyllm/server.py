@@ -18,6 +18,7 @@ and blocks are free before the next step, and nothing else in flight notices.
 import asyncio
 import json
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -67,6 +68,9 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
+        # The engine's thread and the server's share the GIL; by default a thread that wants it
+        # back waits up to 5 ms for the other to let go, a long time next to a decode step
+        sys.setswitchinterval(0.0005)
         self.thread.start()
 
     def stop(self) -> None:
