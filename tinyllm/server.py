@@ -18,7 +18,6 @@ and blocks are free before the next step, and nothing else in flight notices.
 import asyncio
 import json
 import queue
-import sys
 import threading
 import time
 import uuid
@@ -64,13 +63,12 @@ class EngineLoop:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.tickets: dict[int, Ticket] = {}            # engine id -> ticket, while it runs
         self.wake = threading.Event()
+        self.submitted = 0                              # adds in the inbox, not yet taken
+        self.lock = threading.Lock()
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
-        # The engine's thread and the server's share the GIL; by default a thread that wants it
-        # back waits up to 5 ms for the other to let go, a long time next to a decode step
-        sys.setswitchinterval(0.0005)
         self.thread.start()
 
     def stop(self) -> None:
@@ -81,12 +79,14 @@ class EngineLoop:
     def load(self) -> tuple[int, int]:
         """(requests waiting, counting those not yet in the engine; requests running)."""
         waiting, running = self.engine.load()
-        return waiting + self.inbox.qsize(), running
+        return waiting + self.submitted, running
 
     def submit(self, ticket: Ticket) -> None:
         if self.load()[0] >= self.max_waiting:
             raise APIError(429, f"the server is full: {self.max_waiting} requests already wait "
                                 f"for a slot; retry later", kind="rate_limit_error")
+        with self.lock:
+            self.submitted += 1
         self.inbox.put(("add", ticket))
         self.wake.set()
 
@@ -108,7 +108,10 @@ class EngineLoop:
             if what == "abort":
                 if ticket.rid is not None and self.tickets.pop(ticket.rid, None) is not None:
                     self.engine.abort(ticket.rid)
-            elif not ticket.cancelled:
+            else:
+                with self.lock:
+                    self.submitted -= 1
+            if what == "add" and not ticket.cancelled:
                 try:
                     ticket.rid = self.engine.add_request(ticket.request)
                     self.tickets[ticket.rid] = ticket
@@ -246,7 +249,8 @@ def to_request(served: Served, body: dict, kind: str) -> tuple[Request, list[str
     if any(not 0 <= t < tok.vocab_size for t in ids):
         raise APIError(400, f"{field_name} holds a token id outside [0, {tok.vocab_size})", field_name)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    max_tokens = 16 if max_tokens is None else max_tokens
+    if max_tokens is None:                          # OpenAI's defaults: 16, or all that fits
+        max_tokens = 16 if kind == "completions" else max(1, served.max_len - len(ids))
     if max_tokens < 1:
         raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     if len(ids) + max_tokens > served.max_len:
@@ -327,24 +331,40 @@ async def answer(served: Served, ticket: Ticket, stops: list[str], n_prompt: int
             served.loop.abort(ticket)
 
 
+async def failing_plainly(awaitable):
+    """Await it; an error that is not the client's becomes a 500 that says what failed."""
+    try:
+        return await awaitable
+    except APIError:
+        raise
+    except Exception as e:
+        raise APIError(500, f"the server failed on this request: {type(e).__name__}: {e}",
+                       kind="server_error") from e
+
+
 def usage(n_prompt: int, n_out: int) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
             "total_tokens": n_prompt + n_out}
 
 
-async def sse(served: Served, ticket: Ticket, stops: list[str], kind: str, head: dict,
-              n_prompt: int, usage_too: bool):
-    """The server-sent events of one streamed request: a chunk per settled piece of text (a
-    chat stream opens with the assistant's role), the last with its finish_reason, the usage
-    if asked (stream_options.include_usage), then `data: [DONE]`."""
+async def sse(pieces, first: tuple, kind: str, head: dict, n_prompt: int, usage_too: bool):
+    """The server-sent events of one streamed request, from its first piece and the rest of
+    its pieces (answer()): a chunk per settled piece of text (a chat stream opens with the
+    assistant's role), the last with its finish_reason, the usage if asked
+    (stream_options.include_usage), then `data: [DONE]`."""
     def event(choice: dict | None, extra: dict | None = None) -> str:
         data = {**head, "choices": [] if choice is None else [{"index": 0, **choice}], **(extra or {})}
         return f"data: {json.dumps(data)}\n\n"
 
+    async def all_pieces():
+        yield first
+        async for item in pieces:
+            yield item
+
     if kind == "chat":
         yield event({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
     n_out = 0
-    async for piece, reason, n_out in answer(served, ticket, stops, n_prompt):
+    async for piece, reason, n_out in all_pieces():
         content = {"text": piece} if kind == "completions" else \
             {"delta": {"content": piece} if piece else {}}
         yield event({**content, "finish_reason": reason, "logprobs": None})
@@ -402,7 +422,10 @@ def make_app(served: Served):
             if kind == "chat":
                 head["object"] += ".chunk"
             usage_too = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(sse(served, ticket, stops, kind, head, n_prompt, usage_too),
+            pieces = answer(served, ticket, stops, n_prompt)
+            # the stream starts with its first piece: a refusal before it is still a plain error
+            first = await failing_plainly(pieces.__anext__())
+            return StreamingResponse(sse(pieces, first, kind, head, n_prompt, usage_too),
                                      media_type="text/event-stream")
 
         async def collect():
@@ -416,7 +439,7 @@ def make_app(served: Served):
             if await http.is_disconnected():            # the client went away: abort
                 task.cancel()
                 return Response(status_code=499)
-        text, reason, n_out = task.result()
+        text, reason, n_out = await failing_plainly(task)
         choice = ({"text": text} if kind == "completions" else
                   {"message": {"role": "assistant", "content": text}})
         return {**head, "choices": [{"index": 0, **choice, "finish_reason": reason,
