@@ -295,10 +295,13 @@ class ContinuousEngine:
 
     def _computed(self, seqs: list[Sequence], n: list[int]) -> None:
         """The step wrote these tokens: each sequence holds more of its context, and a prefix
-        cache (08) names the blocks that are full now."""
+        cache (08) names the blocks that are full now (only when a block filled up: building
+        the context every step would cost more than the step's own bookkeeping)."""
+        bs = self.config.block_size
         for seq, k in zip(seqs, n):
+            filled = (seq.computed + k) // bs > seq.computed // bs
             seq.computed += k
-            if self.config.prefix_cache:
+            if self.config.prefix_cache and filled:
                 self.cache.cache_blocks(seq.slot, seq.context())
 
     # ---- 4) retire: sample, record, free the slots of the finished -------------------------

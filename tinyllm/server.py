@@ -108,10 +108,10 @@ class EngineLoop:
             if what == "abort":
                 if ticket.rid is not None and self.tickets.pop(ticket.rid, None) is not None:
                     self.engine.abort(ticket.rid)
-            else:
-                with self.lock:
-                    self.submitted -= 1
-            if what == "add" and not ticket.cancelled:
+                continue
+            with self.lock:
+                self.submitted -= 1
+            if not ticket.cancelled:
                 try:
                     ticket.rid = self.engine.add_request(ticket.request)
                     self.tickets[ticket.rid] = ticket
@@ -120,10 +120,10 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self.stopping:
+            self.wake.clear()                           # before the inbox is read: no wake-up lost
             self._drain()
             if not self.engine.has_work():
                 self.wake.wait(timeout=0.5)
-                self.wake.clear()
                 continue
             events: list[Event] = self.engine.step()
             batches: dict[asyncio.AbstractEventLoop, list] = {}
