@@ -314,8 +314,10 @@ class ContinuousEngine:
         events, st = [], self.stats
         for seq, tok in zip(seqs, nxt.squeeze(-1).tolist()):
             done = seq.append(tok, now)
+            reason = None
             if done:
-                self.results[seq.rid] = seq.result(now)
+                self.results[seq.rid] = result = seq.result(now)
+                reason = result.finish_reason
                 st.useful_tokens += len(seq.tokens)
                 st.prompt_tokens += len(seq.request.prompt)
                 st.prefill_tokens += seq.prefilled
@@ -323,8 +325,7 @@ class ContinuousEngine:
                 st.recomputed_tokens += seq.prefilled + seq.cached - len(seq.request.prompt)
                 self.scheduler.finish(seq)
                 del self._seqs[seq.rid]
-            events.append(Event(seq.rid, tok, done, self.results[seq.rid].finish_reason
-                                if done else None))
+            events.append(Event(seq.rid, tok, done, reason))
         return events
 
 

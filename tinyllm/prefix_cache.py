@@ -114,7 +114,3 @@ class PrefixCache:
         this one stays unnamed (both hold the same keys; the first keeps serving)."""
         if h not in self.cached:
             self.cached[h], self.hash_of[block] = block, h
-
-    def referenced(self) -> int:
-        """Blocks some table holds."""
-        return sum(1 for r in self.refs if r)

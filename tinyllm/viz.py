@@ -393,7 +393,7 @@ def decode_cells(trace) -> list[list[bool]]:
 
 
 def chunk_timeline(trace, ax=None, step_s: list[float] | None = None, title: str = "",
-                   n_requests: int | None = None, legend: bool = True):
+                   legend: bool = True):
     """Step 07's picture of a run: slots against steps, each cell coloured by the request the
     slot holds and drawn by what it computed (trace.computed): a decode, one token (pale); a
     chunk of its context (strong, its size written in it where it fits); nothing, a context
