@@ -28,11 +28,12 @@ def append_kv(cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor,
     return cache_k[:, :, :pos + T], cache_v[:, :, :pos + T]
 
 
-def decode_loop(model: Transformer, idx: Tensor, max_new_tokens: int, eos_id: int | None,
+def decode_loop(model: Transformer, idx: Tensor, max_new_tokens: int, eos_ids: frozenset[int],
                 pick: Callable[[Tensor], Tensor]) -> list[int]:
     """The cached generate loop: prefill idx (1, T) into a fresh KVCache, then feed back one
     token at a time. pick maps last-position logits (1, V) to a token (1, 1). Stops after
-    max_new_tokens tokens or at eos_id (which is returned as the last token).
+    max_new_tokens tokens or at a token of eos_ids (returned as the last token; the set may be
+    empty: a chat model may end its turn with any of several ids).
 
     The cache: KVCache(model.cfg.n_layers, max_len) with room for prompt and new tokens.
     The model: logits, _ = model(ids, cache=cache) returns logits (1, T, V) for T new ids."""
@@ -42,6 +43,6 @@ def decode_loop(model: Transformer, idx: Tensor, max_new_tokens: int, eos_id: in
     while True:
         nxt = pick(logits[:, -1])                  # (1, 1)
         out.append(nxt.item())
-        if len(out) >= max_new_tokens or out[-1] == eos_id:
+        if len(out) >= max_new_tokens or out[-1] in eos_ids:
             return out
         logits, _ = model(nxt, cache=cache)        # decode: (1, 1, V)

@@ -40,7 +40,7 @@ requests_st = st.lists(
     st.builds(Request,
               prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=24),
               max_new_tokens=st.integers(1, 24),
-              eos_id=st.sampled_from([None, 3, 11, 40])),
+              eos_id=st.sampled_from([None, 3, 11, 40, (3, 11), [40, 7, 11]])),
     min_size=1, max_size=12)
 
 
@@ -356,12 +356,30 @@ def test_numpy_token_ids_and_eos_are_accepted():
         assert all(type(t) is int for toks in got for t in toks), name
 
 
-@pytest.mark.parametrize("eos_id", [V, -1, "3", 2.0, True, [3], np.int64(V)],
-                         ids=["V", "negative", "str", "float", "bool", "list", "numpy-V"])
+def test_several_eos_ids_end_a_request_at_the_first_of_them():
+    """eos_id may be several ids (a list or a tuple): every engine stops at the first token
+    that is one of them, as solo generate() does, and says "stop"."""
+    p = [12, 30, 5, 77]
+    full = generate(TINY, p, 20)
+    first = next(i for i in range(2, 20) if full[i] not in full[:i])
+    eos = [full[-1], full[first], 0]
+    want = full[:first + 1]
+    assert generate(TINY, p, 20, eos_id=eos) == want
+    reqs = [Request(p, 20, eos_id=eos), Request([3], 6, eos_id=tuple(eos))]
+    expected = [want, solo(Request([3], 6, eos_id=tuple(eos)))]
+    results = run_static(TINY, reqs, 2)[0]
+    assert [r.tokens for r in results] == expected and results[0].finish_reason == "stop"
+    for kind in ENGINE_KINDS:
+        assert serve_all(kind, reqs) == expected, kind
+
+
+@pytest.mark.parametrize("eos_id", [V, -1, "3", 2.0, True, [3, V], [], ("3",), np.int64(V)],
+                         ids=["V", "negative", "str", "float", "bool", "list-V", "empty",
+                              "tuple-str", "numpy-V"])
 def test_a_bad_eos_id_is_named(eos_id):
     """eos_id out of range, negative, a string (or anything not a token id) raises naming
     eos_id, in generate(), run_static (naming the request) and add_request (no trace left)."""
-    words = rf"eos_id must be a token id in \[0, {V}\) or None, got"
+    words = rf"eos_id must be a token id in \[0, {V}\), several of them \(a list\), or None, got"
     with pytest.raises(ValueError, match=words):
         generate(TINY, [1, 2], 3, eos_id=eos_id)
     with pytest.raises(ValueError, match="request 1: " + words):

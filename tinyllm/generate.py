@@ -15,7 +15,7 @@ from torch import Tensor
 
 from tinyllm import kv_cache
 from tinyllm.model import Transformer, gpu_dtype
-from tinyllm.requests import check_eos, check_prompt
+from tinyllm.requests import check_eos, check_prompt, eos_ids
 from tinyllm.sampling import check_generator, check_sampling, sample_next
 
 
@@ -29,7 +29,8 @@ def autocast_for(device: torch.device):
 
 def _prepare(model: Transformer, prompt, max_new_tokens, eos_id, temperature, top_k, top_p,
              generator):
-    """Validate everything, then return the prompt as (1, T) ids and the token picker."""
+    """Validate everything, then return the prompt as (1, T) ids, the set of ids that end
+    the answer, and the token picker."""
     prompt = check_prompt(prompt, max_new_tokens, model.cfg.vocab_size, model.cfg.max_seq_len)
     check_sampling(temperature, top_k, top_p)
     check_generator(generator)
@@ -38,14 +39,15 @@ def _prepare(model: Transformer, prompt, max_new_tokens, eos_id, temperature, to
     idx = torch.tensor([prompt], dtype=torch.long, device=device)            # (1, T)
     pick = partial(sample_next, temperature=temperature, top_k=top_k, top_p=top_p,
                    generator=generator)
-    return idx, pick
+    return idx, eos_ids(eos_id), pick
 
 
-def decode_loop(model: Transformer, idx: Tensor, max_new_tokens: int, eos_id: int | None,
+def decode_loop(model: Transformer, idx: Tensor, max_new_tokens: int, eos_ids: frozenset[int],
                 pick: Callable[[Tensor], Tensor]) -> list[int]:
     """The cached generate loop: prefill idx (1, T) into a fresh KVCache, then feed back one
     token at a time. pick maps last-position logits (1, V) to a token (1, 1). Stops after
-    max_new_tokens tokens or at eos_id (which is returned as the last token).
+    max_new_tokens tokens or at a token of eos_ids (returned as the last token; the set may be
+    empty).
 
     The cache: KVCache(model.cfg.n_layers, max_len) with room for prompt and new tokens.
     The model: logits, _ = model(ids, cache=cache) returns logits (1, T, V) for T new ids."""
@@ -55,37 +57,40 @@ def decode_loop(model: Transformer, idx: Tensor, max_new_tokens: int, eos_id: in
     while True:
         nxt = pick(logits[:, -1])                                            # (1, 1)
         out.append(nxt.item())
-        if len(out) >= max_new_tokens or out[-1] == eos_id:
+        if len(out) >= max_new_tokens or out[-1] in eos_ids:
             return out
         logits, _ = model(nxt, cache=cache)                                  # (1, 1, V)
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], max_new_tokens: int, eos_id: int | None = None,
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int,
+             eos_id: int | list[int] | tuple[int, ...] | None = None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              generator: torch.Generator | None = None) -> list[int]:
-    """Solo generation, the oracle: the new tokens for one prompt (eos_id included if hit)."""
+    """Solo generation, the oracle: the new tokens for one prompt, ending at max_new_tokens or
+    at its EOS (eos_id: one id, several, or None), which is kept as the last token."""
     model.eval()
-    idx, pick = _prepare(model, prompt, max_new_tokens, eos_id, temperature, top_k, top_p,
-                         generator)
+    idx, eos, pick = _prepare(model, prompt, max_new_tokens, eos_id, temperature, top_k, top_p,
+                              generator)
     with autocast_for(idx.device):
-        return decode_loop(model, idx, max_new_tokens, eos_id, pick)
+        return decode_loop(model, idx, max_new_tokens, eos, pick)
 
 
 @torch.no_grad()
 def generate_uncached(model: Transformer, prompt: list[int], max_new_tokens: int,
-                      eos_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+                      eos_id: int | list[int] | tuple[int, ...] | None = None,
+                      temperature: float = 0.0, top_k: int | None = None,
                       top_p: float | None = None, generator: torch.Generator | None = None) -> list[int]:
     """generate() without a cache: the whole sequence is run again for every new token."""
     model.eval()
-    idx, pick = _prepare(model, prompt, max_new_tokens, eos_id, temperature, top_k, top_p,
-                         generator)
+    idx, eos, pick = _prepare(model, prompt, max_new_tokens, eos_id, temperature, top_k, top_p,
+                              generator)
     out: list[int] = []
     with autocast_for(idx.device):
         while True:
             logits, _ = model(idx)                                           # (1, T + t, V)
             nxt = pick(logits[:, -1])                                        # (1, 1)
             out.append(nxt.item())
-            if len(out) >= max_new_tokens or out[-1] == eos_id:
+            if len(out) >= max_new_tokens or out[-1] in eos:
                 return out
             idx = torch.cat([idx, nxt], dim=1)                               # (1, T + t + 1)

@@ -16,7 +16,7 @@ import torch
 
 from tinyllm.continuous import run_continuous
 from tinyllm.generate import generate
-from tinyllm.requests import Request
+from tinyllm.requests import Request, eos_ids
 from tinyllm.static import run_static
 
 
@@ -31,9 +31,8 @@ def peer_model(path, device, dtype=torch.float32):
 def upto(tokens: list[int], req: Request) -> list[int]:
     """A request's answer from a longer row: at most max_new_tokens, ending at its EOS."""
     tokens = tokens[:req.max_new_tokens]
-    if req.eos_id is not None and req.eos_id in tokens:
-        tokens = tokens[:tokens.index(req.eos_id) + 1]
-    return tokens
+    ends = [i for i, t in enumerate(tokens) if t in eos_ids(req.eos_id)]
+    return tokens[:ends[0] + 1] if ends else tokens
 
 
 @torch.no_grad()
@@ -48,14 +47,14 @@ def hf_static(peer, reqs: list[Request], batch: int, pad_id: int) -> list[list[i
         ids = torch.tensor([[pad_id] * (L - len(r.prompt)) + r.prompt for r in group], device=device)
         mask = torch.tensor([[0] * (L - len(r.prompt)) + [1] * len(r.prompt) for r in group],
                             device=device)
-        eos = {r.eos_id for r in group}
-        if len(eos) > 1:                # generate() stops every row at one EOS
+        eos = {eos_ids(r.eos_id) for r in group}
+        if len(eos) > 1:                # generate() stops every row at the same EOS ids
             raise ValueError(f"requests {b0}..{b0 + len(group) - 1} of one batch end at different "
-                             f"EOS ids {sorted(eos, key=str)}: generate() takes one per batch")
-        eos = eos.pop()
+                             f"EOS ids {sorted(map(sorted, eos))}: generate() takes one set per batch")
+        eos = sorted(eos.pop())
         gen = peer.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id,
                             max_new_tokens=max(r.max_new_tokens for r in group),
-                            eos_token_id=eos if eos is not None else -1)
+                            eos_token_id=eos or -1)
         out += [upto(row, r) for row, r in zip(gen[:, L:].tolist(), group)]
     return out
 
@@ -75,7 +74,7 @@ def hf_continuous(peer, reqs: list[Request], max_requests: int, block_size: int 
     manager.start()
     try:
         ids = [manager.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.max_new_tokens,
-                                   eos_token_id=r.eos_id if r.eos_id is not None else -1)
+                                   eos_token_id=sorted(eos_ids(r.eos_id)) or -1)
                for i, r in enumerate(reqs)]
         results = {}
         while len(results) < len(ids):              # results come back in finishing order

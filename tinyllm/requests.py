@@ -17,9 +17,12 @@ from tinyllm.sampling import Sampling
 
 @dataclass
 class Request:
+    """prompt: token ids; max_new_tokens: at most this many new tokens; eos_id: the token that
+    ends it (kept as its last token), several (a chat model may end its turn with any of them:
+    Llama 3 Instruct with 128001, 128008 or 128009), or None; sampling: None is the engine's."""
     prompt: list[int]
     max_new_tokens: int
-    eos_id: int | None = None
+    eos_id: int | tuple[int, ...] | None = None
     sampling: Sampling | None = None
 
 
@@ -45,14 +48,23 @@ class Event:
     finish_reason: str | None = None
 
 
+def eos_ids(eos_id) -> frozenset[int]:
+    """The ids that end a request, from its eos_id: None, one id or several."""
+    if eos_id is None:
+        return frozenset()
+    if isinstance(eos_id, numbers.Integral):
+        return frozenset((int(eos_id),))
+    return frozenset(int(t) for t in eos_id)
+
+
 def is_done(req: Request, toks: list[int]) -> bool:
-    return len(toks) >= req.max_new_tokens or (req.eos_id is not None and toks[-1] == req.eos_id)
+    return len(toks) >= req.max_new_tokens or toks[-1] in eos_ids(req.eos_id)
 
 
 def finish_reason(req: Request, toks: list[int]) -> str | None:
-    """Why a request with these tokens is done: "stop" (its EOS), "length" (max_new_tokens),
+    """Why a request with these tokens is done: "stop" (an EOS), "length" (max_new_tokens),
     None while it is not."""
-    if req.eos_id is not None and toks and toks[-1] == req.eos_id:
+    if toks and toks[-1] in eos_ids(req.eos_id):
         return "stop"
     return "length" if len(toks) >= req.max_new_tokens else None
 
@@ -85,10 +97,15 @@ def check_prompt(prompt, max_new_tokens: int, vocab_size: int, max_len: int) -> 
 
 
 def check_eos(eos_id, vocab_size: int) -> None:
-    """eos_id is None (never stop early) or a token id of the vocabulary."""
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral)
-                               or not 0 <= eos_id < vocab_size):
-        raise ValueError(f"eos_id must be a token id in [0, {vocab_size}) or None, got {eos_id!r}")
+    """eos_id is None (never stop early), a token id of the vocabulary, or a non-empty list,
+    tuple or set of them."""
+    ids = [eos_id] if not isinstance(eos_id, (list, tuple, set, frozenset)) else list(eos_id)
+    if eos_id is None:
+        return
+    if not ids or any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                      or not 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"eos_id must be a token id in [0, {vocab_size}), several of them "
+                         f"(a list), or None, got {eos_id!r}")
 
 
 def check_request(req: Request, vocab_size: int, max_len: int) -> Request:
@@ -99,7 +116,9 @@ def check_request(req: Request, vocab_size: int, max_len: int) -> Request:
         raise TypeError(f"sampling must be a Sampling, got {type(req.sampling).__name__}")
     prompt = check_prompt(req.prompt, req.max_new_tokens, vocab_size, max_len)
     check_eos(req.eos_id, vocab_size)
-    eos = None if req.eos_id is None else int(req.eos_id)
+    eos = req.eos_id
+    if eos is not None:             # one id stays an int; several become a tuple, in order
+        eos = int(eos) if isinstance(eos, numbers.Integral) else tuple(dict.fromkeys(map(int, eos)))
     return Request(prompt, req.max_new_tokens, eos, req.sampling)
 
 

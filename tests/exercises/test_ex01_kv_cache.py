@@ -92,6 +92,20 @@ def test_decode_loop_stops_at_eos(plug):
     assert got == expected, f"with eos_id={eos}: expected {expected}, got {got}"
 
 
+def test_decode_loop_stops_at_any_of_several_eos_ids(plug):
+    """A chat model may end its turn with any of several ids: decode_loop gets them as a set,
+    and stops at the first token that is one of them."""
+    prompt = [3, 1, 4, 1, 5]
+    full = generate_uncached(TINY, prompt, 12)
+    first = next(i for i in range(2, 12) if full[i] not in full[:i])
+    eos = (full[-1], full[first])                   # the later one listed first
+    expected = full[:first + 1]
+    plug("decode_loop")
+    got = generate(TINY, prompt, 12, eos_id=eos)
+    assert got == expected, (f"with eos_id={eos} (decode_loop gets eos_ids={set(eos)}): stop at "
+                             f"the first token in the set, expected {expected}, got {got}")
+
+
 def test_decode_loop_uses_pick(plug):
     """Sampling goes through pick: a seeded sampled run equals the reference's."""
     prompt = [7, 8, 9]
