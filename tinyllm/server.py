@@ -6,23 +6,28 @@
 JSON body), `GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus), on FastAPI and
 uvicorn, as vLLM and SGLang serve.
 
-The engine is not thread-safe, so one thread owns it: the engine loop (`EngineLoop`). It takes
-new requests and aborts from its inbox, steps the engine while there is work, and hands every
-event to the queue of the request it belongs to, on the server's event loop. Each HTTP request
-is one coroutine: it checks the body (a 400 naming the field), submits one `Request` (a 429
-when max_waiting requests already wait), then reads its queue, turning tokens into text a
-settled piece at a time (textstream.py). A client that goes away aborts its request: its slot
-and blocks are free before the next step, and nothing else in flight notices.
+Two processes, as in vLLM. The engine runs in one of its own (`engine_process`): it takes new
+requests and aborts from a pipe, steps while there is work, and sends each step's tokens back.
+The HTTP side (uvicorn's event loop) reads them and hands each to the queue of the request it
+belongs to (`EngineLoop`). Each HTTP request is one coroutine: it checks the body (a 400
+naming the field), submits one `Request` (a 429 when max_waiting requests already wait), then
+reads its queue, turning tokens into text a settled piece at a time (textstream.py). A client
+that goes away aborts its request: its slot and blocks are free before the next step, and
+nothing else in flight notices.
 """
 
 import asyncio
 import json
-import queue
+import signal
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
+import torch
+import torch.multiprocessing
+
+from tinyllm.check import leaks
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.requests import Event, Request
 from tinyllm.sampling import Sampling
@@ -42,107 +47,165 @@ class APIError(Exception):
                           "code": None}}
 
 
-# ---- the engine loop: one thread owns the engine ------------------------------------------------
+# ---- the engine loop: the engine in a process of its own ----------------------------------------
 @dataclass
 class Ticket:
-    """One submitted request, as the HTTP side knows it: its Request, the queue its events
-    arrive on (an Event each, or an APIError if the engine refused it), and its engine id."""
+    """One submitted request, as the HTTP side knows it: its Request, its key (the id both
+    processes call it by), and the queue its events arrive on (an Event each, or an APIError
+    if the engine refused it or failed)."""
     request: Request
-    loop: asyncio.AbstractEventLoop
+    key: int = -1
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    rid: int | None = None
-    cancelled: bool = False
 
 
 class EngineLoop:
-    """The thread that owns a ContinuousEngine: submit() and abort() from any thread, the
-    engine only from here. At most max_waiting requests wait for a slot at once."""
+    """The engine's own process, and the HTTP side's handle on it.
+
+    The engine is not thread-safe, and stepping it is Python work that would hold the
+    interpreter's lock against the HTTP side's: so, as vLLM's engine core does, it runs in a
+    process of its own (`engine_process`). Two pipes join them: adds and aborts go in; one
+    message per step comes out, with every token of the step and the engine's load. The HTTP
+    side reads that pipe on its event loop and puts each token in its request's queue. At most
+    max_waiting requests wait for a slot at once; more are refused with a 429."""
 
     def __init__(self, engine: ContinuousEngine, max_waiting: int = 64):
         self.engine, self.max_waiting = engine, max_waiting
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.tickets: dict[int, Ticket] = {}            # engine id -> ticket, while it runs
-        self.wake = threading.Event()
-        self.submitted = 0                              # adds in the inbox, not yet taken
-        self.lock = threading.Lock()
-        self.stopping = False
-        self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.tickets: dict[int, Ticket] = {}            # key -> ticket, while it runs
+        self.next_key = 0
+        self.submitted = 0                              # adds sent, not yet taken by the engine
+        self.reported = (0, 0)                          # the engine's (waiting, running) at its last step
+        self.kv_used = 0.0
+        self.leaked: str | None = None                  # what the idle engine still held, if anything
+        self.failed: str | None = None
+        self.process = None
 
     def start(self) -> None:
-        self.thread.start()
+        """Start the engine process and wait until it is ready. The engine goes to it pickled:
+        its tensors move to shared memory, so the weights are not copied. A fresh interpreter
+        imports torch there: a few seconds."""
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.process = ctx.Process(target=engine_process, name="tinyllm-engine", daemon=True,
+                                   args=(self.engine, theirs, torch.get_num_threads()))
+        self.process.start()
+        theirs.close()
+        if not self.conn.poll(120):
+            raise RuntimeError("the engine process did not start in 120 s")
+        try:
+            self.conn.recv()                            # ("ready", None)
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(f"the engine process failed to start (exit code "
+                               f"{self.process.exitcode}); its error is above") from None
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(self.conn.fileno(), self._read)
 
     def stop(self) -> None:
-        self.stopping = True
-        self.wake.set()
-        self.thread.join(timeout=10)
+        if self.process is None or not self.process.is_alive():
+            return
+        self.loop.remove_reader(self.conn.fileno())
+        self.conn.send(("stop", None))
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.terminate()
 
     def load(self) -> tuple[int, int]:
-        """(requests waiting, counting those not yet in the engine; requests running)."""
-        waiting, running = self.engine.load()
+        """(requests waiting, counting those not yet in the engine; requests running), as of
+        the engine's last message."""
+        waiting, running = self.reported
         return waiting + self.submitted, running
 
     def submit(self, ticket: Ticket) -> None:
+        if self.failed:
+            raise APIError(500, f"the engine failed: {self.failed}", kind="server_error")
         if self.load()[0] >= self.max_waiting:
             raise APIError(429, f"the server is full: {self.max_waiting} requests already wait "
                                 f"for a slot; retry later", kind="rate_limit_error")
-        with self.lock:
-            self.submitted += 1
-        self.inbox.put(("add", ticket))
-        self.wake.set()
+        ticket.key, self.next_key = self.next_key, self.next_key + 1
+        self.tickets[ticket.key] = ticket
+        self.submitted += 1
+        self.conn.send(("add", (ticket.key, ticket.request)))
 
     def abort(self, ticket: Ticket) -> None:
-        """The client went away: drop its request wherever it is."""
-        ticket.cancelled = True
-        self.inbox.put(("abort", ticket))
-        self.wake.set()
+        """The client went away (or a stop string ended it): drop its request wherever it is."""
+        if self.tickets.pop(ticket.key, None) is not None and not self.failed:
+            self.conn.send(("abort", ticket.key))
 
-    def _deliver(self, ticket: Ticket, item) -> None:
-        ticket.loop.call_soon_threadsafe(_put_all, [(ticket, item)])
+    def _read(self) -> None:
+        """On the event loop, when the engine has written: each step's tokens to their queues."""
+        try:
+            while self.conn.poll():
+                what, body = self.conn.recv()
+                if what == "failed":
+                    return self._fail(body)
+                tokens, refused, taken, self.reported, self.kv_used, self.leaked = body
+                self.submitted -= taken
+                for key, message in refused:
+                    if (ticket := self.tickets.pop(key, None)) is not None:
+                        ticket.events.put_nowait(APIError(400, message, "prompt"))
+                for key, token, reason in tokens:
+                    ticket = self.tickets.get(key)
+                    if ticket is not None:
+                        ticket.events.put_nowait(Event(key, token, reason is not None, reason))
+                        if reason is not None:
+                            del self.tickets[key]
+        except (EOFError, OSError):
+            self._fail(f"its process ended (exit code {self.process.exitcode})")
 
-    def _drain(self) -> None:
-        while True:
-            try:
-                what, ticket = self.inbox.get_nowait()
-            except queue.Empty:
+    def _fail(self, why: str) -> None:
+        """The engine process failed: every request in flight gets a 500 that says why."""
+        self.failed = why
+        self.loop.remove_reader(self.conn.fileno())
+        for ticket in self.tickets.values():
+            ticket.events.put_nowait(APIError(500, f"the engine failed: {why}", kind="server_error"))
+        self.tickets.clear()
+
+
+def engine_process(engine: ContinuousEngine, conn, n_threads: int) -> None:
+    """The engine process: take adds and aborts, step while there is work, and send each step's
+    tokens as (key, token, finish_reason or None), with the requests it refused, the adds it
+    took, its load, its KV use and, once idle, whatever it still holds (check.leaks: None
+    when every request gave everything back). It blocks on the pipe when there is no work."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is the server's to handle
+    torch.set_num_threads(n_threads)
+    conn.send(("ready", None))
+    rid_of: dict[int, int] = {}                         # key -> engine id, and back
+    key_of: dict[int, int] = {}
+    while True:
+        if not engine.has_work():
+            conn.poll(None)
+        taken, refused = 0, []
+        while conn.poll():
+            what, body = conn.recv()
+            if what == "stop":
                 return
             if what == "abort":
-                if ticket.rid is not None and self.tickets.pop(ticket.rid, None) is not None:
-                    self.engine.abort(ticket.rid)
+                if (rid := rid_of.pop(body, None)) is not None:
+                    engine.abort(rid)
+                    del key_of[rid]
                 continue
-            with self.lock:
-                self.submitted -= 1
-            if not ticket.cancelled:
-                try:
-                    ticket.rid = self.engine.add_request(ticket.request)
-                    self.tickets[ticket.rid] = ticket
-                except (ValueError, TypeError) as e:
-                    self._deliver(ticket, APIError(400, str(e), "prompt"))
-
-    def _run(self) -> None:
-        while not self.stopping:
-            self.wake.clear()                           # before the inbox is read: no wake-up lost
-            self._drain()
-            if not self.engine.has_work():
-                self.wake.wait(timeout=0.5)
-                continue
-            events: list[Event] = self.engine.step()
-            batches: dict[asyncio.AbstractEventLoop, list] = {}
-            for ev in events:                           # one wake-up per event loop and step
-                ticket = self.tickets.get(ev.rid)
-                if ticket is not None:
-                    batches.setdefault(ticket.loop, []).append((ticket, ev))
-                    if ev.done:
-                        del self.tickets[ev.rid]
-                if ev.done:
-                    self.engine.results.pop(ev.rid, None)
-            for loop, items in batches.items():
-                loop.call_soon_threadsafe(_put_all, items)
-
-
-def _put_all(items: list) -> None:
-    """On the event loop: each (ticket, event) into the ticket's queue."""
-    for ticket, item in items:
-        ticket.events.put_nowait(item)
+            key, request = body
+            taken += 1
+            try:
+                rid = engine.add_request(request)
+                rid_of[key], key_of[rid] = rid, key
+            except (ValueError, TypeError) as e:
+                refused.append((key, str(e)))
+        tokens = []
+        try:
+            events = engine.step() if engine.has_work() else []
+        except Exception as e:                          # the engine cannot go on: say why
+            conn.send(("failed", f"{type(e).__name__}: {e}"))
+            return
+        for ev in events:
+            key = key_of[ev.rid]
+            tokens.append((key, ev.token, ev.finish_reason if ev.done else None))
+            if ev.done:
+                del key_of[ev.rid], rid_of[key]
+                engine.results.pop(ev.rid, None)
+        idle = not engine.has_work()
+        conn.send(("step", (tokens, refused, taken, engine.load(), engine.kv_used_frac(),
+                            leaks(engine) if idle else None)))
 
 
 # ---- the API: bodies checked as the OpenAI API checks them --------------------------------------
@@ -291,7 +354,7 @@ class Metrics:
         waiting, running = self.loop.load()
         self.waiting.set(waiting)
         self.running.set(running)
-        self.kv_used.set(self.loop.engine.kv_used_frac())
+        self.kv_used.set(self.loop.kv_used)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
