@@ -14,6 +14,7 @@ from tinyllm.engine import (ContinuousEngine, EngineConfig, Request, Sampling, T
                             prefill_padded, run_continuous, run_static)
 from tinyllm.generate import generate
 from tinyllm.paged_kv import PagedKVCache
+from tinyllm.stats import kv_bytes_per_token
 from tinyllm.sampling import GREEDY_BELOW, is_greedy
 from tests.conftest import make_tiny
 
@@ -178,6 +179,33 @@ def test_engine_settings_are_checked():
         run_static(TINY, [Request([1], 1)], 0)
     with pytest.raises(ValueError, match="padded prompt 60 \\+ new 40"):
         run_static(TINY, [Request([1] * 60, 1), Request([1], 40)], 2)
+
+
+def test_the_kv_cache_stays_within_its_budget():
+    """kv_mib bounds what the cache reserves: by default a slot cache's max_len and the paged
+    pool shrink to fit it; settings given explicitly that need more are refused, naming kv_mib;
+    a request longer than the budgeted max_len is refused and the engine serves the rest."""
+    per_token = kv_bytes_per_token(TINY, torch.device("cpu"))
+    mib = 40 * 4 * per_token / 2**20                    # room for 4 slots of 40 positions
+    eng = ContinuousEngine(TINY, 4, kv_mib=mib)
+    assert eng.max_len == 40 and eng.cache.reserved_tokens() == 160
+    assert ContinuousEngine(TINY, 4).max_len == TINY.cfg.max_seq_len, "the default budget is ample here"
+    paged = ContinuousEngine(TINY, 4, kv="paged", block_size=8, kv_mib=mib)
+    assert paged.cache.n_blocks == 20 and paged.max_len == TINY.cfg.max_seq_len
+    with pytest.raises(ValueError, match="prompt of 30 tokens \\+ 20 new tokens"):
+        eng.add_request(Request([1] * 30, 20))
+    rid = eng.add_request(Request([1, 2, 3], 5))
+    while eng.has_work():
+        eng.step()
+    assert eng.results[rid].tokens == solo(Request([1, 2, 3], 5))
+    for kw in (dict(max_len=41), dict(kv="paged", block_size=8, kv_blocks=21)):
+        with pytest.raises(ValueError, match=r"needs [\d.]+ MiB, over kv_mib=[\d.e-]+ \(160 positions"):
+            ContinuousEngine(TINY, 4, kv_mib=mib, **kw)
+    for bad in (0, -1.0, "64", True):
+        with pytest.raises(ValueError, match="kv_mib must be a number of MiB > 0"):
+            ContinuousEngine(TINY, 4, kv_mib=bad)
+    results, summary = run_continuous(TINY, [Request([1, 2], 4)], 4, kv_mib=mib)
+    assert summary["kv_reserved_mib"] == pytest.approx(160 * per_token / 2**20)
 
 
 def test_abort_unknown_or_finished_returns_false():

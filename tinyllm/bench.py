@@ -119,8 +119,9 @@ def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, se
         prefix_cache: bool = False, budget_for_all: bool = False) -> dict:
     """One benchmark run -> its Stats.summary(). batch: static's batch size, the slots of the
     continuous engines; the paged engine gets paged_slots slots (default: batch) and kv_blocks
-    blocks of block_size (default: the memory of `batch` slots). engine may carry +chunked
-    and +prefix (engine_settings)."""
+    blocks of block_size (default: the memory of `batch` slots). The KV cache is sized to the
+    workload: max_len is its longest request. engine may carry +chunked and +prefix
+    (engine_settings)."""
     base, kw = engine_settings(engine, max_step_tokens, prefix_cache, budget_for_all)
     reqs, arrivals = workload(workload_name, tok, n, seed)
     if base == "static":
@@ -128,9 +129,9 @@ def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, se
             raise ValueError(f"static batching is offline: it cannot take the {workload_name} "
                              f"workload, whose requests arrive over time")
         return run_static(model, reqs, batch, progress=progress)[1]
-    slots = batch
+    slots, max_len = batch, longest(reqs)
+    kw["max_len"] = max_len
     if base == "paged":
-        max_len = model.cfg.max_seq_len
         slots = paged_slots or batch
         kw.update(kv="paged", block_size=block_size,
                   kv_blocks=kv_blocks or batch * -(-max_len // block_size))
@@ -219,6 +220,11 @@ def table(runs: dict[str, dict]) -> str:
         lines.append(f"{key:22}" + "".join(
             f"{c:>{k}.3f}" if isinstance(c, float) else f"{str(c):>{k}}" for c, k in zip(cells, w)))
     return "\n".join(lines)
+
+
+def longest(reqs: list[Request]) -> int:
+    """The positions the longest request of a workload takes: what a cache must hold for it."""
+    return max(len(r.prompt) + r.max_new_tokens for r in reqs)
 
 
 def main(argv=None) -> None:

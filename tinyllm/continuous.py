@@ -36,6 +36,9 @@ from tinyllm.slot_cache import SlotCache, SlotKVCache
 from tinyllm.stats import Stats, Trace, kv_bytes_per_token, sync_device
 
 
+DEFAULT_KV_MIB = 512     # the KV cache's memory when none is given (vLLM's CPU default: 4 GiB)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """A continuous engine's settings, checked when made.
@@ -48,7 +51,11 @@ class EngineConfig:
     max_step_tokens (07): at most this many tokens computed per step, decodes first, the rest
     in prompt chunks (None: every context whole); at least n_slots, so that every running
     request can decode. prefix_cache (08, kv="paged"): requests share the blocks of a
-    common prefix.
+    common prefix. kv_mib: the memory the KV cache may reserve, in MiB (None: DEFAULT_KV_MIB;
+    the cache is zero-filled when made, so all of it is taken at once). The budget bounds the
+    defaults: a slot cache's max_len (n_slots slots of max_len positions each), and the paged
+    pool (the memory of n_slots such slots); settings given explicitly that need more than the
+    budget are refused. Size it to the work: max_len as long as the longest request.
     """
     n_slots: int
     max_len: int | None = None
@@ -62,6 +69,7 @@ class EngineConfig:
     buckets: tuple[int, ...] | None = None
     max_step_tokens: int | None = None
     prefix_cache: bool = False
+    kv_mib: float | None = None
 
     def __post_init__(self):
         check_positive_int("n_slots", self.n_slots)
@@ -85,19 +93,47 @@ class EngineConfig:
             raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
         if self.prefix_cache and self.kv != "paged":
             raise ValueError("prefix_cache shares blocks of a paged cache: use kv='paged'")
+        if self.kv_mib is not None and (isinstance(self.kv_mib, bool) or
+                                        not isinstance(self.kv_mib, (int, float)) or
+                                        not self.kv_mib > 0):
+            raise ValueError(f"kv_mib must be a number of MiB > 0, got {self.kv_mib!r}")
         self.sampling                                   # checks temperature, top_k, top_p
 
     @property
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_k, self.top_p)
 
-    def make_cache(self, model: Transformer, max_len: int, device) -> SlotCache:
+    def kv_sizes(self, model_max_len: int, bytes_per_token: int) -> tuple[int, int | None]:
+        """(max_len, the paged pool's blocks or None) within the KV budget: the settings given,
+        or the defaults cut to the budget. Raises naming what does not fit."""
+        mib = DEFAULT_KV_MIB if self.kv_mib is None else self.kv_mib
+        budget = int(mib * 2**20) // bytes_per_token            # positions the budget holds
+        max_len = model_max_len if self.max_len is None else self.max_len
+        if max_len > model_max_len:
+            raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {model_max_len}")
+        if self.kv == "slots":
+            if self.max_len is None:
+                max_len = min(max_len, budget // self.n_slots)
+            need, what = self.n_slots * max_len, f"{self.n_slots} slots of {max(max_len, 1)} positions"
+            n_blocks = None
+        else:
+            n_blocks = self.kv_blocks or min(self.n_slots * math.ceil(max_len / self.block_size),
+                                             budget // self.block_size)
+            need, what = n_blocks * self.block_size, f"{n_blocks} blocks of {self.block_size}"
+        if max_len < 1 or (n_blocks is not None and n_blocks < 1) or need > budget:
+            raise ValueError(f"the KV cache of {what} needs {need * bytes_per_token / 2**20:.1f} "
+                             f"MiB, over kv_mib={mib:g} ({budget} positions of "
+                             f"{bytes_per_token} bytes): raise kv_mib, or ask for fewer slots "
+                             f"or a shorter max_len")
+        return max_len, n_blocks
+
+    def make_cache(self, model: Transformer, max_len: int, n_blocks: int | None,
+                   device) -> SlotCache:
         cfg = model.cfg
         dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
         if self.kv == "slots":
             return SlotKVCache(cfg.n_layers, self.n_slots, cfg.n_kv_heads, cfg.head_dim,
                                max_len, dtype, device)
-        n_blocks = self.kv_blocks or self.n_slots * math.ceil(max_len / self.block_size)
         return PagedKVCache(cfg.n_layers, self.n_slots, cfg.n_kv_heads, cfg.head_dim,
                             n_blocks, self.block_size, max_len, dtype, device, self.prefix_cache)
 
@@ -115,12 +151,12 @@ def _settings(config: EngineConfig | int, settings: dict):
     return EngineConfig(config, **settings), decoder
 
 
-def _cache_and_decoder(model: Transformer, config: EngineConfig, max_len: int, device,
-                       decoder: SlotGraphDecoder | None):
+def _cache_and_decoder(model: Transformer, config: EngineConfig, max_len: int,
+                       n_blocks: int | None, device, decoder: SlotGraphDecoder | None):
     """The engine's cache, and its graph decoder (06) when it has one: a new pair, or the
     given decoder with its own cache, reused if it fits these settings and is idle."""
     if decoder is None:
-        cache = config.make_cache(model, max_len, device)
+        cache = config.make_cache(model, max_len, n_blocks, device)
         return cache, SlotGraphDecoder(model, cache, config.buckets) if config.cuda_graph else None
     cache = decoder.slots
     if decoder.model is not model or cache.n_slots != config.n_slots or \
@@ -146,17 +182,16 @@ class ContinuousEngine:
                  trace: Trace | None = None, **settings):
         config, decoder = _settings(config, settings)
         check_generator(generator)
-        cfg = model.cfg
-        max_len = cfg.max_seq_len if config.max_len is None else config.max_len
-        if max_len > cfg.max_seq_len:
-            raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+        device = next(model.parameters()).device
+        per_token = kv_bytes_per_token(model, device)
+        max_len, n_blocks = config.kv_sizes(model.cfg.max_seq_len, per_token)
         model.eval()
-        self.model, self.config, self.max_len = model, config, max_len
-        self.device = device = next(model.parameters()).device
-        self.cache, self.decoder = _cache_and_decoder(model, config, max_len, device, decoder)
+        self.model, self.config, self.max_len, self.device = model, config, max_len, device
+        self.cache, self.decoder = _cache_and_decoder(model, config, max_len, n_blocks, device,
+                                                      decoder)
         self.scheduler = Scheduler(self.cache)
         self.sampling, self.generator, self.trace = config.sampling, generator, trace
-        self.stats = Stats(kv_bytes_per_token=kv_bytes_per_token(model, device),
+        self.stats = Stats(kv_bytes_per_token=per_token,
                            kv_reserved_tokens=self.cache.reserved_tokens())
         self.results: dict[int, Result] = {}
         self._seqs: dict[int, Sequence] = {}            # unfinished requests, by id

@@ -95,12 +95,21 @@ def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0) -> di
     if any(r.sampling is not None for r in reqs):
         raise ValueError("the peer comparison is greedy: tokens of sampled requests would differ")
     solo = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+    max_len = max(len(r.prompt) + r.max_new_tokens for r in reqs)   # the KV cache fits the work
+    kv_mib = {}
+
+    def tinyllm_continuous(rs, **kw):
+        results, summary = run_continuous(model, rs, batch, max_len=max_len, **kw)
+        kv_mib[kw.get("kv", "slots")] = summary["kv_reserved_mib"]
+        return [r.tokens for r in results]
+
     engines = {
         "tinyllm static": lambda rs: [r.tokens for r in run_static(model, rs, batch)[0]],
-        "tinyllm continuous": lambda rs: [r.tokens for r in run_continuous(model, rs, batch)[0]],
-        "tinyllm paged": lambda rs: [r.tokens for r in run_continuous(model, rs, batch, kv="paged")[0]],
+        "tinyllm continuous": lambda rs: tinyllm_continuous(rs),
+        "tinyllm paged": lambda rs: tinyllm_continuous(rs, kv="paged"),
         "hf generate": lambda rs: hf_static(peer, rs, batch, pad_id),
-        "hf continuous": lambda rs: hf_continuous(peer, rs, batch),
+        "hf continuous": lambda rs: hf_continuous(peer, rs, batch,
+                                                  n_blocks=batch * -(-max_len // 32)),
     }
     warm = [Request(r.prompt, 4, r.eos_id) for r in reqs[:2]]
     rows = {}
@@ -112,12 +121,16 @@ def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0) -> di
         n = sum(map(len, toks))
         rows[name] = {"requests": len(reqs), "tokens": n, "wall_s": wall, "tok_s": n / wall,
                       "agree": sum(a == b for a, b in zip(toks, solo))}
+    for name, kind in (("tinyllm continuous", "slots"), ("tinyllm paged", "paged")):
+        rows[name]["kv_mib"] = kv_mib[kind]
     return rows
 
 
 def table(rows: dict[str, dict]) -> str:
-    lines = [f"{'':20}{'requests':>10}{'tokens':>8}{'wall_s':>9}{'tok_s':>9}{'== solo':>9}"]
+    lines = [f"{'':20}{'requests':>10}{'tokens':>8}{'wall_s':>9}{'tok_s':>9}{'== solo':>9}"
+             f"{'KV MiB':>9}"]
     for name, r in rows.items():
+        kv = f"{r['kv_mib']:>9.1f}" if "kv_mib" in r else f"{'-':>9}"
         lines.append(f"{name:20}{r['requests']:>10}{r['tokens']:>8}{r['wall_s']:>9.2f}"
-                     f"{r['tok_s']:>9.0f}{r['agree']:>6}/{r['requests']}")
+                     f"{r['tok_s']:>9.0f}{r['agree']:>6}/{r['requests']}" + kv)
     return "\n".join(lines)

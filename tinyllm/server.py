@@ -176,7 +176,10 @@ def engine_process(engine: ContinuousEngine, conn, n_threads: int) -> None:
             conn.poll(None)
         taken, refused = 0, []
         while conn.poll():
-            what, body = conn.recv()
+            try:
+                what, body = conn.recv()
+            except EOFError:                            # the server is gone: so is its engine
+                return
             if what == "stop":
                 return
             if what == "abort":
@@ -541,6 +544,9 @@ def serve_main(argv=None) -> None:
     ap.add_argument("--block-size", type=int, default=16, metavar="N")
     ap.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                     help="the paged pool (default: the memory of --slots slots)")
+    ap.add_argument("--kv-mib", type=float, default=None, metavar="MIB",
+                    help="the KV cache's memory budget (default: 512); it bounds the positions "
+                         "a request may use with --kv slots")
     ap.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
                     help="a token budget per step (chunked prefill, step 07)")
     ap.add_argument("--prefix-cache", action="store_true", help="share prefix blocks (step 08, --kv paged)")
@@ -551,7 +557,7 @@ def serve_main(argv=None) -> None:
     try:
         engine = ContinuousEngine(model, args.slots, kv=args.kv, block_size=args.block_size,
                                   kv_blocks=args.kv_blocks, max_step_tokens=args.max_step_tokens,
-                                  prefix_cache=args.prefix_cache)
+                                  prefix_cache=args.prefix_cache, kv_mib=args.kv_mib)
     except ValueError as e:
         ap.error(str(e))
     served = build(engine, tok, "tinyllm-" + resolve(args.model).name, args.max_waiting)
