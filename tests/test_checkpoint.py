@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 
 import tinyllm
 from tinyllm.checkpoint import CheckpointError, save
+from tinyllm.tokenizer import Tokenizer
 from tinyllm.train import train_tokenizer
 from tests.conftest import make_tiny
 
@@ -46,6 +47,16 @@ def test_round_trip_tied_bf16(tmp_path, tokenizer):
     assert loaded.lm_head.weight is loaded.embed_tokens.weight
     want = model.layers[0].mlp.up_proj.weight.to(torch.bfloat16).float()
     assert torch.equal(loaded.layers[0].mlp.up_proj.weight, want)
+
+
+def test_round_trip_keeps_every_eos_id_and_the_chat_template(tmp_path, tokenizer):
+    """Several EOS ids are written as config.json's list; a template as chat_template.jinja."""
+    tok = Tokenizer(tokenizer.tok, bos_id=0, eos_ids=[0, 5, 7], chat_template="{{ messages }}")
+    save(make_tiny(vocab_size=300, dtype=torch.float32), tok, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["eos_token_id"] == [0, 5, 7]
+    _, loaded = tinyllm.load(tmp_path, device="cpu")
+    assert loaded.eos_ids == (0, 5, 7) and loaded.eos_id == 0
+    assert loaded.chat_template == "{{ messages }}"
 
 
 def test_config_uses_llama_field_names(ckpt):
@@ -245,7 +256,9 @@ def test_bad_safetensors_index_is_named(ckpt, index, words):
     (dict(rope_theta=-1), r"rope_theta must be a number > 0, got -1"),
     (dict(rope_scaling="llama3"), r"rope_scaling must be a JSON object, got 'llama3'"),
     (dict(model_type=["llama"]), r"unsupported architecture model_type=\['llama'\]"),
-    (dict(eos_token_id=[]), r"eos_token_id must be a token id \(an int >= 0\), got \[\]"),
+    (dict(eos_token_id=[]), r"eos_token_id must be a token id \(an int >= 0\) or a non-empty "
+                            r"list of them, got \[\]"),
+    (dict(eos_token_id=[2, "3"]), r"eos_token_id must be a token id .*, got \[2, '3'\]"),
     (dict(bos_token_id="0"), r"bos_token_id must be a token id \(an int >= 0\), got '0'"),
 ])
 def test_config_value_of_wrong_type_is_named(ckpt, change, words):

@@ -97,12 +97,13 @@ def test_a_greedy_completion_equals_solo_streamed_or_not(running):
     assert running.wait_idle() == (0, 0)
 
 
-def test_chat_completion_uses_the_documented_template(running):
+def test_chat_completion_uses_the_models_chat_template(running):
     cl = running.client()
     messages = [{"role": "system", "content": "Speak as a king."},
                 {"role": "user", "content": "Who art thou?"}]
-    prompt = server.bundled_chat_template(messages)
-    assert prompt == "System.\nSpeak as a king.\n\nUser.\nWho art thou?\n\nAssistant.\n"
+    prompt = running.tok.apply_chat_template(messages)
+    assert prompt == "<|endoftext|>System.\nSpeak as a king.\n\nUser.\nWho art thou?\n\nAssistant.\n"
+    prompt = prompt.removeprefix("<|endoftext|>")       # solo_text's encode() puts it back
     expected = solo_text(running, prompt, 24)
     r = cl.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
     assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"

@@ -36,6 +36,28 @@ from tinyllm.static import run_static
 SPEAKERS = ["Ham.", "Hor.", "Oph.", "King.", "Queen.", "Rom.", "Jul.", "Nurse.", "Mer.", "Macb.",
             "Lady M.", "Lear.", "Fool.", "Oth.", "Iago.", "Pro."]
 OPENINGS = ["", "My lord,", "O", "What", "I", "Good", "Come,", "Nay,"]
+QUESTIONS = [       # the chat workload: short questions a chat model answers in a few lines
+    "What is the capital of France?", "How many days are in a week?",
+    "What color is the sky on a clear day?", "Name three fruits.", "What is two plus two?",
+    "Who wrote Romeo and Juliet?", "What is the boiling point of water in Celsius?",
+    "Why do leaves change color in autumn?", "Give me a short tip for sleeping better.",
+    "What is the largest planet in the solar system?", "How do I make a cup of tea?",
+    "What is photosynthesis?", "Translate 'good morning' into French.",
+    "Write a haiku about the sea.", "What is the opposite of hot?",
+    "How many legs does a spider have?", "What does a thermometer measure?",
+    "Suggest a name for a pet cat.", "What is the tallest mountain on Earth?",
+    "Explain what a computer is in one sentence.", "What language is spoken in Brazil?",
+    "How many continents are there?", "Why is exercise good for you?",
+    "What is the main ingredient of bread?", "Tell me a fun fact about octopuses.",
+    "What is the chemical symbol for gold?", "How many hours are in a day?",
+    "What do bees make?", "Recommend a book for a long train ride.",
+    "What is the square root of 81?", "Which ocean is the largest?",
+    "What is the capital of Japan?", "Describe a rainbow in one sentence.",
+    "What instrument has 88 keys?", "How can I save water at home?",
+    "Who painted the Mona Lisa?", "Write a short greeting for a birthday card.",
+    "What is the difference between weather and climate?",
+    "What are the three primary colors?", "How does a bicycle stay upright?",
+]
 
 
 def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request], list[float]]:
@@ -50,7 +72,9 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
     shared-prefix: one 360-token system prompt, then a distinct 40-token question each (90% of
               every prompt shared), 16 new tokens, arriving over time (16 a second);
     long-prompt: short requests (prompts of 8-32 tokens, 32-96 new tokens), and every 16th a
-              448-token prompt (8 new tokens): each long one is admitted while others decode."""
+              448-token prompt (8 new tokens): each long one is admitted while others decode;
+    chat:     English questions (QUESTIONS, in turn) as one user message each, in the model's
+              chat template, greedy, ended by any of the model's EOS ids (cap 128 tokens)."""
     rng = random.Random(seed)
     vocab = tok.vocab_size
     rand_prompt = lambda L: [0] + [rng.randrange(1, vocab) for _ in range(L - 1)]
@@ -71,6 +95,12 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
     elif name == "long-prompt":
         reqs = [Request(rand_prompt(448), 8) if i % 16 == 15 else
                 Request(rand_prompt(rng.randint(8, 32)), rng.randint(32, 96)) for i in range(n)]
+    elif name == "chat":
+        if tok.chat_template is None:
+            raise ValueError("the chat workload needs a model with a chat template")
+        reqs = [Request(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                                                tokenize=True), 128, eos_id=tok.eos_ids or None)
+                for i in range(n)]
     else:
         raise ValueError(f"unknown workload {name!r}: {', '.join(WORKLOADS)}")
     arrivals = [0.0] * n
@@ -82,7 +112,7 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
     return reqs, arrivals
 
 
-WORKLOADS = ("uniform", "longtail", "eos", "poisson", "shared-prefix", "long-prompt")
+WORKLOADS = ("uniform", "longtail", "eos", "poisson", "shared-prefix", "long-prompt", "chat")
 
 
 ENGINES = ("static", "continuous", "paged", "graphs")
@@ -245,6 +275,8 @@ workloads (--requests of them, fixed by --seed):
               each, 16 new tokens; arriving over time, 16 a second (continuous engines only)
   long-prompt short requests (8-32 prompt tokens, 32-96 new) and every 16th a 448-token
               prompt, which joins while the others decode
+  chat        a few dozen English questions in the model's chat template, greedy, each
+              ended by the model's EOS (at most 128 tokens); with --peers on a real model
 
 engines (--engines, comma-separated):
   static      step 03: a batch of --batch requests runs until its longest one ends
@@ -302,14 +334,16 @@ examples:
         path = resolve(args.model)
         peer = peers.peer_model(path, device, next(model.parameters()).dtype)
         reqs, _ = workload(args.workload, tok, args.requests, args.seed)
-        rows = peers.compare(model, peer, reqs, args.batch)
+        rows = peers.compare(model, peer, reqs, args.batch,
+                             gguf=path if path.suffix == ".gguf" else None)
         if args.json:
             print(json.dumps({"workload": args.workload, "device": str(device), "rows": rows}, indent=2))
             return
         print(f"workload {args.workload}: {args.requests} requests, batch/slots {args.batch}, "
               f"{path.name} on {device} ({torch.get_num_threads()} threads)\n")
         print(peers.table(rows))
-        print("\n== solo: requests whose tokens equal tinyllm's solo generate()")
+        print("\n== solo: requests whose tokens equal tinyllm's solo generate(); KV MiB: the KV "
+              "cache tinyllm reserved, sized to the workload")
         return
     if args.decode_steps:
         rows = decode_step_times(model)

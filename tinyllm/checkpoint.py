@@ -2,10 +2,12 @@
 
 A directory holds `config.json` (the transformers config's field names), `model.safetensors`
 (or shards listed in `model.safetensors.index.json`) with Hugging Face tensor names, and
-`tokenizer.json`. The bundled model is a Llama; real Llama (SmolLM2, TinyLlama, Llama 3.x) and
-Qwen2 / Qwen2.5 checkpoints load the same way, and `transformers` loads any of them as a peer.
-Nothing is ever unpickled: safetensors holds raw tensors only. Every problem is reported with
-the file it was found in.
+`tokenizer.json`; an instruct model adds its chat template (`chat_template.jinja`, or a field of
+`tokenizer_config.json`) and often more end-of-turn ids in `generation_config.json`. The bundled
+model is a Llama; real Llama (SmolLM2, TinyLlama, Llama 3.x) and Qwen2 / Qwen2.5 checkpoints load
+the same way, and `transformers` loads any of them as a peer. A `.gguf` file (llama.cpp's single
+file, step 09) loads through `gguf_file`. Nothing is ever unpickled: safetensors holds raw
+tensors only. Every problem is reported with the file it was found in.
 """
 
 import json
@@ -49,6 +51,15 @@ def check_max_seq_len(max_seq_len) -> None:
     """None (the default) or an int >= 1; anything else is refused with its value."""
     if max_seq_len is not None and not is_int(max_seq_len, 1):
         raise ValueError(f"max_seq_len must be an int >= 1, got {max_seq_len!r}")
+
+
+def positions_to_serve(limit: int, max_seq_len: int | None, where: Path, field: str) -> int:
+    """max_seq_len when given (never more than the checkpoint's limit, read from `field`), else
+    the limit capped at MAX_SEQ_LEN."""
+    if max_seq_len is not None and max_seq_len > limit:
+        raise CheckpointError(f"{where}: max_seq_len {max_seq_len} exceeds the checkpoint's "
+                              f"{field} {limit}")
+    return min(limit, MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
 
 
 def check_fields(hf: dict, where: Path) -> None:
@@ -98,17 +109,15 @@ def config_from_hf(hf: dict, where: Path, max_seq_len: int | None = None) -> Mod
         scaling = {"rope_type": "llama3", **{k: rope[k] for k in keys}}
     try:
         n_heads = hf["num_attention_heads"]
-        positions = hf["max_position_embeddings"]
-        if max_seq_len is not None and max_seq_len > positions:
-            raise CheckpointError(f"{where}: max_seq_len {max_seq_len} exceeds the checkpoint's "
-                                  f"max_position_embeddings {positions}")
+        positions = positions_to_serve(hf["max_position_embeddings"], max_seq_len, where,
+                                       "max_position_embeddings")
         return ModelConfig(
             vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
             n_layers=hf["num_hidden_layers"], n_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
             d_ff=hf["intermediate_size"],
-            max_seq_len=min(positions, MAX_SEQ_LEN) if max_seq_len is None else max_seq_len,
+            max_seq_len=positions,
             rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -119,7 +128,10 @@ def config_from_hf(hf: dict, where: Path, max_seq_len: int | None = None) -> Mod
         raise CheckpointError(f"{where}: missing field {e.args[0]!r}") from None
 
 
-def config_to_hf(cfg: ModelConfig, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> dict:
+def config_to_hf(cfg: ModelConfig, bos_id: int | None, eos_ids: tuple[int, ...],
+                 dtype: torch.dtype) -> dict:
+    """ModelConfig -> config.json; eos_token_id is one id, or a list when there are several."""
+    eos = None if not eos_ids else eos_ids[0] if len(eos_ids) == 1 else list(eos_ids)
     hf = {
         "architectures": [ARCHITECTURES[cfg.arch]], "model_type": cfg.arch,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -128,7 +140,7 @@ def config_to_hf(cfg: ModelConfig, bos_id: int | None, eos_id: int | None, dtype
         "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
         "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "bos_token_id": bos_id, "eos_token_id": eos_id,
+        "bos_token_id": bos_id, "eos_token_id": eos,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if cfg.arch == "llama":
@@ -151,6 +163,42 @@ def read_json_object(file: Path) -> dict:
     if not isinstance(obj, dict):
         raise CheckpointError(f"{file}: must hold a JSON object, got {JSON_TYPES[type(obj)]}")
     return obj
+
+
+def token_ids(value, file: Path, field: str) -> list[int]:
+    """A config's eos_token_id: one id or a non-empty list of them (None: none)."""
+    ids = [value] if value is None or is_int(value, 0) else value
+    if value is not None and not (isinstance(ids, list) and ids and all(is_int(i, 0) for i in ids)):
+        raise CheckpointError(f"{file}: {field} must be a token id (an int >= 0) or a non-empty "
+                              f"list of them, got {value!r}")
+    return [] if value is None else ids
+
+
+def read_eos_ids(path: Path, hf: dict) -> list[int]:
+    """Every end-of-sequence id, in order and without duplicates: config.json's eos_token_id,
+    then generation_config.json's (where an instruct model lists its end-of-turn tokens)."""
+    ids = token_ids(hf.get("eos_token_id"), path / "config.json", "eos_token_id")
+    file = path / "generation_config.json"
+    if file.is_file():
+        ids += token_ids(read_json_object(file).get("eos_token_id"), file, "eos_token_id")
+    return list(dict.fromkeys(ids))
+
+
+def read_chat_template(path: Path) -> str | None:
+    """The chat template: chat_template.jinja, else tokenizer_config.json's "chat_template"
+    (a string, or a list of named templates of which "default" is taken), else None."""
+    file = path / "chat_template.jinja"
+    if file.is_file():
+        return file.read_text(encoding="utf-8")
+    file = path / "tokenizer_config.json"
+    template = read_json_object(file).get("chat_template") if file.is_file() else None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{file}: chat_template must be a string or a list with a "
+                              f"template named 'default', got {template!r:.80}")
+    return template
 
 
 def read_config(path: Path) -> dict:
@@ -209,13 +257,13 @@ def load_state(model: Transformer, tensors: dict[str, torch.Tensor], where: Path
     extra = sorted(set(tensors) - set(wanted) - {"lm_head.weight"})
     if extra:
         raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} (not part of a "
-                              f"{model.cfg.arch} model with this config.json)")
+                              f"{model.cfg.arch} model with this config)")
     state = {}
     for name, (ours, p) in wanted.items():
         t = tensors.pop(name)
         if t.shape != p.shape:
             raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                  f"config.json implies {tuple(p.shape)}")
+                                  f"the config implies {tuple(p.shape)}")
         if not torch.isfinite(t).all():
             raise CheckpointError(f"{where}: tensor {name!r} holds NaN or inf values")
         state[ours] = t.to(device=device, dtype=dtype)
@@ -227,39 +275,48 @@ def load_state(model: Transformer, tensors: dict[str, torch.Tensor], where: Path
 
 # ---- load and save ------------------------------------------------------------------------
 
+def pick_device_dtype(device, dtype: torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+    """device None: CUDA when there is one, else the CPU; dtype None: the GPU's low precision
+    (model.gpu_dtype) on CUDA, float32 on the CPU."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device, dtype or (gpu_dtype(device) if device.type == "cuda" else torch.float32)
+
+
 def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = None,
          max_seq_len: int | None = None, download: bool = False) -> tuple[Transformer, Tokenizer]:
-    """Load a Hugging Face checkpoint directory -> (model in eval mode, tokenizer).
+    """Load a Hugging Face checkpoint directory or a GGUF file -> (model in eval mode, tokenizer).
 
-    path: "default" (the bundled Shakespeare model), a local directory, or with download=True
-    a Hugging Face Hub id such as "HuggingFaceTB/SmolLM2-135M" (needs the `hf` extra and a
-    network; nothing is fetched otherwise). device None picks CUDA when there is one, else the
-    CPU; dtype None is bfloat16 on CUDA (float16 on a GPU without it: model.gpu_dtype) and
-    float32 on the CPU (exact arithmetic for the oracle; float64 for the tests). max_seq_len: positions to serve (default: the
+    path: "default" (the bundled Shakespeare model), a local directory, a `.gguf` file
+    (gguf_file.load_gguf), or with download=True a Hugging Face Hub id such as
+    "HuggingFaceTB/SmolLM2-135M" (needs the `hf` extra and a network; nothing is fetched
+    otherwise). device None picks CUDA when there is one, else the CPU; dtype None is bfloat16 on
+    CUDA (float16 on a GPU without it: model.gpu_dtype) and float32 on the CPU (exact arithmetic
+    for the oracle; float64 for the tests). max_seq_len: positions to serve (default: the
     checkpoint's own, at most MAX_SEQ_LEN, which keeps the RoPE table and caches small)."""
     check_max_seq_len(max_seq_len)
     path = resolve(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from tinyllm.gguf_file import load_gguf     # gguf_file builds on this module
+        return load_gguf(path, device, dtype, max_seq_len)
     if not path.is_dir():
         if not download:
-            raise CheckpointError(f"{path}: not a checkpoint directory (for a Hugging Face Hub "
-                                  "id, pass download=True)")
+            raise CheckpointError(f"{path}: not a checkpoint directory or .gguf file (for a "
+                                  "Hugging Face Hub id, pass download=True)")
         path = fetch(str(path))
     hf = read_config(path)
     cfg = config_from_hf(hf, path / "config.json", max_seq_len)
     tensors = read_tensors(path)
     with torch.device("meta"):
         model = Transformer(cfg)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or (gpu_dtype(device) if device.type == "cuda" else torch.float32)
+    device, dtype = pick_device_dtype(device, dtype)
     load_state(model, tensors, path, device, dtype)
     model.eval()
-    eos = hf.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    for k, v in (("bos_token_id", hf.get("bos_token_id")), ("eos_token_id", eos)):
-        if v is not None and not is_int(v, 0):
-            raise CheckpointError(f"{path / 'config.json'}: {k} must be a token id (an int >= 0), "
-                                  f"got {hf[k]!r}")
-    tokenizer = Tokenizer.from_file(path / "tokenizer.json", hf.get("bos_token_id"), eos)
+    bos = hf.get("bos_token_id")
+    if bos is not None and not is_int(bos, 0):
+        raise CheckpointError(f"{path / 'config.json'}: bos_token_id must be a token id "
+                              f"(an int >= 0), got {bos!r}")
+    tokenizer = Tokenizer.from_file(path / "tokenizer.json", bos, eos_ids=read_eos_ids(path, hf),
+                                    chat_template=read_chat_template(path))
     if tokenizer.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"{path / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, but "
                               f"config.json gives the model only {cfg.vocab_size}")
@@ -267,25 +324,30 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
 
 
 def fetch(repo_id: str) -> Path:
-    """Download a Hub checkpoint's config, weights and tokenizer (cached by huggingface_hub)."""
+    """Download a Hub checkpoint's config, weights, tokenizer and chat template (cached by
+    huggingface_hub)."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
         raise CheckpointError(f"{repo_id}: downloading needs huggingface_hub "
                               "(pip install -e '.[hf]')") from None
-    files = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json"]
+    files = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+             "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]
     return Path(snapshot_download(repo_id, allow_patterns=files))
 
 
 def save(model: Transformer, tokenizer: Tokenizer, path: str | Path,
          dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write config.json, model.safetensors (in dtype) and tokenizer.json to path."""
+    """Write config.json, model.safetensors (in dtype), tokenizer.json and, when the tokenizer
+    has one, chat_template.jinja to path."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {hf_name(n): p.detach().to("cpu", dtype).contiguous()
                for n, p in model.named_parameters()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    cfg = config_to_hf(model.cfg, tokenizer.bos_id, tokenizer.eos_id, dtype)
+    cfg = config_to_hf(model.cfg, tokenizer.bos_id, tokenizer.eos_ids, dtype)
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     tokenizer.save(path / "tokenizer.json")
+    if tokenizer.chat_template is not None:
+        (path / "chat_template.jinja").write_text(tokenizer.chat_template, encoding="utf-8")
     return path

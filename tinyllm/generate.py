@@ -47,7 +47,7 @@ def decode_loop(model: Transformer, idx: Tensor, max_new_tokens: int, eos_ids: f
     """The cached generate loop: prefill idx (1, T) into a fresh KVCache, then feed back one
     token at a time. pick maps last-position logits (1, V) to a token (1, 1). Stops after
     max_new_tokens tokens or at a token of eos_ids (returned as the last token; the set may be
-    empty).
+    empty: a chat model may end its turn with any of several ids).
 
     The cache: KVCache(model.cfg.n_layers, max_len) with room for prompt and new tokens.
     The model: logits, _ = model(ids, cache=cache) returns logits (1, T, V) for T new ids."""

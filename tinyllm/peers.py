@@ -2,30 +2,38 @@
 
     python -m tinyllm bench --peers                     # the bundled model, longtail workload
     python -m tinyllm bench --peers --model DIR --workload eos --batch 8
+    python -m tinyllm bench --peers --model model.gguf --workload chat --batch 8
 
 transformers runs the same weights two ways: `generate()` on left-padded static batches (what
 most people write first), and its continuous-batching manager (`init_continuous_batching`, the
 engine behind `generate_batch`) with an explicit, small paged KV cache: by default it sizes the
-cache from the machine's free memory. Every request's tokens are compared with tinyllm's solo
-generate(): the table says how many agreed. Greedy workloads only (sampling draws differ).
+cache from the machine's free memory. On a GGUF file, where llama-cpp-python is installed (an
+optional peer: it compiles llama.cpp), llama.cpp runs the file too, solo and batched. Every
+request's tokens are compared with tinyllm's solo generate(): the table says how many agreed.
+Greedy workloads only (sampling draws differ).
 """
 
+import importlib.util
 import time
+from pathlib import Path
 
 import torch
 
 from tinyllm.continuous import run_continuous
 from tinyllm.generate import generate
-from tinyllm.requests import Request, eos_ids
+from tinyllm.requests import Request, eos_ids, is_done
 from tinyllm.static import run_static
 
 
 def peer_model(path, device, dtype=torch.float32):
-    """transformers' model of the checkpoint directory, in eval mode."""
+    """transformers' model of the checkpoint directory or GGUF file, in eval mode."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
     logging.set_verbosity_error()       # it warns that eos -1 (no EOS) never stops a row: intended
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    path = Path(path)
+    where = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name) \
+        if path.suffix == ".gguf" else dict(pretrained_model_name_or_path=path)
+    return AutoModelForCausalLM.from_pretrained(**where, dtype=dtype).to(device).eval()
 
 
 def upto(tokens: list[int], req: Request) -> list[int]:
@@ -89,12 +97,91 @@ def hf_continuous(peer, reqs: list[Request], max_requests: int, block_size: int 
     return [upto(list(results[rid].generated_tokens), r) for rid, r in zip(ids, reqs)]
 
 
-def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0) -> dict[str, dict]:
+_quiet = None       # llama.cpp's log callback, kept alive while llama.cpp may call it
+
+
+def llamacpp_batched(gguf: str | Path, reqs: list[Request], batch: int) -> list[list[int]]:
+    """llama.cpp (llama-cpp-python's bindings to its C API) on a GGUF file, greedy, `batch`
+    requests at a time, batched as llama.cpp's server batches: every prompt of the group in one
+    decode call (a sequence id each, logits only at each prompt's end), then one decode call per
+    step with the next token of every sequence still running. A finished sequence stops; the
+    group's KV cache is cleared for the next. llama.cpp computes with the file's quantized
+    weights as they are, so its tokens can differ from tinyllm's de-quantized float32 ones."""
+    global _quiet
+    import ctypes
+
+    import llama_cpp as L
+    import numpy as np
+    if _quiet is None:
+        _quiet = L.llama_log_callback(lambda level, text, data: None)
+        L.llama_log_set(_quiet, ctypes.c_void_p(0))
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
+    if not model:
+        raise ValueError(f"{gguf}: llama.cpp could not load it")
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    longest = max(len(r.prompt) + r.max_new_tokens for r in reqs)
+    n_prompt = max(sum(len(r.prompt) for r in reqs[b:b + batch]) for b in range(0, len(reqs), batch))
+    params = L.llama_context_default_params()
+    params.n_ctx = batch * (-(-longest // 256) * 256)   # each sequence gets n_ctx / n_seq_max
+    params.n_batch = params.n_ubatch = max(n_prompt, batch)
+    params.n_seq_max = batch
+    params.n_threads = params.n_threads_batch = torch.get_num_threads()
+    ctx = L.llama_init_from_model(model, params)
+    lbatch = L.llama_batch_init(params.n_batch, 0, batch)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, position, sequence, wants logits) entries."""
+        for n, (token, pos, seq, logits) in enumerate(entries):
+            lbatch.token[n], lbatch.pos[n], lbatch.logits[n] = token, pos, logits
+            lbatch.seq_id[n][0], lbatch.n_seq_id[n] = seq, 1
+        lbatch.n_tokens = len(entries)
+        if L.llama_decode(ctx, lbatch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax(row: int) -> int:
+        return int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, row), shape=(n_vocab,)).argmax())
+
+    out = []
+    try:
+        for b0 in range(0, len(reqs), batch):
+            group = reqs[b0:b0 + batch]
+            L.llama_memory_clear(L.llama_get_memory(ctx), True)
+            entries = [(t, i, s, i == len(r.prompt) - 1) for s, r in enumerate(group)
+                       for i, t in enumerate(r.prompt)]
+            decode(entries)
+            rows = [n for n, e in enumerate(entries) if e[3]]     # where each prompt ends
+            toks: list[list[int]] = [[] for _ in group]
+            live = list(range(len(group)))
+            while live:
+                for s, row in zip(live, rows):
+                    toks[s].append(argmax(row))
+                live = [s for s in live if not is_done(group[s], toks[s])]
+                if live:
+                    decode([(toks[s][-1], len(group[s].prompt) + len(toks[s]) - 1, s, True)
+                            for s in live])
+                    rows = list(range(len(live)))
+            out += toks
+    finally:
+        L.llama_batch_free(lbatch)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+    return out
+
+
+def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0,
+            gguf: str | Path | None = None) -> dict[str, dict]:
     """Each engine on the same requests: wall time, tokens, tokens/s, and how many requests'
     tokens equal tinyllm's solo generate()."""
     if any(r.sampling is not None for r in reqs):
         raise ValueError("the peer comparison is greedy: tokens of sampled requests would differ")
+    generate(model, reqs[0].prompt, 4)                  # first call: allocator, kernel choice
+    t0 = time.perf_counter()
     solo = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+    wall = time.perf_counter() - t0
+    n = sum(map(len, solo))
+    rows = {"tinyllm solo": {"requests": len(reqs), "tokens": n, "wall_s": wall, "tok_s": n / wall,
+                             "agree": len(reqs)}}
     max_len = max(len(r.prompt) + r.max_new_tokens for r in reqs)   # the KV cache fits the work
     kv_mib = {}
 
@@ -111,8 +198,10 @@ def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0) -> di
         "hf continuous": lambda rs: hf_continuous(peer, rs, batch,
                                                   n_blocks=batch * -(-max_len // 32)),
     }
+    if gguf is not None and importlib.util.find_spec("llama_cpp") is not None:
+        engines["llama.cpp solo"] = lambda rs: llamacpp_batched(gguf, rs, 1)
+        engines["llama.cpp batched"] = lambda rs: llamacpp_batched(gguf, rs, batch)
     warm = [Request(r.prompt, 4, r.eos_id) for r in reqs[:2]]
-    rows = {}
     for name, fn in engines.items():
         fn(warm)                                        # first calls: allocator, kernel choice
         t0 = time.perf_counter()

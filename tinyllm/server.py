@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing
 
+from jinja2.exceptions import TemplateError
+
 from tinyllm.check import leaks
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.requests import Event, Request
@@ -268,28 +270,30 @@ def stops_of(body: dict) -> list[str]:
 
 @dataclass
 class Served:
-    """What the server serves: the engine loop, the tokenizer, the model's name, its chat
-    template (messages -> prompt text) and the positions a request may use."""
+    """What the server serves: the engine loop, the tokenizer (with the model's chat template
+    and its EOS ids), the model's name and the positions a request may use."""
     loop: EngineLoop
     tok: object
     name: str
-    chat_template: object
     max_len: int
     metrics: object = None
 
 
-def bundled_chat_template(messages: list[dict]) -> str:
-    """The bundled model's chat format (it saw only plays): each message a speech, its role
-    the speaker ("System.", "User.", "Assistant."), and the assistant's speech begun."""
-    lines = []
+def chat_prompt(tok, messages: list) -> list[int]:
+    """A conversation's prompt: each message checked, then rendered with the model's chat
+    template (the bundled model's: each message a speech, its role the speaker)."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or set(m) - {"role", "content", "name"} or \
-                m.get("role") not in ("system", "user", "assistant") or \
-                not isinstance(m.get("content"), str):
-            raise APIError(400, f"messages[{i}] must be {{'role': 'system' | 'user' | "
-                                f"'assistant', 'content': a string}}", "messages")
-        lines.append(f"{m['role'].capitalize()}.\n{m['content']}\n")
-    return "\n".join(lines) + "\nAssistant.\n"
+                not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise APIError(400, f"messages[{i}] must be {{'role': a string, 'content': a string}}",
+                           "messages")
+    if tok.chat_template is None:
+        raise APIError(400, "this model has no chat template: send a prompt to /v1/completions",
+                       "messages")
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except TemplateError as e:
+        raise APIError(400, f"the chat template refused the messages: {e}", "messages") from None
 
 
 def to_request(served: Served, body: dict, kind: str) -> tuple[Request, list[str], int]:
@@ -308,7 +312,7 @@ def to_request(served: Served, body: dict, kind: str) -> tuple[Request, list[str
             raise APIError(400, "prompt must be a string or a list of token ids", "prompt")
         field_name = "prompt"
     else:
-        ids = tok.encode(served.chat_template(body["messages"]))
+        ids = chat_prompt(tok, body["messages"])
         field_name = "messages"
     if not ids:
         raise APIError(400, f"{field_name} is empty", field_name)
@@ -323,7 +327,7 @@ def to_request(served: Served, body: dict, kind: str) -> tuple[Request, list[str
         raise APIError(400, f"this model's maximum context length is {served.max_len} tokens; "
                             f"this request asks for {len(ids) + max_tokens} ({len(ids)} in the "
                             f"{field_name}, {max_tokens} to generate)", field_name)
-    return (Request(ids, max_tokens, eos_id=tok.eos_id, sampling=sampling_of(body)),
+    return (Request(ids, max_tokens, eos_id=tok.eos_ids or None, sampling=sampling_of(body)),
             stops_of(body), len(ids))
 
 
@@ -581,8 +585,7 @@ def serve_main(argv=None) -> None:
         thread.join()
 
 
-def build(engine: ContinuousEngine, tok, name: str, max_waiting: int = 64,
-          chat_template=bundled_chat_template) -> Served:
+def build(engine: ContinuousEngine, tok, name: str, max_waiting: int = 64) -> Served:
     """What make_app serves: an engine loop around engine (not started), with its metrics."""
     loop = EngineLoop(engine, max_waiting)
-    return Served(loop, tok, name, chat_template, engine.max_len, Metrics(loop))
+    return Served(loop, tok, name, engine.max_len, Metrics(loop))

@@ -70,8 +70,23 @@ def split(docs: list[str], every: int = 50) -> tuple[list[str], list[str]]:
 
 # ---- tokenizer ----------------------------------------------------------------------------
 
+# The chat format (a server's /v1/chat/completions): the model saw only plays, so each message is
+# a speech, its role the speaker ("System.", "User.", "Assistant."), and the assistant's begun.
+CHAT_TEMPLATE = (
+    '{{- bos_token -}}\n'
+    '{%- for message in messages -%}\n'
+    '    {%- if message["role"] not in ["system", "user", "assistant"] or message["content"] is not string -%}\n'
+    '        {{- raise_exception("each message must have a role of system, user or assistant, and a string content") -}}\n'
+    '    {%- endif -%}\n'
+    '    {%- if not loop.first %}{{ "\\n" }}{% endif -%}\n'
+    '    {{- message["role"] | capitalize }}.{{ "\\n" }}{{ message["content"] }}{{ "\\n" -}}\n'
+    '{%- endfor -%}\n'
+    '{%- if add_generation_prompt %}{{ "\\nAssistant.\\n" }}{% endif -%}\n')
+
+
 def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE; <|endoftext|> (id 0) is put in front of every encoded text."""
+    """Byte-level BPE; <|endoftext|> (id 0) is put in front of every encoded text; the chat
+    template is CHAT_TEMPLATE."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -80,7 +95,7 @@ def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
     tok.train_from_iterator(docs, trainer)
     eot = tok.token_to_id(EOT)
     tok.post_processor = processors.TemplateProcessing(single=f"{EOT} $A", special_tokens=[(EOT, eot)])
-    return Tokenizer(tok, bos_id=eot, eos_id=eot)
+    return Tokenizer(tok, bos_id=eot, eos_id=eot, chat_template=CHAT_TEMPLATE)
 
 
 def pack(tokenizer: Tokenizer, docs: list[str]) -> torch.Tensor:

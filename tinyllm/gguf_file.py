@@ -1,0 +1,295 @@
+"""Step 09 - real models: a GGUF file (llama.cpp's format) in, the same model and tokenizer out.
+
+One `.gguf` file holds what a Hugging Face directory spreads over several: the config as
+metadata keys (`llama.block_count`, `llama.attention.head_count`...), the tokenizer's vocabulary,
+merges, special ids and chat template (`tokenizer.*`), and the weights under llama.cpp's names
+(`blk.0.attn_q.weight`), most of them quantised in blocks (Q4_1: 32 weights share a scale and a
+minimum). `load_gguf` reads it with the `gguf` package (llama.cpp's own reader), de-quantises
+every tensor into the asked dtype, gives it its Hugging Face name and hands the result to
+`checkpoint.load_state`, so a GGUF model is checked and built like any checkpoint of step 00.
+
+Three things are not a renaming. llama.cpp rotates a Llama's query and key dims in pairs that
+sit side by side (2i and 2i+1) where Hugging Face's Llama pairs dim i with dim i + head_dim/2;
+its converter reorders the rows of the q and k projections to match, and `unpermute` puts them
+back (llama.cpp rotates Qwen2 in halves, so Qwen2 files keep Hugging Face's order). Llama 3's
+RoPE scaling is stored as one factor per frequency (`rope_freqs.weight`), which `llama3_scaling`
+turns back into the settings `model.rope_table` takes. And the tokenizer is rebuilt from the
+metadata as a `tokenizers` byte-level BPE that cuts text as the file's `tokenizer.ggml.pre` says.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from tinyllm.checkpoint import (CheckpointError, is_int, load_state, pick_device_dtype,
+                                positions_to_serve)
+from tinyllm.model import ModelConfig, Transformer, llama3_frequencies
+from tinyllm.tokenizer import Tokenizer
+
+ARCHITECTURES = ("llama", "qwen2")     # general.architecture values tinyllm reads
+READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+            "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")               # tensor types de-quantised here
+
+# llama.cpp tensor name (after "blk.N.") -> Hugging Face module name (after "model.layers.N.")
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+ROPE_FACTORS = "rope_freqs.weight"      # Llama 3's RoPE scaling, one factor per frequency
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}             # Llama 3.1's and 3.2's
+
+
+def open_reader(path: Path):
+    """A gguf.GGUFReader over the file (it maps the file; tensors are read when touched)."""
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError(f"{path}: reading a GGUF file needs the gguf package "
+                              "(pip install gguf)") from None
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, struct or numpy errors on a bad file
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def field_value(field):
+    """A metadata field's value: a str, int, float or bool, or a list of them. The reader keeps
+    raw parts; field.types is [type], or [ARRAY, element type] for a list."""
+    kind = field.types[-1].name
+    parts = [field.parts[i] for i in field.data]
+    if kind == "STRING":
+        values = [bytes(part).decode("utf-8") for part in parts]
+    else:
+        values = np.concatenate(parts).tolist() if parts else []
+        values = [bool(v) for v in values] if kind == "BOOL" else values
+    return values if field.types[0].name == "ARRAY" else values[0]
+
+
+# ---- metadata -> ModelConfig --------------------------------------------------------------
+
+def config_from_gguf(meta: dict, names: set[str], vocab_size: int, where: Path,
+                     max_seq_len: int | None = None,
+                     rope_factors: torch.Tensor | None = None) -> ModelConfig:
+    """The `{arch}.*` metadata keys -> ModelConfig. names: the file's tensor names (a missing
+    `output.weight` means a tied head, `attn_q.bias` means q, k and v have biases);
+    rope_factors: the values of rope_freqs.weight when the file has it."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{where}: unsupported architecture general.architecture={arch!r} "
+                              f"(tinyllm reads {' and '.join(ARCHITECTURES)})")
+
+    def get(key, default=None, kind="int"):
+        """{arch}.{key}: an int >= 1 (kind "int") or a number > 0 (kind "float")."""
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{where}: missing metadata key '{arch}.{key}'")
+        ok = (is_int(value, 1) if kind == "int" else
+              isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
+        if not ok:
+            want = "an int >= 1" if kind == "int" else "a number > 0"
+            raise CheckpointError(f"{where}: {arch}.{key} must be {want}, got {value!r}")
+        return value
+
+    rope_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if rope_type != "none":
+        raise CheckpointError(f"{where}: unsupported RoPE scaling {arch}.rope.scaling.type="
+                              f"{rope_type!r} (plain RoPE and Llama 3's only)")
+    d_model, n_heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length", d_model // n_heads)
+    if get("rope.dimension_count", head_dim) != head_dim:
+        raise CheckpointError(f"{where}: unsupported partial RoPE ({arch}.rope.dimension_count="
+                              f"{meta[f'{arch}.rope.dimension_count']}, head_dim {head_dim})")
+    theta = float(get("rope.freq_base", 10000.0, kind="float"))
+    scaling = None if rope_factors is None else llama3_scaling(rope_factors, head_dim, theta, where)
+    return ModelConfig(
+        vocab_size=vocab_size, d_model=d_model, n_layers=get("block_count"), n_heads=n_heads,
+        n_kv_heads=get("attention.head_count_kv", n_heads), head_dim=head_dim,
+        d_ff=get("feed_forward_length"),
+        max_seq_len=positions_to_serve(get("context_length"), max_seq_len, where,
+                                       f"{arch}.context_length"),
+        rope_theta=theta, norm_eps=float(get("attention.layer_norm_rms_epsilon", kind="float")),
+        tie_embeddings="output.weight" not in names,
+        qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names, rope_scaling=scaling, arch=arch)
+
+
+def llama3_scaling(factors: torch.Tensor, head_dim: int, theta: float, where: Path) -> dict:
+    """llama.cpp stores Llama 3's RoPE scaling as what each frequency is divided by (1: kept,
+    `factor`: slowed, between: blended). This is the llama3 rope_scaling that gives those
+    factors: Llama 3.1's and 3.2's settings with the largest factor; other factors are refused."""
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), **LLAMA3_ROPE}
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if factors.shape != inv_freq.shape or not torch.allclose(
+            llama3_frequencies(inv_freq, scaling), inv_freq / factors, rtol=1e-4, atol=0):
+        raise CheckpointError(f"{where}: unsupported RoPE scaling: {ROPE_FACTORS} is not Llama "
+                              f"3's with factor {scaling['factor']:g}, low_freq_factor 1, "
+                              "high_freq_factor 4 and 8192 original positions")
+    return scaling
+
+
+# ---- tensors ------------------------------------------------------------------------------
+
+def to_hf_name(name: str, where: Path) -> str:
+    """llama.cpp tensor name -> Hugging Face name: blk.3.ffn_up.weight ->
+    model.layers.3.mlp.up_proj.weight, token_embd.weight -> model.embed_tokens.weight."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in TOP_NAMES:
+        return f"{TOP_NAMES[parts[0]]}.{parts[1]}"
+    raise CheckpointError(f"{where}: unexpected tensor {name!r} (not part of a Llama or Qwen2 "
+                          "model as tinyllm builds it)")
+
+
+def dequantize(tensor, where: Path) -> torch.Tensor:
+    """One reader tensor -> float32 (rows, cols) in PyTorch's layout. GGUF lists dims innermost
+    first (ne0 = the input features), so the shape reads backwards."""
+    from gguf.quants import dequantize as gguf_dequantize
+    kind = tensor.tensor_type.name
+    if kind not in READABLE:
+        raise CheckpointError(f"{where}: tensor {tensor.name!r} has type {kind}, which tinyllm "
+                              f"does not de-quantise (it reads {', '.join(READABLE)})")
+    values = gguf_dequantize(tensor.data, tensor.tensor_type)          # float32, blocks undone
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(shape)
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row order for a Llama q or k projection (weight or bias). Per head, row
+    2i + j of the file is row i + j * head_dim/2 of Hugging Face's layout."""
+    rest = w.shape[1:]
+    half = w.shape[0] // n_heads // 2
+    return (w.reshape(n_heads, half, 2, *rest)      # (heads, hd/2, pair, ...) as stored
+            .transpose(1, 2)                        # (heads, pair, hd/2, ...) halves first
+            .reshape(w.shape))
+
+
+def read_tensors(reader, cfg: ModelConfig, where: Path,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor, de-quantised, under its Hugging Face name, in dtype (one float32 tensor
+    exists at a time); a Llama's q and k rows back in Hugging Face's order."""
+    tensors = {}
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FACTORS:                 # read into the config, not a weight
+            continue
+        name = to_hf_name(tensor.name, where)
+        w = dequantize(tensor, where)
+        if cfg.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            w = unpermute(w, cfg.n_heads if ".q_proj." in name else cfg.n_kv_heads)
+        tensors[name] = w.to(dtype)
+    return tensors
+
+
+# ---- tokenizer ----------------------------------------------------------------------------
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre (llama.cpp's names) -> how text is cut before BPE: GPT-2's regex, the same
+# after every digit is cut off on its own (SmolLM2, StarCoder), or Llama 3's or Qwen2's regex
+PRE_TOKENIZERS = {"gpt-2": "gpt2", "smollm": "digits", "starcoder": "digits",
+                  "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT,
+                  "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT}
+CONTROL, USER_DEFINED = 3, 4      # tokenizer.ggml.token_type values (1 is a normal token)
+
+
+def pre_tokenizer(pre: str):
+    """The `tokenizers` pre-tokenizer for a tokenizer.ggml.pre name: a cut, then bytes mapped to
+    the byte-level alphabet (Ġ for a space)."""
+    split = PRE_TOKENIZERS[pre]
+    if split == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split == "digits":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                             use_regex=False)])
+
+
+def token_id(meta: dict, key: str, n_tokens: int, where: Path) -> int | None:
+    """tokenizer.ggml.{key} as a token id, or None when the file has none."""
+    value = meta.get(f"tokenizer.ggml.{key}")
+    if value is not None and not (is_int(value, 0) and value < n_tokens):
+        raise CheckpointError(f"{where}: tokenizer.ggml.{key} must be a token id below "
+                              f"{n_tokens}, got {value!r}")
+    return value
+
+
+def tokenizer_from_gguf(meta: dict, where: Path) -> Tokenizer:
+    """The file's byte-level BPE (tokenizer.ggml.model "gpt2") as a tinyllm Tokenizer: control
+    tokens (<|im_start|>) are special tokens, bos is added in front when add_bos_token says so,
+    and every end-of-generation id (eos, eot, eom) ends a turn."""
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise CheckpointError(f"{where}: unsupported tokenizer tokenizer.ggml.model={model!r} "
+                              "(tinyllm reads byte-level BPE, 'gpt2')")
+    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"{where}: unsupported pre-tokenizer tokenizer.ggml.pre={pre!r} "
+                              f"(tinyllm reads {', '.join(PRE_TOKENIZERS)})")
+    if "tokenizer.ggml.tokens" not in meta:
+        raise CheckpointError(f"{where}: missing metadata key 'tokenizer.ggml.tokens'")
+    tokens, merges = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.merges", [])
+    # Llama 3's BPE takes a piece found whole in the vocabulary before any merge (as llama.cpp
+    # does for it); the others merge from single bytes
+    bpe = models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ", 1)) for m in merges],
+                     ignore_merges=PRE_TOKENIZERS[pre] == LLAMA3_SPLIT)
+    tok = HFTokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    # control tokens (<|im_start|>) are matched whole and dropped by decode(skip_special_tokens);
+    # user-defined ones are matched whole and decoded as text
+    types = meta.get("tokenizer.ggml.token_type", [])
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, k in zip(tokens, types) if k == CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, k in zip(tokens, types) if k == USER_DEFINED])
+    bos = token_id(meta, "bos_token_id", len(tokens), where)
+    eos_ids = [i for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+               if (i := token_id(meta, key, len(tokens), where)) is not None]
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", PRE_TOKENIZERS[pre] == LLAMA3_SPLIT)
+    first = [bos] if add_bos and bos is not None else []
+    last = eos_ids[:1] if meta.get("tokenizer.ggml.add_eos_token", False) else []
+    if first or last:                             # ids put around every encoded text
+        tok.post_processor = processors.TemplateProcessing(
+            single=[tokens[i] for i in first] + ["$A"] + [tokens[i] for i in last],
+            special_tokens=[(tokens[i], i) for i in first + last])
+    return Tokenizer(tok, bos_id=bos, eos_ids=eos_ids,
+                     chat_template=meta.get("tokenizer.chat_template"))
+
+
+# ---- load ---------------------------------------------------------------------------------
+
+def load_gguf(path: str | Path, device=None, dtype: torch.dtype | None = None,
+              max_seq_len: int | None = None) -> tuple[Transformer, Tokenizer]:
+    """Load a GGUF file -> (model in eval mode, tokenizer), with checkpoint.load's defaults:
+    device None picks CUDA when there is one, dtype None is the GPU's low precision there and
+    float32 on the CPU; max_seq_len defaults to the file's context_length, at most MAX_SEQ_LEN."""
+    path = Path(path)
+    reader = open_reader(path)
+    meta = {name: field_value(field) for name, field in reader.fields.items()}
+    by_name = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in by_name:
+        raise CheckpointError(f"{path}: missing tensor 'token_embd.weight'")
+    vocab_size = int(by_name["token_embd.weight"].shape[1])         # (d_model, vocab) in GGUF
+    rope_factors = dequantize(by_name[ROPE_FACTORS], path) if ROPE_FACTORS in by_name else None
+    cfg = config_from_gguf(meta, set(by_name), vocab_size, path, max_seq_len, rope_factors)
+    tokenizer = tokenizer_from_gguf(meta, path)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{path}: {tokenizer.vocab_size} tokens, but token_embd.weight "
+                              f"gives the model only {cfg.vocab_size}")
+    device, dtype = pick_device_dtype(device, dtype)
+    tensors = read_tensors(reader, cfg, path, dtype)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    load_state(model, tensors, path, device, dtype)
+    return model.eval(), tokenizer
