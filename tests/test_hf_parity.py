@@ -86,3 +86,44 @@ def test_every_engine_gives_transformers_greedy_tokens(pair):
     for name, ours in engines.items():
         for i, (o, t) in enumerate(zip(ours, theirs)):
             assert o == t, f"{name}, prompt {i}: tinyllm {o} vs transformers {t}"
+
+
+def test_several_eos_ids_from_the_generation_config_end_every_engine(tmp_path):
+    """A chat model may end its turn with any of several ids (Llama 3 Instruct lists three in
+    generation_config.json). tinyllm.load collects them all, and solo generate() and every
+    engine stop where transformers' generate() stops: at the first of them in each answer."""
+    torch.manual_seed(1)
+    config_cls, model_cls, extra = ARCHS["llama"]
+    peer = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra))
+    with torch.no_grad():
+        for p in peer.parameters():
+            p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    peer.eval().save_pretrained(tmp_path)
+    shutil.copy(DEFAULT / "tokenizer.json", tmp_path / "tokenizer.json")
+    model, _ = tinyllm.load(tmp_path, device="cpu", dtype=torch.float64)
+    n = 16
+    stops = []                                          # a token that first comes late in an answer
+    for p in PROMPTS:
+        full = generate(model, p, n)
+        late = [t for i, t in enumerate(full) if i >= 2 and t not in full[:i] and t not in stops]
+        stops += late[:1]
+    peer.generation_config.eos_token_id = stops
+    peer.save_pretrained(tmp_path)
+    model, tok = tinyllm.load(tmp_path, device="cpu", dtype=torch.float64)
+    assert tok.eos_ids == tuple(dict.fromkeys([COMMON["eos_token_id"], *stops]))
+    peer.double()
+    theirs = []
+    for p in PROMPTS:
+        row = peer.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                            eos_token_id=list(tok.eos_ids), pad_token_id=0)[0, len(p):].tolist()
+        theirs.append(row[:next((i + 1 for i, t in enumerate(row) if t in tok.eos_ids), len(row))])
+    assert sum(len(t) < n for t in theirs) >= 3, f"most answers end at an EOS id: {theirs}"
+    reqs = [Request(p, n, eos_id=tok.eos_ids) for p in PROMPTS]
+    engines = {
+        "solo": [generate(model, p, n, eos_id=tok.eos_ids) for p in PROMPTS],
+        "static": [r.tokens for r in run_static(model, reqs, 3)[0]],
+        "continuous": [r.tokens for r in run_continuous(model, reqs, 2)[0]],
+        "paged": [r.tokens for r in run_continuous(model, reqs, 3, kv="paged", block_size=4)[0]],
+    }
+    for name, ours in engines.items():
+        assert ours == theirs, f"{name}: tinyllm {ours} vs transformers {theirs}"
