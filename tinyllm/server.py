@@ -539,7 +539,7 @@ def serve_main(argv=None) -> None:
         "Serve a checkpoint over the OpenAI API (completions and chat completions, streamed or "
         "not) with the continuous engine; Ctrl-C stops it."))
     ap.add_argument("--model", default="default", metavar="DIR",
-                    help="a checkpoint directory (default: the bundled model)")
+                    help="a checkpoint directory or a .gguf file (default: the bundled model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when there is one)")
@@ -564,7 +564,7 @@ def serve_main(argv=None) -> None:
                                   prefix_cache=args.prefix_cache, kv_mib=args.kv_mib)
     except ValueError as e:
         ap.error(str(e))
-    served = build(engine, tok, "tinyllm-" + resolve(args.model).name, args.max_waiting)
+    served = build(engine, tok, "tinyllm-" + resolve(args.model).name.removesuffix(".gguf"), args.max_waiting)
     uv = uvicorn.Server(uvicorn.Config(make_app(served), host=args.host, port=args.port,
                                        log_level="warning"))
     # uvicorn runs in a thread, so Ctrl-C reaches this one: it asks for a graceful stop
