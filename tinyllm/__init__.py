@@ -1,6 +1,6 @@
 """tinyllm: an LLM inference engine built step by step, from a KV cache to continuous batching."""
 
-from tinyllm.checkpoint import load
+from tinyllm.loading import load
 from tinyllm.generate import generate, sample_next
 from tinyllm.model import ModelConfig, Transformer
 from tinyllm.tokenizer import Tokenizer

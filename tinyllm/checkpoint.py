@@ -6,8 +6,9 @@ A directory holds `config.json` (the transformers config's field names), `model.
 `tokenizer_config.json`) and often more end-of-turn ids in `generation_config.json`. The bundled
 model is a Llama; real Llama (SmolLM2, TinyLlama, Llama 3.x) and Qwen2 / Qwen2.5 checkpoints load
 the same way, and `transformers` loads any of them as a peer. A `.gguf` file (llama.cpp's single
-file, step 09) loads through `gguf_file`. Nothing is ever unpickled: safetensors holds raw
-tensors only. Every problem is reported with the file it was found in.
+file, step 09) is read by `gguf_file`, which builds on this module; `loading.load` takes either.
+Nothing is ever unpickled: safetensors holds raw tensors only. Every problem is reported with
+the file it was found in.
 """
 
 import json
@@ -282,27 +283,12 @@ def pick_device_dtype(device, dtype: torch.dtype | None) -> tuple[torch.device, 
     return device, dtype or (gpu_dtype(device) if device.type == "cuda" else torch.float32)
 
 
-def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = None,
-         max_seq_len: int | None = None, download: bool = False) -> tuple[Transformer, Tokenizer]:
-    """Load a Hugging Face checkpoint directory or a GGUF file -> (model in eval mode, tokenizer).
-
-    path: "default" (the bundled Shakespeare model), a local directory, a `.gguf` file
-    (gguf_file.load_gguf), or with download=True a Hugging Face Hub id such as
-    "HuggingFaceTB/SmolLM2-135M" (needs the `hf` extra and a network; nothing is fetched
-    otherwise). device None picks CUDA when there is one, else the CPU; dtype None is bfloat16 on
-    CUDA (float16 on a GPU without it: model.gpu_dtype) and float32 on the CPU (exact arithmetic
-    for the oracle; float64 for the tests). max_seq_len: positions to serve (default: the
-    checkpoint's own, at most MAX_SEQ_LEN, which keeps the RoPE table and caches small)."""
-    check_max_seq_len(max_seq_len)
-    path = resolve(path)
-    if path.is_file() and path.suffix == ".gguf":
-        from tinyllm.gguf_file import load_gguf     # gguf_file builds on this module
-        return load_gguf(path, device, dtype, max_seq_len)
-    if not path.is_dir():
-        if not download:
-            raise CheckpointError(f"{path}: not a checkpoint directory or .gguf file (for a "
-                                  "Hugging Face Hub id, pass download=True)")
-        path = fetch(str(path))
+def load_dir(path: str | Path, device=None, dtype: torch.dtype | None = None,
+             max_seq_len: int | None = None) -> tuple[Transformer, Tokenizer]:
+    """Load a Hugging Face checkpoint directory -> (model in eval mode, tokenizer), with
+    pick_device_dtype's defaults. max_seq_len: positions to serve (default: the checkpoint's
+    own, at most MAX_SEQ_LEN, which keeps the RoPE table and caches small)."""
+    path = Path(path)
     hf = read_config(path)
     cfg = config_from_hf(hf, path / "config.json", max_seq_len)
     tensors = read_tensors(path)

@@ -271,7 +271,7 @@ def tokenizer_from_gguf(meta: dict, where: Path) -> Tokenizer:
 
 def load_gguf(path: str | Path, device=None, dtype: torch.dtype | None = None,
               max_seq_len: int | None = None) -> tuple[Transformer, Tokenizer]:
-    """Load a GGUF file -> (model in eval mode, tokenizer), with checkpoint.load's defaults:
+    """Load a GGUF file -> (model in eval mode, tokenizer), with checkpoint.load_dir's defaults:
     device None picks CUDA when there is one, dtype None is the GPU's low precision there and
     float32 on the CPU; max_seq_len defaults to the file's context_length, at most MAX_SEQ_LEN."""
     path = Path(path)

