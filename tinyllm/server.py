@@ -574,13 +574,15 @@ def serve_main(argv=None) -> None:
         time.sleep(0.05)
     if not thread.is_alive():
         raise SystemExit(f"could not serve on {args.host}:{args.port}")
-    print(f"serving {served.name} at http://{args.host}:{args.port}/v1 "
-          f"({args.slots} slots, kv {args.kv}); Ctrl-C stops", flush=True)
+    kv_mib = engine.stats.kv_reserved_tokens * engine.stats.kv_bytes_per_token / 2**20
+    print(f"serving {served.name} at http://{args.host}:{args.port}/v1 ({args.slots} slots, "
+          f"kv {args.kv}: {kv_mib:.0f} MiB, up to {engine.max_len} positions a request); "
+          f"Ctrl-C stops", flush=True)
     try:
         while thread.is_alive():
             thread.join(0.5)
     except KeyboardInterrupt:
-        print("stopping: requests in flight end, then the engine loop", flush=True)
+        print("stopping: requests in flight end, then the engine's process", flush=True)
         uv.should_exit = True
         thread.join()
 
