@@ -114,6 +114,17 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
         rec.error = f"{type(e).__name__}: {e}"
 
 
+def run(coro):
+    """Run a coroutine to its end, on uvloop's event loop where it is installed (the `serve`
+    extra brings it): the client then spends less per chunk, and on a small machine leaves more
+    of it to the server it measures."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 async def run_load(url: str, prompts: list[tuple[str, int]], rate: float | None = None,
                    concurrency: int | None = None, model: str | None = None,
                    seed: int = 0) -> tuple[list[Record], float]:
@@ -209,7 +220,7 @@ def main(argv=None) -> None:
     for rate in ([None] if args.concurrency else rates):
         name = f"concurrency {args.concurrency}" if args.concurrency else \
             ("all at once" if rate is None else f"{rate:g} req/s")
-        records, duration = asyncio.run(run_load(args.url, prompts, rate, args.concurrency,
+        records, duration = run(run_load(args.url, prompts, rate, args.concurrency,
                                                  args.model, args.seed))
         runs[name] = summarize(records, duration, args.slo_ttft_ms, args.slo_tpot_ms)
         failed = [r.error for r in records if r.error]
