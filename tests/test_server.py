@@ -250,3 +250,24 @@ def test_text_stream_over_a_byte_level_decode():
     ts = TextStream(decode, stops=["!"])
     assert [ts.push(t) for t in [0, 1, 2]] == ["H", "", "é"]
     assert ts.push(3) == "" and ts.stopped and ts.text == "Hé"
+
+
+class FailingEngine(ContinuousEngine):
+    """An engine whose step fails (it is pickled to the engine process by class name)."""
+
+    def step(self):
+        raise RuntimeError("the model ran out of memory")
+
+
+def test_an_engine_that_fails_gives_a_500_that_says_why(bundled64):
+    model, tok = bundled64
+    srv = Running(FailingEngine(model, 2), tok)
+    try:
+        for _ in range(2):                              # the request in flight, then the next one
+            with pytest.raises(openai.InternalServerError) as e:
+                srv.client(timeout=30).completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=5)
+            assert "the engine failed: RuntimeError: the model ran out of memory" in \
+                e.value.body["message"], e.value.body
+        assert srv.client().models.list().data[0].id == NAME, "the HTTP side still answers"
+    finally:
+        srv.stop()
