@@ -28,7 +28,7 @@ from tinyllm.continuous import run_continuous
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer, gpu_dtype
-from tinyllm.requests import Request
+from tinyllm.requests import Request, longest
 from tinyllm.sampling import Sampling
 from tinyllm.slot_cache import SlotKVCache
 from tinyllm.static import run_static
@@ -250,11 +250,6 @@ def table(runs: dict[str, dict]) -> str:
         lines.append(f"{key:22}" + "".join(
             f"{c:>{k}.3f}" if isinstance(c, float) else f"{str(c):>{k}}" for c, k in zip(cells, w)))
     return "\n".join(lines)
-
-
-def longest(reqs: list[Request]) -> int:
-    """The positions the longest request of a workload takes: what a cache must hold for it."""
-    return max(len(r.prompt) + r.max_new_tokens for r in reqs)
 
 
 def main(argv=None) -> None:

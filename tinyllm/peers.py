@@ -21,7 +21,7 @@ import torch
 
 from tinyllm.continuous import run_continuous
 from tinyllm.generate import generate
-from tinyllm.requests import Request, eos_ids, is_done
+from tinyllm.requests import Request, eos_ids, is_done, is_eos, longest
 from tinyllm.static import run_static
 
 
@@ -39,8 +39,8 @@ def peer_model(path, device, dtype=torch.float32):
 def upto(tokens: list[int], req: Request) -> list[int]:
     """A request's answer from a longer row: at most max_new_tokens, ending at its EOS."""
     tokens = tokens[:req.max_new_tokens]
-    ends = [i for i, t in enumerate(tokens) if t in eos_ids(req.eos_id)]
-    return tokens[:ends[0] + 1] if ends else tokens
+    end = next((i + 1 for i, t in enumerate(tokens) if is_eos(t, req.eos_id)), len(tokens))
+    return tokens[:end]
 
 
 @torch.no_grad()
@@ -120,10 +120,9 @@ def llamacpp_batched(gguf: str | Path, reqs: list[Request], batch: int) -> list[
     if not model:
         raise ValueError(f"{gguf}: llama.cpp could not load it")
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-    longest = max(len(r.prompt) + r.max_new_tokens for r in reqs)
     n_prompt = max(sum(len(r.prompt) for r in reqs[b:b + batch]) for b in range(0, len(reqs), batch))
     params = L.llama_context_default_params()
-    params.n_ctx = batch * (-(-longest // 256) * 256)   # each sequence gets n_ctx / n_seq_max
+    params.n_ctx = batch * (-(-longest(reqs) // 256) * 256)   # each sequence gets n_ctx / n_seq_max
     params.n_batch = params.n_ubatch = max(n_prompt, batch)
     params.n_seq_max = batch
     params.n_threads = params.n_threads_batch = torch.get_num_threads()
@@ -182,7 +181,7 @@ def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0,
     n = sum(map(len, solo))
     rows = {"tinyllm solo": {"requests": len(reqs), "tokens": n, "wall_s": wall, "tok_s": n / wall,
                              "agree": len(reqs)}}
-    max_len = max(len(r.prompt) + r.max_new_tokens for r in reqs)   # the KV cache fits the work
+    max_len = longest(reqs)                             # the KV cache fits the work
     kv_mib = {}
 
     def tinyllm_continuous(rs, **kw):

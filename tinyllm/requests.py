@@ -57,16 +57,30 @@ def eos_ids(eos_id) -> frozenset[int]:
     return frozenset(int(t) for t in eos_id)
 
 
+def is_eos(token: int, eos_id) -> bool:
+    """Whether token ends a request whose eos_id is eos_id (None, one id or several); asked
+    for every token, so it builds nothing."""
+    if eos_id is None:
+        return False
+    return token == eos_id if isinstance(eos_id, numbers.Integral) else token in eos_id
+
+
 def is_done(req: Request, toks: list[int]) -> bool:
-    return len(toks) >= req.max_new_tokens or toks[-1] in eos_ids(req.eos_id)
+    return len(toks) >= req.max_new_tokens or is_eos(toks[-1], req.eos_id)
 
 
 def finish_reason(req: Request, toks: list[int]) -> str | None:
     """Why a request with these tokens is done: "stop" (an EOS), "length" (max_new_tokens),
     None while it is not."""
-    if toks and toks[-1] in eos_ids(req.eos_id):
+    if toks and is_eos(toks[-1], req.eos_id):
         return "stop"
     return "length" if len(toks) >= req.max_new_tokens else None
+
+
+def longest(reqs: list[Request]) -> int:
+    """The positions the longest of these requests takes, prompt and new tokens: what a cache
+    must hold for it."""
+    return max(len(r.prompt) + r.max_new_tokens for r in reqs)
 
 
 def check_positive_int(name: str, value) -> None:
@@ -99,9 +113,9 @@ def check_prompt(prompt, max_new_tokens: int, vocab_size: int, max_len: int) -> 
 def check_eos(eos_id, vocab_size: int) -> None:
     """eos_id is None (never stop early), a token id of the vocabulary, or a non-empty list,
     tuple or set of them."""
-    ids = [eos_id] if not isinstance(eos_id, (list, tuple, set, frozenset)) else list(eos_id)
     if eos_id is None:
         return
+    ids = list(eos_id) if isinstance(eos_id, (list, tuple, set, frozenset)) else [eos_id]
     if not ids or any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
                       or not 0 <= t < vocab_size for t in ids):
         raise ValueError(f"eos_id must be a token id in [0, {vocab_size}), several of them "
