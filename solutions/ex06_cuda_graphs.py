@@ -11,6 +11,8 @@ The decoder's pieces: `decoder.slots` (the SlotKVCache: `lens`, `active`, `live_
 `end_step()`), `decoder.buckets` (ascending), `decoder.tokens` (S, 1) and `decoder.lens` (S,)
 (the static buffers), `decoder.capture`, `decoder.graphs[W]` and `decoder.logits[W]` (a bucket's
 graph and its output), `decoder.run_eager(W)` (the same step without a graph), `decoder.device`.
+The compiled decoder (`tinyllm.compiled.CompiledDecoder`) runs your decode_step too: its
+graphs[W] is the bucket's step compiled by torch.compile, replayed the same way.
 
 All of it runs on a CPU too: `SlotGraphDecoder(capture=False)` runs the same bucketed,
 static-buffer step without capture. Check your work with `make check EX=06` (or

@@ -104,9 +104,26 @@ def test_paged_and_graph_engines_and_the_decode_step_table(bundled, capsys, monk
             for e in ("continuous", "paged", "graphs")}
     assert len({r["useful_tokens"] for r in runs.values()}) == 1
     assert runs["paged"]["peak_active"] > 3 and runs["paged"]["kv_allocated_at_end"] == 0
-    rows = bench.decode_step_times(model, batch_sizes=(1, 2), iters=2)
+    rows = bench.decode_step_times(model, batch_sizes=(1, 2), iters=2, compiled=False)
     assert [r["batch"] for r in rows] == [1, 2] and all(r["eager_ms"] > 0 for r in rows)
     assert "bucketed_ms" in rows[0], "no CUDA here: the graph decoder's eager bucketed step"
+
+
+def test_the_compiled_decoder_in_the_bench(tiny):
+    """--decoder names the continuous engines' decode step; the compiled engine names itself;
+    --decode-steps times the compiled step (compilation apart) and says when it is repaid."""
+    assert bench.engine_settings("continuous", decoder="compiled") == \
+        ("continuous", {"decoder": "compiled"})
+    assert bench.engine_settings("compiled") == ("compiled", {"decoder": "compiled"})
+    assert bench.engine_settings("paged", decoder="compiled") == ("paged", {}), \
+        "a paged engine keeps its eager step: the bucketed decoders read slots"
+    rows = bench.decode_step_times(tiny, batch_sizes=(2,), context=20, iters=3)
+    assert set(rows[0]) == {"batch", "eager_ms", "bucketed_ms", "compiled_ms", "compile_s"}
+    assert rows[0]["compile_s"] > 0 and rows[0]["compiled_ms"] > 0
+    text = bench.decode_steps_table([{**rows[0], "eager_ms": 2.0, "compiled_ms": 1.5,
+                                      "compile_s": 3.0}])
+    assert "6000 steps" in text, text
+    assert "never" in bench.decode_steps_table([{**rows[0], "eager_ms": 1.0, "compiled_ms": 1.5}])
 
 
 def test_progress_is_told_of_every_request():

@@ -78,3 +78,14 @@ def test_graphed_engine_serves_arrivals(gpu):
             rids.append(eng.add_request(reqs[len(rids)]))
         eng.step()
     assert_solo_up_to_ties(model, reqs, [eng.results[r] for r in rids], "graphed, arrivals")
+
+
+def test_compiled_decoder_on_cuda(gpu):
+    """torch.compile with mode="reduce-overhead" (its own CUDA graphs) per bucket: each
+    request's solo tokens up to near-ties, every bucket compiled once."""
+    model, tok = gpu
+    reqs = requests(tok, 12)
+    eng = ContinuousEngine(model, 8, decoder="compiled", max_len=256, buckets=(128, 256))
+    results, _ = run_continuous(model, reqs, 8, decoder=eng.decoder)
+    assert_solo_up_to_ties(model, reqs, results, "compiled")
+    assert set(eng.decoder.compile_s) <= {128, 256}

@@ -48,9 +48,10 @@ def test_peer_benchmark_agrees_with_solo(bundled):
     reqs, _ = workload("longtail", tok, n=5, seed=2)
     reqs = [type(r)(r.prompt, min(r.max_new_tokens, 12)) for r in reqs]
     rows = peers.compare(model, peer, reqs, 2)
-    assert set(rows) == {"tinyllm solo", "tinyllm static", "tinyllm continuous", "tinyllm paged",
-                         "hf generate", "hf continuous"}
+    assert set(rows) == {"tinyllm solo", "tinyllm static", "tinyllm continuous", "tinyllm compiled",
+                         "tinyllm paged", "hf generate", "hf continuous"}
     for name, r in rows.items():
         assert r["agree"] == 5 and r["tokens"] == sum(r_.max_new_tokens for r_ in reqs), name
     assert "hf continuous" in peers.table(rows)
     assert 0 < rows["tinyllm paged"]["kv_mib"] < 1, "the KV cache is sized to the workload"
+    assert rows["tinyllm compiled"]["compile_s"] > 0, "compiled before its clock started"

@@ -2,13 +2,16 @@
 
     python -m tinyllm bench --workload longtail --engines static,continuous --batch 16
     python -m tinyllm bench --engines continuous,paged --batch 16 --paged-slots 64
-    python -m tinyllm bench --decode-steps          # one decode step, eager against graphed
+    python -m tinyllm bench --decode-steps          # one decode step: eager, graphed, compiled
+    python -m tinyllm bench --decoder compiled --dtype bf16
     python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
     python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix
 
 Engines: static (03), continuous (04, slots), paged (05: the same continuous engine on a pool
-of blocks, by default the memory of --batch slots, shared by --paged-slots slots) and graphs
-(06: continuous with the decode step replayed as CUDA graphs; eager bucketed on a CPU). A
+of blocks, by default the memory of --batch slots, shared by --paged-slots slots), graphs
+(06: continuous with the decode step replayed as CUDA graphs; eager bucketed on a CPU) and
+compiled (06: continuous with the decode step compiled by torch.compile, on any device; its
+compilation happens before the clock starts and is reported apart, as compile_s). A
 continuous engine's name may carry the later steps: +chunked (07: at most --max-step-tokens
 tokens a step) and +prefix (08, paged: a prefix cache).
 Timing lives here and in the notebooks, never in a test. Besides the summary keys of every engine it
@@ -23,8 +26,10 @@ import time
 
 import torch
 
+from tinyllm import cuda_graph
 from tinyllm.checkpoint import resolve
-from tinyllm.continuous import run_continuous
+from tinyllm.compiled import CompiledDecoder
+from tinyllm.continuous import ContinuousEngine, run_continuous
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer, gpu_dtype
@@ -112,21 +117,24 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
     return reqs, arrivals
 
 
+DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
 WORKLOADS = ("uniform", "longtail", "eos", "poisson", "shared-prefix", "long-prompt", "chat")
 
 
-ENGINES = ("static", "continuous", "paged", "graphs")
+ENGINES = ("static", "continuous", "paged", "graphs", "compiled")
 OPTIONS = ("chunked", "prefix")                         # +chunked (07), +prefix (08)
 DEFAULT_STEP_TOKENS = 64                                # a +chunked engine's budget by default
 
 
 def engine_settings(engine: str, max_step_tokens: int | None = None, prefix_cache: bool = False,
-                    budget_for_all: bool = False) -> tuple[str, dict]:
-    """An engine's name -> its base engine and its ContinuousEngine settings from steps 07-08:
+                    budget_for_all: bool = False, decoder: str = "eager") -> tuple[str, dict]:
+    """An engine's name -> its base engine and its ContinuousEngine settings from steps 06-08:
     'continuous+chunked' -> ('continuous', {'max_step_tokens': 64}). max_step_tokens (the
     command's flag) is the budget of a +chunked engine, and of every continuous engine when
     budget_for_all (no +chunked engine was named); prefix_cache gives every paged engine a
-    prefix cache."""
+    prefix cache; decoder (eager, graphs, compiled) is the decode step of the continuous
+    engines, which the graphs and compiled engines name themselves."""
     base, *opts = engine.split("+")
     if base not in ENGINES or any(o not in OPTIONS for o in opts):
         raise ValueError(f"unknown engine {engine!r}: {', '.join(ENGINES)}, the continuous "
@@ -140,19 +148,22 @@ def engine_settings(engine: str, max_step_tokens: int | None = None, prefix_cach
         kw["max_step_tokens"] = max_step_tokens or DEFAULT_STEP_TOKENS
     if base == "paged" and (prefix_cache or "prefix" in opts):
         kw["prefix_cache"] = True
+    if base in ("graphs", "compiled") or (base == "continuous" and decoder != "eager"):
+        kw["decoder"] = decoder if base == "continuous" else base
     return base, kw
 
 
 def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, seed: int = 0,
         progress=None, paged_slots: int | None = None, block_size: int = 16,
         kv_blocks: int | None = None, max_step_tokens: int | None = None,
-        prefix_cache: bool = False, budget_for_all: bool = False) -> dict:
+        prefix_cache: bool = False, budget_for_all: bool = False, decoder: str = "eager") -> dict:
     """One benchmark run -> its Stats.summary(). batch: static's batch size, the slots of the
     continuous engines; the paged engine gets paged_slots slots (default: batch) and kv_blocks
     blocks of block_size (default: the memory of `batch` slots). The KV cache is sized to the
-    workload: max_len is its longest request. engine may carry +chunked and +prefix
-    (engine_settings)."""
-    base, kw = engine_settings(engine, max_step_tokens, prefix_cache, budget_for_all)
+    workload: max_len is its longest request. engine may carry +chunked and +prefix, decoder
+    is the continuous engines' decode step (engine_settings). A compiled decoder compiles
+    every bucket before the clock starts: the summary's compile_s."""
+    base, kw = engine_settings(engine, max_step_tokens, prefix_cache, budget_for_all, decoder)
     reqs, arrivals = workload(workload_name, tok, n, seed)
     if base == "static":
         if any(arrivals):
@@ -165,17 +176,21 @@ def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, se
         slots = paged_slots or batch
         kw.update(kv="paged", block_size=block_size,
                   kv_blocks=kv_blocks or batch * -(-max_len // block_size))
-    elif base == "graphs":
-        kw["cuda_graph"] = True
-    return run_continuous(model, reqs, slots, arrivals, progress=progress, **kw)[1]
+    compile_s = None
+    if kw.get("decoder") == "compiled":
+        kw["decoder"] = ContinuousEngine(model, slots, **kw).decoder
+        compile_s = sum(kw["decoder"].warm_up().values())
+    summary = run_continuous(model, reqs, slots, arrivals, progress=progress, **kw)[1]
+    return summary if compile_s is None else {**summary, "compile_s": compile_s}
 
 
 @torch.no_grad()
 def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 100,
-                      iters: int = 20) -> list[dict]:
-    """Milliseconds per decode step (median) of `batch` slots all holding `context` tokens: the plain
-    eager step, and the graph decoder's step (replayed graphs on CUDA; its eager bucketed
-    step elsewhere, where `graphed` is None)."""
+                      iters: int = 20, compiled: bool = True) -> list[dict]:
+    """Milliseconds per decode step (median) of `batch` slots all holding `context` tokens: the
+    plain eager step, the graph decoder's step (replayed graphs on CUDA, `graphed_ms`; its eager
+    bucketed step elsewhere, `bucketed_ms`) and, when compiled, the compiled decoder's step
+    (`compiled_ms`), whose first step's seconds, compilation included, are `compile_s`."""
     device = next(model.parameters()).device
     cfg = model.cfg
     dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
@@ -208,6 +223,9 @@ def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64), 
     for B in batch_sizes:
         slots = SlotKVCache(cfg.n_layers, B, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, dtype, device)
         decoder = SlotGraphDecoder(model, slots)                # captures while the slots are idle
+        if compiled:                        # compiles the one bucket the steps use, timed apart
+            fast = CompiledDecoder(model, slots)
+            compile_s = fast.warm_up([cuda_graph.choose_bucket(fast.buckets, context + 1)])
         for s in range(B):                  # every slot holds `context` tokens (their values
             slots.admit(s, context)         # do not change the time)
             slots.lens[s] = context
@@ -219,6 +237,9 @@ def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64), 
 
         row = {"batch": B, "eager_ms": timed(eager, slots),
                "bucketed_ms" if not decoder.capture else "graphed_ms": timed(lambda: decoder.step(tokens), slots)}
+        if compiled:
+            row["compiled_ms"] = timed(lambda: fast.step(tokens), slots)
+            row["compile_s"] = sum(compile_s.values())
         rows.append(row)
     return rows
 
@@ -238,6 +259,25 @@ def warm_up(model: Transformer) -> None:
     reqs = [Request([1, 2, 3], 8), Request([4, 5], 4)]
     run_static(model, reqs, 2)
     run_continuous(model, reqs, 2)
+
+
+def decode_steps_table(rows: list[dict]) -> str:
+    """decode_step_times' rows: ms per step by batch size, the speed-ups over eager, and the
+    steps after which the compiled step has repaid its compilation."""
+    keys = [k for k in rows[0] if k.endswith("_ms")]
+    head = ["batch"] + [k[:-3] for k in keys] + [f"{k[:-3]} x" for k in keys[1:]]
+    if "compile_s" in rows[0]:
+        head += ["compile_s", "repaid after"]
+    lines = ["".join(f"{h:>13}" for h in head)]
+    for r in rows:
+        cells = [f"{r['batch']:>13}"] + [f"{r[k]:>13.2f}" for k in keys] + \
+                [f"{r['eager_ms'] / r[k]:>12.2f}x" for k in keys[1:]]
+        if "compile_s" in r:
+            saved = r["eager_ms"] - r["compiled_ms"]
+            cells += [f"{r['compile_s']:>13.1f}",
+                      f"{r['compile_s'] * 1e3 / saved:>7.0f} steps" if saved > 0 else f"{'never':>13}"]
+        lines.append("".join(cells))
+    return "\n".join(lines)
 
 
 def table(runs: dict[str, dict]) -> str:
@@ -280,6 +320,8 @@ engines (--engines, comma-separated):
               by --paged-slots slots
   graphs      step 06: continuous with the decode step replayed as CUDA graphs (their
               eager bucketed twin on a CPU)
+  compiled    step 06: continuous with the decode step compiled by torch.compile, one shape
+              per bucket (any device); compiled before the clock starts: compile_s
   +chunked    step 07, after a continuous engine's name: at most --max-step-tokens tokens a
               step (default %d), decodes first, prompts in chunks
   +prefix     step 08, after paged: requests share the blocks of a common prefix""" % DEFAULT_STEP_TOKENS,
@@ -288,6 +330,7 @@ examples:
   python -m tinyllm bench --workload eos --engines static,continuous --batch 8 --requests 32
   python -m tinyllm bench --engines continuous,paged --batch 16 --paged-slots 64
   python -m tinyllm bench --decode-steps
+  python -m tinyllm bench --decoder compiled --dtype bf16
   python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
   python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix""")
     default = " (default: %(default)s)"
@@ -309,9 +352,17 @@ examples:
     ap.add_argument("--prefix-cache", action="store_true",
                     help="every paged engine shares the blocks of common prefixes (step 08)")
     ap.add_argument("--peers", action="store_true",
-                    help="tinyllm's engines against transformers' on the same weights, and stop")
+                    help="tinyllm's engines (eager, compiled, compiled bf16) against transformers' "
+                         "(and llama.cpp's on a .gguf) on the same weights, and stop")
     ap.add_argument("--decode-steps", action="store_true",
-                    help="time one decode step per batch size, eager against graphed, and stop")
+                    help="time one decode step per batch size: eager, graphed (bucketed on a "
+                         "CPU) and compiled, and stop")
+    ap.add_argument("--decoder", default="eager", choices=("eager", "graphs", "compiled"),
+                    help="the decode step of the continuous engines on slots" + default)
+    ap.add_argument("--dtype", default=None, choices=tuple(DTYPES),
+                    help="the weights' and KV cache's dtype (default: float32 on a CPU, bf16 on "
+                         "a GPU that has it); bf16 is faster on CPUs that compute in it "
+                         "(avx512_bf16, AMX) and matches float32 up to near-ties")
     ap.add_argument("--requests", type=int, default=64, metavar="N", help="how many requests" + default)
     ap.add_argument("--seed", type=int, default=0, metavar="N", help="the workload's seed" + default)
     ap.add_argument("--model", default="default", metavar="DIR",
@@ -322,15 +373,17 @@ examples:
     args = ap.parse_args(argv)
 
     import tinyllm
-    model, tok = tinyllm.load(args.model, device=args.device)
+    model, tok = tinyllm.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype))
     device = next(model.parameters()).device
     if args.peers:
         from tinyllm import peers
         path = resolve(args.model)
         peer = peers.peer_model(path, device, next(model.parameters()).dtype)
         reqs, _ = workload(args.workload, tok, args.requests, args.seed)
+        low = None if next(model.parameters()).dtype != torch.float32 else \
+            tinyllm.load(args.model, device=device, dtype=torch.bfloat16)[0]
         rows = peers.compare(model, peer, reqs, args.batch,
-                             gguf=path if path.suffix == ".gguf" else None)
+                             gguf=path if path.suffix == ".gguf" else None, bf16_model=low)
         if args.json:
             print(json.dumps({"workload": args.workload, "device": str(device), "rows": rows}, indent=2))
             return
@@ -345,20 +398,20 @@ examples:
         if args.json:
             print(json.dumps({"device": str(device), "context": 100, "rows": rows}, indent=2))
             return
-        print(f"one decode step, every slot holding 100 tokens, on {device} (ms)\n")
-        keys = list(rows[0])
-        print("".join(f"{k:>14}" for k in keys) + f"{'speed-up':>14}")
-        for r in rows:
-            print("".join(f"{r[k]:>14.3f}" if isinstance(r[k], float) else f"{r[k]:>14}" for k in keys)
-                  + f"{r['eager_ms'] / r[keys[-1]]:>13.2f}x")
-        if "graphed_ms" not in keys:
-            print("\nno CUDA here: the right column is the graph decoder's eager bucketed step")
+        print(f"one decode step, every slot holding 100 tokens, {next(model.parameters()).dtype} "
+              f"on {device} ({torch.get_num_threads()} threads), ms per step\n")
+        print(decode_steps_table(rows))
+        if "graphed_ms" not in rows[0]:
+            print("\nno CUDA here: bucketed is the graph decoder's eager bucketed step")
+        print("compile_s: the first compiled step, compilation included; repaid after: the steps "
+              "the compiled step must save it")
         return
     names = args.engines.split(",")
     budget_for_all = not any("+chunked" in name for name in names)
     for name in names:                                  # refuse a bad name before any run
         try:
-            engine_settings(name, args.max_step_tokens, args.prefix_cache, budget_for_all)
+            engine_settings(name, args.max_step_tokens, args.prefix_cache, budget_for_all,
+                            args.decoder)
         except ValueError as e:
             ap.error(str(e))
     warm_up(model)
@@ -367,7 +420,7 @@ examples:
         bar = _bar(args.requests, name, quiet=args.json)
         runs[name] = run(model, tok, args.workload, name, args.batch, args.requests, args.seed, bar,
                          args.paged_slots, args.block_size, args.kv_blocks,
-                         args.max_step_tokens, args.prefix_cache, budget_for_all)
+                         args.max_step_tokens, args.prefix_cache, budget_for_all, args.decoder)
         if bar is not None:
             bar.close()
     if args.json:

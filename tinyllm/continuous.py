@@ -10,7 +10,8 @@ request's next token; scheduler.py), 2) admit the newcomers and plan the step (a
 every decoding request, the newcomers' contexts), 3) decode, then prefill (the contexts go
 straight into their slots), 4) retire what finished. Each forward pass is one ragged step of the
 cache (slot_cache.py). With kv="paged" (05) the memory is a pool of blocks, and requests may be
-preempted; with cuda_graph (06) the decode step is a replayed CUDA graph; with max_step_tokens
+preempted; with decoder="graphs" (06) the decode step is a replayed CUDA graph, with
+decoder="compiled" a step compiled by torch.compile (any device); with max_step_tokens
 (07) contexts are prefilled a chunk at a time; with prefix_cache (08) requests share the blocks
 of a common prefix.
 """
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from tinyllm import chunked_prefill
+from tinyllm.compiled import CompiledDecoder
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer, gpu_dtype
@@ -37,6 +39,7 @@ from tinyllm.stats import Stats, Trace, kv_bytes_per_token, sync_device
 
 
 DEFAULT_KV_MIB = 512     # the KV cache's memory when none is given (vLLM's CPU default: 4 GiB)
+DECODERS = {"eager": None, "graphs": SlotGraphDecoder, "compiled": CompiledDecoder}
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,10 @@ class EngineConfig:
     n_slots: requests decoded together. max_len: positions per request, prompt included
     (None: the model's max_seq_len). temperature, top_k, top_p: the default sampling, which a
     request's own `sampling` overrides. kv: "slots" (04) or "paged" (05), a pool of kv_blocks
-    blocks of block_size positions (None: the memory of the slot cache). cuda_graph (06,
-    kv="slots"): decode steps replayed as CUDA graphs, one per window in `buckets`.
+    blocks of block_size positions (None: the memory of the slot cache). decoder (06,
+    kv="slots" for all but "eager"): "eager" runs the model's forward pass; "graphs" replays a
+    CUDA graph per window in `buckets` (their eager bucketed twin on a CPU); "compiled" runs a
+    step compiled by torch.compile per bucket, on any device (compiled.py).
     max_step_tokens (07): at most this many tokens computed per step, decodes first, the rest
     in prompt chunks (None: every context whole); at least n_slots, so that every running
     request can decode. prefix_cache (08, kv="paged"): requests share the blocks of a
@@ -65,7 +70,7 @@ class EngineConfig:
     kv: str = "slots"
     block_size: int = 16
     kv_blocks: int | None = None
-    cuda_graph: bool = False
+    decoder: str = "eager"
     buckets: tuple[int, ...] | None = None
     max_step_tokens: int | None = None
     prefix_cache: bool = False
@@ -79,11 +84,11 @@ class EngineConfig:
         check_positive_int("block_size", self.block_size)
         if self.kv not in ("slots", "paged"):
             raise ValueError(f"kv must be 'slots' or 'paged', got {self.kv!r}")
-        if not isinstance(self.cuda_graph, bool):
-            raise ValueError(f"cuda_graph must be False, True or a SlotGraphDecoder, "
-                             f"got {self.cuda_graph!r}")
-        if self.cuda_graph and self.kv != "slots":
-            raise ValueError("cuda_graph decodes a slot cache: use kv='slots'")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {', '.join(map(repr, DECODERS))}, "
+                             f"got {self.decoder!r}")
+        if self.decoder != "eager" and self.kv != "slots":
+            raise ValueError(f"the {self.decoder} decoder decodes a slot cache: use kv='slots'")
         if self.max_step_tokens is not None:
             check_positive_int("max_step_tokens", self.max_step_tokens)
             if self.max_step_tokens < self.n_slots:
@@ -140,12 +145,22 @@ class EngineConfig:
 
 def _settings(config: EngineConfig | int, settings: dict):
     """The EngineConfig of ContinuousEngine's arguments (n_slots and keywords, or a config and
-    keywords to change), and the SlotGraphDecoder passed as `cuda_graph`, if one was."""
-    decoder = settings.pop("cuda_graph", None)
+    keywords to change), and the decoder passed to reuse, if one was. `decoder` names a kind
+    or passes a decoder (SlotGraphDecoder, CompiledDecoder); step 06's `cuda_graph=True` is
+    decoder="graphs", and `cuda_graph=` a decoder passes it."""
+    decoder = settings.pop("decoder", None)
+    if "cuda_graph" in settings:
+        graph = settings.pop("cuda_graph")
+        if decoder is not None:
+            raise ValueError("give decoder= or cuda_graph=, not both")
+        if not isinstance(graph, (bool, SlotGraphDecoder)):
+            raise ValueError(f"cuda_graph must be False, True or a SlotGraphDecoder, got {graph!r}")
+        decoder = "graphs" if graph is True else graph or None
     if isinstance(decoder, SlotGraphDecoder):
-        settings["cuda_graph"] = True
+        settings["decoder"] = "compiled" if isinstance(decoder, CompiledDecoder) else "graphs"
+        settings.setdefault("max_len", decoder.slots.max_len)     # by default, its cache's
     elif decoder is not None:
-        settings["cuda_graph"], decoder = decoder, None
+        settings["decoder"], decoder = decoder, None
     if isinstance(config, EngineConfig):
         return dataclasses.replace(config, **settings), decoder
     return EngineConfig(config, **settings), decoder
@@ -153,11 +168,13 @@ def _settings(config: EngineConfig | int, settings: dict):
 
 def _cache_and_decoder(model: Transformer, config: EngineConfig, max_len: int,
                        n_blocks: int | None, device, decoder: SlotGraphDecoder | None):
-    """The engine's cache, and its graph decoder (06) when it has one: a new pair, or the
-    given decoder with its own cache, reused if it fits these settings and is idle."""
+    """The engine's cache, and its bucketed decoder (06) when it has one: a new pair, or the
+    given decoder with its own cache (and its graphs or compiled steps), reused if it fits
+    these settings and is idle."""
     if decoder is None:
         cache = config.make_cache(model, max_len, n_blocks, device)
-        return cache, SlotGraphDecoder(model, cache, config.buckets) if config.cuda_graph else None
+        kind = DECODERS[config.decoder]
+        return cache, kind(model, cache, config.buckets) if kind is not None else None
     cache = decoder.slots
     if decoder.model is not model or cache.n_slots != config.n_slots or \
             cache.max_len != max_len or any(cache.active):
@@ -174,8 +191,8 @@ class ContinuousEngine:
     time; step() runs one step and returns the new tokens as Events; a finished request's
     Result waits in `results` (pop it). Times are on the engine clock; TTFT and latency count
     from the request's arrival. One generator (`generator`) is shared by every request without
-    a seed of its own. Pass a SlotGraphDecoder as `cuda_graph` to reuse its cache and graphs,
-    and a Trace to record every decode step. Not thread-safe: call it from one thread.
+    a seed of its own. Pass a decoder (SlotGraphDecoder, CompiledDecoder) as `decoder` to reuse
+    its cache and its graphs or compiled steps, and a Trace to record every decode step. Not thread-safe: call it from one thread.
     """
 
     def __init__(self, model: Transformer, config: EngineConfig | int, *, generator=None,

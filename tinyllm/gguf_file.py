@@ -17,6 +17,7 @@ turns back into the settings `model.rope_table` takes. And the tokenizer is rebu
 metadata as a `tokenizers` byte-level BPE that cuts text as the file's `tokenizer.ggml.pre` says.
 """
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -293,3 +294,35 @@ def load_gguf(path: str | Path, device=None, dtype: torch.dtype | None = None,
         model = Transformer(cfg)
     load_state(model, tensors, path, device, dtype)
     return model.eval(), tokenizer
+
+
+def write_dequantized(src: str | Path, dst: str | Path, kind: str = "F32") -> Path:
+    """Copy a GGUF file with every tensor de-quantised to `kind` (F32, or BF16 for the larger
+    ones), its metadata as it was: llama.cpp then computes on the very values tinyllm loads
+    (the peers' 'same values' comparison). Written under a temporary name, then renamed."""
+    import gguf
+    src, dst = Path(src), Path(dst)
+    if kind not in ("F32", "BF16"):
+        raise ValueError(f"kind must be 'F32' or 'BF16', got {kind!r}")
+    reader = open_reader(src)
+    arch = field_value(reader.fields["general.architecture"])
+    part = dst.with_name(f"{dst.name}.{os.getpid()}.part")
+    writer = gguf.GGUFWriter(part, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field_value(field), field.types[0], sub)
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if kind == "BF16" and values.ndim > 1:      # llama.cpp keeps norms and biases in F32
+            writer.add_tensor(t.name, gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(t.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    part.rename(dst)
+    return dst

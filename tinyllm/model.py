@@ -145,8 +145,16 @@ class Attention(nn.Module):
         else:
             k, v, mask = cache.update(self.layer, k, v)        # (B, n_kv, S, hd), mask (B, 1, T, S)
             causal = False
-        k, v = repeat_kv(k, self.n_heads), repeat_kv(v, self.n_heads)     # (B, H, S, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        if T == 1 and cache is not None:
+            # decode: the g query heads of each KV head become g query rows of that head, (B,
+            # n_kv, g, hd), so the keys and values are read where they lie, never copied
+            g = self.n_heads // self.n_kv_heads
+            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv_heads, g, hd), k, v,
+                                               attn_mask=mask)                # (B, n_kv, g, hd)
+            y = y.reshape(B, self.n_heads, 1, hd)                             # (B, H, 1, hd)
+        else:
+            k, v = repeat_kv(k, self.n_heads), repeat_kv(v, self.n_heads)     # (B, H, S, hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, H * hd)
         return self.o_proj(y)
 

@@ -4,11 +4,16 @@
     python -m tinyllm bench --peers --model DIR --workload eos --batch 8
     python -m tinyllm bench --peers --model model.gguf --workload chat --batch 8
 
-transformers runs the same weights two ways: `generate()` on left-padded static batches (what
-most people write first), and its continuous-batching manager (`init_continuous_batching`, the
-engine behind `generate_batch`) with an explicit, small paged KV cache: by default it sizes the
-cache from the machine's free memory. On a GGUF file, where llama-cpp-python is installed (an
-optional peer: it compiles llama.cpp), llama.cpp runs the file too, solo and batched. Every
+tinyllm runs its solo generate(), static batching, continuous batching on slots (the eager
+decode step and, with compiled, the compiled one of step 06: compiled before the clock
+starts, its seconds in the compile_s column) and paged; and, given a bf16 copy of the model,
+continuous batching compiled in bf16. transformers runs the same weights two ways:
+`generate()` on left-padded static batches (what most people write first), and its
+continuous-batching manager (`init_continuous_batching`, the engine behind `generate_batch`)
+with an explicit, small paged KV cache: by default it sizes the cache from the machine's free
+memory. On a GGUF file, where llama-cpp-python is installed (an
+optional peer: it compiles llama.cpp), llama.cpp runs the file as it is (batched) and a copy
+de-quantised to F32, the very values tinyllm computes with (solo and batched). Every
 request's tokens are compared with tinyllm's solo generate(): the table says how many agreed.
 Greedy workloads only (sampling draws differ).
 """
@@ -19,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tinyllm.continuous import run_continuous
+from tinyllm.continuous import ContinuousEngine, run_continuous
 from tinyllm.generate import generate
 from tinyllm.requests import Request, eos_ids, is_done, is_eos, longest
 from tinyllm.static import run_static
@@ -168,10 +173,26 @@ def llamacpp_batched(gguf: str | Path, reqs: list[Request], batch: int) -> list[
     return out
 
 
+def same_values(gguf: str | Path, kind: str = "F32") -> Path:
+    """The GGUF file de-quantised to kind (F32, BF16) in the cache directory, written once:
+    llama.cpp on the values tinyllm loads."""
+    from tinyllm.gguf_file import write_dequantized
+    from tinyllm.smollm2 import cache_dir
+    gguf = Path(gguf)
+    dst = cache_dir() / f"{gguf.stem}.{kind}.gguf"
+    if not dst.exists() or dst.stat().st_mtime < gguf.stat().st_mtime:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        write_dequantized(gguf, dst, kind)
+    return dst
+
+
 def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0,
-            gguf: str | Path | None = None) -> dict[str, dict]:
+            gguf: str | Path | None = None, compiled: bool = True,
+            bf16_model=None) -> dict[str, dict]:
     """Each engine on the same requests: wall time, tokens, tokens/s, and how many requests'
-    tokens equal tinyllm's solo generate()."""
+    tokens equal tinyllm's solo generate() (float32). compiled: add the compiled decoder's
+    row; bf16_model: the same model in bf16, for a compiled bf16 row. A compiled row compiles
+    one bucket, the workload's longest request, before its clock starts (compile_s)."""
     if any(r.sampling is not None for r in reqs):
         raise ValueError("the peer comparison is greedy: tokens of sampled requests would differ")
     generate(model, reqs[0].prompt, 4)                  # first call: allocator, kernel choice
@@ -182,12 +203,18 @@ def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0,
     rows = {"tinyllm solo": {"requests": len(reqs), "tokens": n, "wall_s": wall, "tok_s": n / wall,
                              "agree": len(reqs)}}
     max_len = longest(reqs)                             # the KV cache fits the work
-    kv_mib = {}
+    kv_mib, compile_s, decoders = {}, {}, {}
 
-    def tinyllm_continuous(rs, **kw):
-        results, summary = run_continuous(model, rs, batch, max_len=max_len, **kw)
+    def tinyllm_continuous(rs, m=model, **kw):
+        results, summary = run_continuous(m, rs, batch, max_len=max_len, **kw)
         kv_mib[kw.get("kv", "slots")] = summary["kv_reserved_mib"]
         return [r.tokens for r in results]
+
+    def compile_for(name, m):
+        """A compiled decoder of `batch` slots, its one bucket compiled now (not timed)."""
+        eng = ContinuousEngine(m, batch, max_len=max_len, decoder="compiled", buckets=(max_len,))
+        compile_s[name] = sum(eng.decoder.warm_up().values())
+        decoders[name] = eng.decoder
 
     engines = {
         "tinyllm static": lambda rs: [r.tokens for r in run_static(model, rs, batch)[0]],
@@ -197,9 +224,20 @@ def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0,
         "hf continuous": lambda rs: hf_continuous(peer, rs, batch,
                                                   n_blocks=batch * -(-max_len // 32)),
     }
+    if compiled:
+        compile_for("tinyllm compiled", model)
+        engines["tinyllm compiled"] = lambda rs: tinyllm_continuous(
+            rs, decoder=decoders["tinyllm compiled"])
+    if bf16_model is not None:
+        compile_for("tinyllm compiled bf16", bf16_model)
+        engines["tinyllm compiled bf16"] = lambda rs: tinyllm_continuous(
+            rs, bf16_model, decoder=decoders["tinyllm compiled bf16"])
     if gguf is not None and importlib.util.find_spec("llama_cpp") is not None:
-        engines["llama.cpp solo"] = lambda rs: llamacpp_batched(gguf, rs, 1)
-        engines["llama.cpp batched"] = lambda rs: llamacpp_batched(gguf, rs, batch)
+        f32 = same_values(gguf)
+        kind = Path(gguf).stem.rsplit(".", 1)[-1]       # SmolLM2-135M-Instruct.Q4_1 -> Q4_1
+        engines["llama.cpp F32 solo"] = lambda rs: llamacpp_batched(f32, rs, 1)
+        engines["llama.cpp F32 batched"] = lambda rs: llamacpp_batched(f32, rs, batch)
+        engines[f"llama.cpp {kind} batched"] = lambda rs: llamacpp_batched(gguf, rs, batch)
     warm = [Request(r.prompt, 4, r.eos_id) for r in reqs[:2]]
     for name, fn in engines.items():
         fn(warm)                                        # first calls: allocator, kernel choice
@@ -211,14 +249,17 @@ def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0,
                       "agree": sum(a == b for a, b in zip(toks, solo))}
     for name, kind in (("tinyllm continuous", "slots"), ("tinyllm paged", "paged")):
         rows[name]["kv_mib"] = kv_mib[kind]
+    for name, seconds in compile_s.items():
+        rows[name]["compile_s"] = seconds
     return rows
 
 
 def table(rows: dict[str, dict]) -> str:
-    lines = [f"{'':20}{'requests':>10}{'tokens':>8}{'wall_s':>9}{'tok_s':>9}{'== solo':>9}"
-             f"{'KV MiB':>9}"]
+    lines = [f"{'':24}{'requests':>9}{'tokens':>8}{'wall_s':>9}{'tok_s':>9}{'== solo':>9}"
+             f"{'KV MiB':>9}{'compile_s':>10}"]
     for name, r in rows.items():
         kv = f"{r['kv_mib']:>9.1f}" if "kv_mib" in r else f"{'-':>9}"
-        lines.append(f"{name:20}{r['requests']:>10}{r['tokens']:>8}{r['wall_s']:>9.2f}"
+        kv += f"{r['compile_s']:>10.1f}" if "compile_s" in r else f"{'-':>10}"
+        lines.append(f"{name:24}{r['requests']:>9}{r['tokens']:>8}{r['wall_s']:>9.2f}"
                      f"{r['tok_s']:>9.0f}{r['agree']:>6}/{r['requests']}" + kv)
     return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""Step 06 on a CPU - the compiled decoder (torch.compile of the bucketed decode step) gives each
+request its solo generate() tokens: exactly in float64 and float32, up to near-ties in bf16,
+where every path is checked. Compilation is slow, so every test shares a few small shapes."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tinyllm
+from tinyllm.bench import workload
+from tinyllm.check import divergence, near_tie
+from tinyllm.compiled import CompiledDecoder
+from tinyllm.engine import ContinuousEngine, Request, run_continuous
+from tinyllm.generate import generate
+from tinyllm.slot_cache import SlotKVCache
+from tinyllm.static import run_static
+from tests.test_engine import TINY, assert_oracle, requests_st, solo
+
+BUCKETS = (8, 16, 32)             # over slots of 48 positions: above 32 the step runs eagerly
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """A compiled decoder of 3 slots over the tiny float64 model, shared by the tests below
+    (a decoder passed to an engine is reused with its compiled steps)."""
+    cfg = TINY.cfg
+    slots = SlotKVCache(cfg.n_layers, 3, cfg.n_kv_heads, cfg.head_dim, 48, torch.float64)
+    return CompiledDecoder(TINY, slots, BUCKETS)
+
+
+def unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=requests_st)
+def test_compiled_decoder_matches_solo(compiled, requests):
+    """Random workloads (several EOS ids, slots joining and leaving, windows in every bucket and
+    above them) through the compiled decode step: each request's solo tokens, and the slots
+    free afterwards."""
+    results, summary = run_continuous(TINY, requests, 3, decoder=compiled)
+    assert_oracle(requests, results)
+    assert not any(compiled.slots.active) and compiled.slots.lens == [0, 0, 0], "a slot leaked"
+    assert summary["occupancy"] == summary["row_util"], "the compiled step computes every slot"
+
+
+def test_each_bucket_compiles_once_and_is_replayed(compiled):
+    """Long requests cross every bucket; a second run of the same work compiles nothing new
+    (a recompilation per step would cost seconds a step), and its tokens are the same."""
+    reqs = [Request([1, 2, 3], 40), Request([4] * 20, 20), Request([5], 6, eos_id=(3, 11))]
+    first, _ = run_continuous(TINY, reqs, 3, decoder=compiled)
+    assert set(compiled.compile_s) == set(BUCKETS), f"compiled {sorted(compiled.compile_s)}"
+    assert all(s > 0 for s in compiled.compile_s.values())
+    before = unique_graphs()
+    second, _ = run_continuous(TINY, reqs, 3, decoder=compiled)
+    assert unique_graphs() == before, "the second run compiled again"
+    assert [r.tokens for r in first] == [r.tokens for r in second] == [solo(r) for r in reqs]
+
+
+def test_compiled_decoder_settings_are_checked(compiled):
+    with pytest.raises(ValueError, match="decoder must be one of 'eager', 'graphs', 'compiled'"):
+        ContinuousEngine(TINY, 2, decoder="fast")
+    with pytest.raises(ValueError, match="the compiled decoder decodes a slot cache: use kv='slots'"):
+        ContinuousEngine(TINY, 2, kv="paged", decoder="compiled")
+    with pytest.raises(ValueError, match="not both"):
+        ContinuousEngine(TINY, 2, decoder="compiled", cuda_graph=True)
+    with pytest.raises(KeyError, match="not a bucket"):
+        compiled.graphs[12]
+    eng = ContinuousEngine(TINY, 3, decoder=compiled)
+    assert eng.config.decoder == "compiled" and eng.decoder is compiled
+    eng.add_request(Request([1, 2], 5))
+    eng.step()
+    with pytest.raises(ValueError, match="while they are free"):
+        compiled.warm_up()
+    eng.abort(0)
+    assert ContinuousEngine(TINY, 3, cuda_graph=True).config.decoder == "graphs", \
+        "step 06's cuda_graph=True still names the graph decoder"
+
+
+# ---- the bundled model: float32 exactly, bf16 up to near-ties ----------------------------------
+TEXTS = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
+         "Ham.\nTo be, or not to be", "Queen.\n"]
+
+
+def bundled_requests(tok) -> list[Request]:
+    """Speeches that end at EOS, and long-tailed random prompts (no EOS), at most 60 tokens."""
+    reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in TEXTS]
+    longtail, _ = workload("longtail", tok, 10, seed=1)
+    return reqs + [Request(r.prompt, min(60, r.max_new_tokens)) for r in longtail]
+
+
+def test_compiled_float32_equals_solo_exactly(bundled):
+    """Float32, the bundled model: compiled logits differ from eager ones by rounding (about
+    1e-6), far below any gap between its best two tokens here: every token equals solo."""
+    model, tok = bundled
+    reqs = bundled_requests(tok)
+    results, _ = run_continuous(model, reqs, 4, decoder="compiled", max_len=128, buckets=(128,))
+    for i, (r, res) in enumerate(zip(reqs, results)):
+        msg = divergence(f"request {i}", generate(model, r.prompt, r.max_new_tokens,
+                                                  eos_id=r.eos_id), res.tokens)
+        assert msg is None, msg
+
+
+@pytest.fixture(scope="module")
+def bundled_bf16():
+    return tinyllm.load(device="cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("path", ["static", "continuous", "paged", "graphs", "compiled"])
+def test_bf16_on_the_cpu_matches_solo_up_to_near_ties(bundled_bf16, path):
+    """bf16 weights and caches on the CPU (a documented choice, faster where the CPU computes in
+    bf16): every path gives solo bf16 generate()'s tokens, or parts from them only where solo
+    stood at a near-tie."""
+    model, tok = bundled_bf16
+    reqs = bundled_requests(tok)
+    if path == "static":
+        results = run_static(model, reqs, 4)[0]
+    else:
+        kw = dict(kv="paged") if path == "paged" else \
+            dict(decoder=path, max_len=128, buckets=(128,)) if path != "continuous" else {}
+        results = run_continuous(model, reqs, 4, **kw)[0]
+    assert next(model.parameters()).dtype == torch.bfloat16
+    for i, (r, res) in enumerate(zip(reqs, results)):
+        ok, what = near_tie(model, r.prompt, generate(model, r.prompt, r.max_new_tokens,
+                                                      eos_id=r.eos_id), res.tokens)
+        assert ok, f"{path}, request {i}: {what}"

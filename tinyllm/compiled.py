@@ -1,0 +1,97 @@
+"""Step 06 - the compiled decoder: the CUDA graphs' idea where there is no GPU.
+
+A small model's decode step is a few hundred small operations. On a GPU the cost is launching
+them (step 06's CUDA graphs remove it); on a CPU it is the same per-operation overhead in
+another form: every operation is dispatched from Python, allocates its output and reads it back
+from memory for the next one. `torch.compile` (its default backend, inductor) traces the step
+once for a fixed shape and generates one program that fuses the small operations (the RMSNorm,
+the rotary embedding, the SwiGLU gate, the mask) into a few loops, and calls the matrix
+products directly.
+
+It fits the graph decoder exactly: the same static buffers, the same window buckets, the same
+decode step (`cuda_graph.decode_step`). A bucket's step is compiled the first time it is needed
+(`decoder.graphs[W]`, compiled on first use: tens of seconds on a CPU, repaid by the steps that
+follow) and replayed after that; above the largest bucket the step runs eagerly. On CUDA it
+compiles with `mode="reduce-overhead"`, which adds CUDA graphs of its own.
+
+Its arithmetic is the eager step's, up to the order of additions in the fused loops: logits
+differ from the eager step's by rounding (about 1e-6 in float32), so greedy tokens can part only
+at a near-tie (check.near_tie); in float64 they agree.
+"""
+
+import time
+
+import torch
+from torch import Tensor
+
+from tinyllm.cuda_graph import SlotGraphDecoder
+from tinyllm.model import Transformer
+from tinyllm.slot_cache import SlotKVCache
+
+# Every (model, batch, bucket) shape is one compiled entry of the same code: lift the default
+# limit of 8, past which torch.compile would fall back to eager without saying so in a result.
+RECOMPILE_LIMIT = 64
+
+
+class CompiledStep:
+    """A bucket's decode step compiled for its shapes, replayed like a captured graph:
+    replay() runs it from the decoder's static buffers and leaves its logits (S, 1, V) in
+    decoder.logits[W]. Its first replay compiles (decoder.compile_s[W] records how long it took)."""
+
+    def __init__(self, decoder: "CompiledDecoder", W: int):
+        self.decoder, self.W = decoder, W
+        mode = "reduce-overhead" if decoder.device.type == "cuda" else None
+        self.fn = torch.compile(decoder.run_eager, mode=mode, dynamic=False, fullgraph=True)
+
+    def replay(self) -> None:
+        dec, W = self.decoder, self.W
+        first = W not in dec.compile_s
+        t0 = time.perf_counter()
+        dec.logits[W] = self.fn(W)                                       # (S, 1, V)
+        if first:
+            dec.compile_s[W] = time.perf_counter() - t0
+
+
+class CompiledSteps(dict):
+    """The decoder's compiled steps by bucket, each made when first asked for."""
+
+    def __init__(self, decoder: "CompiledDecoder"):
+        super().__init__()
+        self.decoder = decoder
+
+    def __missing__(self, W: int) -> CompiledStep:
+        if W not in self.decoder.buckets:
+            raise KeyError(f"{W} is not a bucket: the decoder compiles {self.decoder.buckets}")
+        self[W] = step = CompiledStep(self.decoder, W)
+        return step
+
+
+class CompiledDecoder(SlotGraphDecoder):
+    """The graph decoder with each bucket's step compiled by torch.compile instead of captured
+    as a CUDA graph: the same interface, buckets and static buffers, on any device.
+
+    capture is True (decode_step replays graphs[W]), but nothing is recorded at construction:
+    graphs[W] compiles bucket W the first time a step needs it. compile_s[W]: the seconds that
+    first step took, compilation included. warm_up() compiles buckets ahead, while the slots
+    are free, so that no request waits for a compilation."""
+
+    def __init__(self, model: Transformer, slots: SlotKVCache, buckets=None):
+        super().__init__(model, slots, buckets, capture=False)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                    RECOMPILE_LIMIT)
+        self.capture = True                             # decode_step replays graphs[W]
+        self.graphs = CompiledSteps(self)
+        self.compile_s: dict[int, float] = {}
+
+    @torch.no_grad()
+    def warm_up(self, buckets=None) -> dict[int, float]:
+        """Compile these buckets now (default: every one) -> the seconds each took. Runs each
+        bucket's step once on the free slots (it writes their position 0, which a prefill
+        overwrites), so it needs every slot free."""
+        if any(self.slots.active):
+            raise ValueError("warm_up writes into the slots: call it while they are free")
+        self.tokens.zero_()
+        self.lens.zero_()
+        for W in buckets or self.buckets:
+            self.graphs[W].replay()
+        return {W: self.compile_s[W] for W in buckets or self.buckets}
