@@ -336,6 +336,33 @@ def test_every_tensor_type_dequantises_like_gguf(tmp_path):
             assert error < 0.2 * np.abs(original).max(), f"{kind.name}: {name} off by {error}"
 
 
+def test_a_dequantised_copy_holds_the_same_values(tmp_path):
+    """write_dequantized (llama.cpp's peer file on tinyllm's values): the F32 copy of a file of
+    quantised tensors loads to the same weights and tokenizer; the BF16 copy to the weights
+    rounded to bf16, norms kept in F32; the metadata is carried over."""
+    from tinyllm.gguf_file import write_dequantized
+    rng = np.random.default_rng(1)
+    peer = tiny_peer("llama", hidden_size=256, intermediate_size=512)
+    floats = gguf_tensors(peer, "llama")
+    quantised = {n: encode_as(w, Q.Q4_1, rng) for n, w in floats.items() if w.ndim == 2}
+    write_gguf(tmp_path / "q.gguf", "llama", {**arch_metadata("llama", peer.config),
+                                              **bundled_vocabulary()}, {**floats, **quantised})
+    model, tok = tinyllm.load(tmp_path / "q.gguf", device="cpu")
+    f32, _ = tinyllm.load(write_dequantized(tmp_path / "q.gguf", tmp_path / "f32.gguf"), device="cpu")
+    bf16, tok16 = tinyllm.load(write_dequantized(tmp_path / "q.gguf", tmp_path / "bf16.gguf", "BF16"),
+                               device="cpu")
+    assert f32.cfg == bf16.cfg == model.cfg and tok16.encode("Ham.\nO") == tok.encode("Ham.\nO")
+    for (name, w), w32, w16 in zip(model.state_dict().items(), f32.state_dict().values(),
+                                   bf16.state_dict().values()):
+        assert torch.equal(w32, w), f"F32 copy: {name} differs"
+        want = w.bfloat16().float() if w.dim() == 2 else w
+        assert torch.equal(w16, want), f"BF16 copy: {name} is not the weight rounded to bf16"
+    kinds = {t.name: t.tensor_type for t in gguf.GGUFReader(tmp_path / "bf16.gguf").tensors}
+    assert kinds["blk.0.attn_q.weight"] == Q.BF16 and kinds["output_norm.weight"] == Q.F32
+    with pytest.raises(ValueError, match="'F32' or 'BF16'"):
+        write_dequantized(tmp_path / "q.gguf", tmp_path / "x.gguf", "Q8_0")
+
+
 # ---- refusals -----------------------------------------------------------------------------
 
 def iq4_blocks(rows: int, cols: int) -> np.ndarray:

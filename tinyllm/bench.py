@@ -357,6 +357,8 @@ examples:
     ap.add_argument("--decode-steps", action="store_true",
                     help="time one decode step per batch size: eager, graphed (bucketed on a "
                          "CPU) and compiled, and stop")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", metavar="N,N",
+                    help="--decode-steps' batch sizes (each costs a compilation)" + default)
     ap.add_argument("--decoder", default="eager", choices=("eager", "graphs", "compiled"),
                     help="the decode step of the continuous engines on slots" + default)
     ap.add_argument("--dtype", default=None, choices=tuple(DTYPES),
@@ -394,7 +396,11 @@ examples:
               "cache tinyllm reserved, sized to the workload")
         return
     if args.decode_steps:
-        rows = decode_step_times(model)
+        try:
+            sizes = [int(n) for n in args.batch_sizes.split(",")]
+        except ValueError:
+            ap.error(f"--batch-sizes takes numbers separated by commas, got {args.batch_sizes!r}")
+        rows = decode_step_times(model, sizes)
         if args.json:
             print(json.dumps({"device": str(device), "context": 100, "rows": rows}, indent=2))
             return
