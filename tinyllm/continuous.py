@@ -192,7 +192,8 @@ class ContinuousEngine:
     Result waits in `results` (pop it). Times are on the engine clock; TTFT and latency count
     from the request's arrival. One generator (`generator`) is shared by every request without
     a seed of its own. Pass a decoder (SlotGraphDecoder, CompiledDecoder) as `decoder` to reuse
-    its cache and its graphs or compiled steps, and a Trace to record every decode step. Not thread-safe: call it from one thread.
+    its cache and its graphs or compiled steps, and a Trace to record every decode step. Not
+    thread-safe: call it from one thread.
     """
 
     def __init__(self, model: Transformer, config: EngineConfig | int, *, generator=None,
