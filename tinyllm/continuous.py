@@ -154,7 +154,8 @@ def _settings(config: EngineConfig | int, settings: dict):
         if decoder is not None:
             raise ValueError("give decoder= or cuda_graph=, not both")
         if not isinstance(graph, (bool, SlotGraphDecoder)):
-            raise ValueError(f"cuda_graph must be False, True or a SlotGraphDecoder, got {graph!r}")
+            raise ValueError(f"cuda_graph must be False, True or a SlotGraphDecoder, "
+                             f"got {graph!r}")
         decoder = "graphs" if graph is True else graph or None
     if isinstance(decoder, SlotGraphDecoder):
         settings["decoder"] = "compiled" if isinstance(decoder, CompiledDecoder) else "graphs"
