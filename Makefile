@@ -54,7 +54,9 @@ lab: $(STAMP)                     ## open the course in JupyterLab
 	$(BIN)/jupyter lab $(ROOT_OK) notebooks/
 
 # The package and exercise tests and the stub proof run beside the notebooks (two processes, one
-# core each): the notebooks report as they go, the tests' report follows theirs.
+# core each): the notebooks report as they go, the tests' report follows theirs. torch.compile
+# (step 06's compiled decoder) compiles with one worker in each, not one per core.
+test: export TORCHINDUCTOR_COMPILE_THREADS = 1
 test: $(STAMP)                    ## every test: package, exercises (solutions), notebooks, stub proof
 	@echo "The package and exercise tests, and the proof that every exercise test fails on the"
 	@echo "untouched stubs, run beside the notebooks; their report follows the notebooks'."

@@ -2,22 +2,23 @@
 request its solo generate() tokens: exactly in float64 and float32, up to near-ties in bf16,
 where every path is checked. Compilation is slow, so every test shares a few small shapes."""
 
+import random
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tinyllm
-from tinyllm.bench import workload
 from tinyllm.check import divergence, near_tie
 from tinyllm.compiled import CompiledDecoder
 from tinyllm.engine import ContinuousEngine, Request, run_continuous
 from tinyllm.generate import generate
 from tinyllm.slot_cache import SlotKVCache
 from tinyllm.static import run_static
-from tests.test_engine import TINY, assert_oracle, requests_st, solo
+from tests.conftest import make_tiny
+from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
 
-BUCKETS = (8, 16, 32)             # over slots of 48 positions: above 32 the step runs eagerly
+BUCKETS = (16,)                   # over slots of 48 positions: above 16 the step runs eagerly
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +37,8 @@ def unique_graphs() -> int:
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=requests_st)
 def test_compiled_decoder_matches_solo(compiled, requests):
-    """Random workloads (several EOS ids, slots joining and leaving, windows in every bucket and
-    above them) through the compiled decode step: each request's solo tokens, and the slots
+    """Random workloads (several EOS ids, slots joining and leaving, windows in the bucket and
+    above it) through the compiled decode step: each request's solo tokens, and the slots
     free afterwards."""
     results, summary = run_continuous(TINY, requests, 3, decoder=compiled)
     assert_oracle(requests, results)
@@ -46,7 +47,7 @@ def test_compiled_decoder_matches_solo(compiled, requests):
 
 
 def test_each_bucket_compiles_once_and_is_replayed(compiled):
-    """Long requests cross every bucket; a second run of the same work compiles nothing new
+    """Long requests pass the bucket; a second run of the same work compiles nothing new
     (a recompilation per step would cost seconds a step), and its tokens are the same."""
     reqs = [Request([1, 2, 3], 40), Request([4] * 20, 20), Request([5], 6, eos_id=(3, 11))]
     first, _ = run_continuous(TINY, reqs, 3, decoder=compiled)
@@ -78,50 +79,38 @@ def test_compiled_decoder_settings_are_checked(compiled):
         "step 06's cuda_graph=True still names the graph decoder"
 
 
-# ---- the bundled model: float32 exactly, bf16 up to near-ties ----------------------------------
-TEXTS = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
-         "Ham.\nTo be, or not to be", "Queen.\n"]
-
-
-def bundled_requests(tok) -> list[Request]:
-    """Speeches that end at EOS, and long-tailed random prompts (no EOS), at most 60 tokens."""
-    reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in TEXTS]
-    longtail, _ = workload("longtail", tok, 10, seed=1)
-    return reqs + [Request(r.prompt, min(60, r.max_new_tokens)) for r in longtail]
-
-
-def test_compiled_float32_equals_solo_exactly(bundled):
-    """Float32, the bundled model: compiled logits differ from eager ones by rounding (about
-    1e-6), far below any gap between its best two tokens here: every token equals solo."""
-    model, tok = bundled
-    reqs = bundled_requests(tok)
-    results, _ = run_continuous(model, reqs, 4, decoder="compiled", max_len=128, buckets=(128,))
-    for i, (r, res) in enumerate(zip(reqs, results)):
-        msg = divergence(f"request {i}", generate(model, r.prompt, r.max_new_tokens,
-                                                  eos_id=r.eos_id), res.tokens)
-        assert msg is None, msg
-
-
-@pytest.fixture(scope="module")
-def bundled_bf16():
-    return tinyllm.load(device="cpu", dtype=torch.bfloat16)
+# ---- float32 exactly, bf16 up to near-ties (the tiny model in each dtype) -----------------------
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def low(request):
+    """The tiny model (the same weights) in float32 or bf16, and a workload for it: random
+    prompts, several EOS ids, answers long enough to pass the 32-position bucket."""
+    model = make_tiny(seed=3, dtype=request.param)
+    rng = random.Random(1)
+    reqs = [Request([rng.randrange(V) for _ in range(rng.randint(1, 20))], rng.randint(8, 40),
+                    eos_id=rng.choice([None, 5, (3, 11)])) for _ in range(12)]
+    return model, reqs
 
 
 @pytest.mark.parametrize("path", ["static", "continuous", "paged", "graphs", "compiled"])
-def test_bf16_on_the_cpu_matches_solo_up_to_near_ties(bundled_bf16, path):
-    """bf16 weights and caches on the CPU (a documented choice, faster where the CPU computes in
-    bf16): every path gives solo bf16 generate()'s tokens, or parts from them only where solo
+def test_float32_is_exact_and_bf16_parts_only_at_near_ties(low, path):
+    """Every path in float32 gives solo float32 generate()'s tokens exactly (the compiled step's
+    logits differ from eager ones by rounding, about 1e-7 here, far below any gap between two
+    candidate tokens); in bf16 (a documented choice on the CPU, faster where it computes in
+    bf16) every path gives solo bf16 generate()'s tokens, or parts from them only where solo
     stood at a near-tie."""
-    model, tok = bundled_bf16
-    reqs = bundled_requests(tok)
+    model, reqs = low
+    dtype = next(model.parameters()).dtype
     if path == "static":
-        results = run_static(model, reqs, 4)[0]
+        results = run_static(model, reqs, 3)[0]
     else:
         kw = dict(kv="paged") if path == "paged" else \
-            dict(decoder=path, max_len=128, buckets=(128,)) if path != "continuous" else {}
-        results = run_continuous(model, reqs, 4, **kw)[0]
-    assert next(model.parameters()).dtype == torch.bfloat16
+            dict(decoder=path, max_len=64, buckets=(32,)) if path != "continuous" else {}
+        results = run_continuous(model, reqs, 3, **kw)[0]
     for i, (r, res) in enumerate(zip(reqs, results)):
-        ok, what = near_tie(model, r.prompt, generate(model, r.prompt, r.max_new_tokens,
-                                                      eos_id=r.eos_id), res.tokens)
-        assert ok, f"{path}, request {i}: {what}"
+        expected = generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id)
+        if dtype == torch.float32:
+            msg = divergence(f"{path}, request {i}", expected, res.tokens)
+            assert msg is None, msg
+        else:
+            ok, what = near_tie(model, r.prompt, expected, res.tokens)
+            assert ok, f"{path} in bf16, request {i}: {what}"
