@@ -11,11 +11,11 @@ continuous batching compiled in bf16. transformers runs the same weights two way
 `generate()` on left-padded static batches (what most people write first), and its
 continuous-batching manager (`init_continuous_batching`, the engine behind `generate_batch`)
 with an explicit, small paged KV cache: by default it sizes the cache from the machine's free
-memory. On a GGUF file, where llama-cpp-python is installed (an
-optional peer: it compiles llama.cpp), llama.cpp runs the file as it is (batched) and a copy
-de-quantised to F32, the very values tinyllm computes with (solo and batched). Every
-request's tokens are compared with tinyllm's solo generate(): the table says how many agreed.
-Greedy workloads only (sampling draws differ).
+memory. On a GGUF file, where llama-cpp-python is installed (an optional peer: it compiles
+llama.cpp), llama.cpp runs the file as it is (batched) and a copy de-quantised to F32, the
+very values tinyllm computes with (solo and batched). Every request's tokens are compared
+with tinyllm's solo generate(): the table says how many agreed. Greedy workloads only
+(sampling draws differ).
 """
 
 import importlib.util
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tinyllm.continuous import ContinuousEngine, run_continuous
+from tinyllm.continuous import compiled_decoder, run_continuous
 from tinyllm.generate import generate
 from tinyllm.requests import Request, eos_ids, is_done, is_eos, longest
 from tinyllm.static import run_static
@@ -212,9 +212,8 @@ def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0,
 
     def compile_for(name, m):
         """A compiled decoder of `batch` slots, its one bucket compiled now (not timed)."""
-        eng = ContinuousEngine(m, batch, max_len=max_len, decoder="compiled", buckets=(max_len,))
-        compile_s[name] = sum(eng.decoder.warm_up().values())
-        decoders[name] = eng.decoder
+        decoders[name] = compiled_decoder(m, batch, max_len=max_len, buckets=(max_len,))
+        compile_s[name] = sum(decoders[name].compile_s.values())
 
     engines = {
         "tinyllm static": lambda rs: [r.tokens for r in run_static(model, rs, batch)[0]],
