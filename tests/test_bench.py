@@ -115,6 +115,10 @@ def test_the_compiled_decoder_in_the_bench(tiny):
     assert bench.engine_settings("continuous", decoder="compiled") == \
         ("continuous", {"decoder": "compiled"})
     assert bench.engine_settings("compiled") == ("compiled", {"decoder": "compiled"})
+    assert bench.engine_settings("compiled", compile_mode="max-autotune") == \
+        ("compiled", {"decoder": "compiled", "compile_mode": "max-autotune"})
+    assert bench.engine_settings("continuous", compile_mode="max-autotune") == ("continuous", {}), \
+        "the compile mode is the compiled decoder's alone"
     assert bench.engine_settings("paged", decoder="compiled") == ("paged", {}), \
         "a paged engine keeps its eager step: the bucketed decoders read slots"
     rows = bench.decode_step_times(tiny, batch_sizes=(2,), context=20, iters=3)

@@ -1,6 +1,7 @@
 """Step 06 on a CPU - the compiled decoder (torch.compile of the bucketed decode step) gives each
 request its solo generate() tokens: exactly in float64 and float32, up to near-ties in bf16,
-where every path is checked. Compilation is slow, so every test shares a few small shapes."""
+where every path is checked (the compiled one in mode max-autotune). Compilation is slow, so
+every test shares a few small shapes."""
 
 import random
 
@@ -66,6 +67,14 @@ def test_compiled_decoder_settings_are_checked(compiled):
         ContinuousEngine(TINY, 2, kv="paged", decoder="compiled")
     with pytest.raises(ValueError, match="not both"):
         ContinuousEngine(TINY, 2, decoder="compiled", cuda_graph=True)
+    with pytest.raises(ValueError, match="compile_mode must be one of 'default', 'max-autotune', got 'fast'"):
+        ContinuousEngine(TINY, 2, decoder="compiled", compile_mode="fast")
+    with pytest.raises(ValueError, match="compile_mode is the compiled decoder's"):
+        ContinuousEngine(TINY, 2, compile_mode="max-autotune")
+    with pytest.raises(ValueError, match="compiled in mode 'default'"):
+        ContinuousEngine(TINY, 3, decoder=compiled, compile_mode="max-autotune")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        CompiledDecoder(TINY, compiled.slots, mode="max_autotune")
     with pytest.raises(KeyError, match="not a bucket"):
         compiled.graphs[12]
     eng = ContinuousEngine(TINY, 3, decoder=compiled)
@@ -83,8 +92,11 @@ def test_compiled_decoder_settings_are_checked(compiled):
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 def low(request):
     """The tiny model (the same weights) in float32 or bf16, and a workload for it: random
-    prompts, several EOS ids, answers long enough to pass the 32-position bucket."""
-    model = make_tiny(seed=3, dtype=request.param)
+    prompts, several EOS ids, answers long enough to pass the 32-position bucket. Its matrix
+    products are all 64 x 64 but the output's (as many KV heads as query heads, d_ff = d_model),
+    so that max-autotune generates one GEMM kernel for them, not five: it compiles in half the
+    time."""
+    model = make_tiny(seed=3, dtype=request.param, d_ff=64, n_kv_heads=4)
     rng = random.Random(1)
     reqs = [Request([rng.randrange(V) for _ in range(rng.randint(1, 20))], rng.randint(8, 40),
                     eos_id=rng.choice([None, 5, (3, 11)])) for _ in range(12)]
@@ -93,9 +105,10 @@ def low(request):
 
 @pytest.mark.parametrize("path", ["static", "continuous", "paged", "graphs", "compiled"])
 def test_float32_is_exact_and_bf16_parts_only_at_near_ties(low, path):
-    """Every path in float32 gives solo float32 generate()'s tokens exactly (the compiled step's
-    logits differ from eager ones by rounding, about 1e-7 here, far below any gap between two
-    candidate tokens); in bf16 (a documented choice on the CPU, faster where it computes in
+    """Every path in float32 gives solo float32 generate()'s tokens exactly (the compiled step,
+    here in mode max-autotune, with frozen weights and inductor's own GEMM kernels, computes
+    logits that differ from eager ones by rounding, about 1e-7 here, far below any gap between
+    two candidate tokens); in bf16 (a documented choice on the CPU, faster where it computes in
     bf16) every path gives solo bf16 generate()'s tokens, or parts from them only where solo
     stood at a near-tie."""
     model, reqs = low
@@ -105,6 +118,8 @@ def test_float32_is_exact_and_bf16_parts_only_at_near_ties(low, path):
     else:
         kw = dict(kv="paged") if path == "paged" else \
             dict(decoder=path, max_len=64, buckets=(32,)) if path != "continuous" else {}
+        if path == "compiled":
+            kw["compile_mode"] = "max-autotune"
         results = run_continuous(model, reqs, 3, **kw)[0]
     for i, (r, res) in enumerate(zip(reqs, results)):
         expected = generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id)

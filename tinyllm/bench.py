@@ -4,6 +4,7 @@
     python -m tinyllm bench --engines continuous,paged --batch 16 --paged-slots 64
     python -m tinyllm bench --decode-steps          # one decode step: eager, graphed, compiled
     python -m tinyllm bench --decoder compiled --dtype bf16
+    python -m tinyllm bench --decode-steps --compile-mode max-autotune --batch-sizes 1,8
     python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
     python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix
 
@@ -28,7 +29,7 @@ import torch
 
 from tinyllm import cuda_graph
 from tinyllm.checkpoint import resolve
-from tinyllm.compiled import CompiledDecoder
+from tinyllm.compiled import MODES, CompiledDecoder
 from tinyllm.continuous import compiled_decoder, run_continuous
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
@@ -128,13 +129,15 @@ DEFAULT_STEP_TOKENS = 64                                # a +chunked engine's bu
 
 
 def engine_settings(engine: str, max_step_tokens: int | None = None, prefix_cache: bool = False,
-                    budget_for_all: bool = False, decoder: str = "eager") -> tuple[str, dict]:
+                    budget_for_all: bool = False, decoder: str = "eager",
+                    compile_mode: str = "default") -> tuple[str, dict]:
     """An engine's name -> its base engine and its ContinuousEngine settings from steps 06-08:
     'continuous+chunked' -> ('continuous', {'max_step_tokens': 64}). max_step_tokens (the
     command's flag) is the budget of a +chunked engine, and of every continuous engine when
     budget_for_all (no +chunked engine was named); prefix_cache gives every paged engine a
     prefix cache; decoder (eager, graphs, compiled) is the decode step of the continuous
-    engines, which the graphs and compiled engines name themselves."""
+    engines, which the graphs and compiled engines name themselves, compile_mode the compiled
+    decoder's mode (default, max-autotune)."""
     base, *opts = engine.split("+")
     if base not in ENGINES or any(o not in OPTIONS for o in opts):
         raise ValueError(f"unknown engine {engine!r}: {', '.join(ENGINES)}, the continuous "
@@ -150,20 +153,25 @@ def engine_settings(engine: str, max_step_tokens: int | None = None, prefix_cach
         kw["prefix_cache"] = True
     if base in ("graphs", "compiled") or (base == "continuous" and decoder != "eager"):
         kw["decoder"] = decoder if base == "continuous" else base
+    if kw.get("decoder") == "compiled" and compile_mode != "default":
+        kw["compile_mode"] = compile_mode
     return base, kw
 
 
 def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, seed: int = 0,
         progress=None, paged_slots: int | None = None, block_size: int = 16,
         kv_blocks: int | None = None, max_step_tokens: int | None = None,
-        prefix_cache: bool = False, budget_for_all: bool = False, decoder: str = "eager") -> dict:
+        prefix_cache: bool = False, budget_for_all: bool = False, decoder: str = "eager",
+        compile_mode: str = "default") -> dict:
     """One benchmark run -> its Stats.summary(). batch: static's batch size, the slots of the
     continuous engines; the paged engine gets paged_slots slots (default: batch) and kv_blocks
     blocks of block_size (default: the memory of `batch` slots). The KV cache is sized to the
     workload: max_len is its longest request. engine may carry +chunked and +prefix, decoder
-    is the continuous engines' decode step (engine_settings). A compiled decoder compiles
+    is the continuous engines' decode step, compile_mode a compiled one's mode
+    (engine_settings). A compiled decoder compiles
     every bucket before the clock starts: the summary's compile_s."""
-    base, kw = engine_settings(engine, max_step_tokens, prefix_cache, budget_for_all, decoder)
+    base, kw = engine_settings(engine, max_step_tokens, prefix_cache, budget_for_all, decoder,
+                               compile_mode)
     reqs, arrivals = workload(workload_name, tok, n, seed)
     if base == "static":
         if any(arrivals):
@@ -185,11 +193,13 @@ def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, se
 
 @torch.no_grad()
 def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 100,
-                      iters: int = 20, compiled: bool = True) -> list[dict]:
+                      iters: int = 20, compiled: bool = True,
+                      compile_mode: str = "default") -> list[dict]:
     """Milliseconds per decode step (median) of `batch` slots all holding `context` tokens: the
     plain eager step, the graph decoder's step (replayed graphs on CUDA, `graphed_ms`; its eager
     bucketed step elsewhere, `bucketed_ms`) and, when compiled, the compiled decoder's step
-    (`compiled_ms`), whose first step's seconds, compilation included, are `compile_s`."""
+    (`compiled_ms`, in compile_mode), whose first step's seconds, compilation included, are
+    `compile_s`."""
     device = next(model.parameters()).device
     cfg = model.cfg
     dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
@@ -226,7 +236,7 @@ def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64), 
         slots = SlotKVCache(cfg.n_layers, B, cfg.n_kv_heads, cfg.head_dim, max_len, dtype, device)
         decoder = SlotGraphDecoder(model, slots)                # captures while the slots are idle
         if compiled:                        # compiles the one bucket the steps use, timed apart
-            fast = CompiledDecoder(model, slots)
+            fast = CompiledDecoder(model, slots, mode=compile_mode)
             compile_s = fast.warm_up([cuda_graph.choose_bucket(fast.buckets, context + 1)])
         for s in range(B):                  # every slot holds `context` tokens (their values
             slots.admit(s, context)         # do not change the time)
@@ -334,6 +344,7 @@ examples:
   python -m tinyllm bench --engines continuous,paged --batch 16 --paged-slots 64
   python -m tinyllm bench --decode-steps
   python -m tinyllm bench --decoder compiled --dtype bf16
+  python -m tinyllm bench --decode-steps --compile-mode max-autotune --batch-sizes 1,8
   python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
   python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix""")
     default = " (default: %(default)s)"
@@ -364,6 +375,10 @@ examples:
                     help="--decode-steps' batch sizes (each costs a compilation)" + default)
     ap.add_argument("--decoder", default="eager", choices=("eager", "graphs", "compiled"),
                     help="the decode step of the continuous engines on slots" + default)
+    ap.add_argument("--compile-mode", default="default", choices=MODES,
+                    help="the compiled decoder's mode: max-autotune freezes the weights and "
+                         "generates GEMM kernels for the step's batch, a faster step for a "
+                         "longer compilation" + default)
     ap.add_argument("--dtype", default=None, choices=tuple(DTYPES),
                     help="the weights' and KV cache's dtype (default: float32 on a CPU, bf16 on "
                          "a GPU that has it); bf16 is faster on CPUs that compute in it "
@@ -388,7 +403,8 @@ examples:
         low = None if next(model.parameters()).dtype != torch.float32 else \
             tinyllm.load(args.model, device=device, dtype=torch.bfloat16)[0]
         rows = peers.compare(model, peer, reqs, args.batch,
-                             gguf=path if path.suffix == ".gguf" else None, bf16_model=low)
+                             gguf=path if path.suffix == ".gguf" else None, bf16_model=low,
+                             compile_mode=args.compile_mode)
         if args.json:
             print(json.dumps({"workload": args.workload, "device": str(device), "rows": rows}, indent=2))
             return
@@ -403,12 +419,13 @@ examples:
             sizes = [int(n) for n in args.batch_sizes.split(",")]
         except ValueError:
             ap.error(f"--batch-sizes takes numbers separated by commas, got {args.batch_sizes!r}")
-        rows = decode_step_times(model, sizes)
+        rows = decode_step_times(model, sizes, compile_mode=args.compile_mode)
         if args.json:
             print(json.dumps({"device": str(device), "context": 100, "rows": rows}, indent=2))
             return
         print(f"one decode step, every slot holding 100 tokens, {next(model.parameters()).dtype} "
-              f"on {device} ({torch.get_num_threads()} threads), ms per step\n")
+              f"on {device} ({torch.get_num_threads()} threads), compile mode "
+              f"{args.compile_mode}, ms per step\n")
         print(decode_steps_table(rows))
         if "graphed_ms" not in rows[0]:
             print("\nno CUDA here: bucketed is the graph decoder's eager bucketed step")
@@ -420,7 +437,7 @@ examples:
     for name in names:                                  # refuse a bad name before any run
         try:
             engine_settings(name, args.max_step_tokens, args.prefix_cache, budget_for_all,
-                            args.decoder)
+                            args.decoder, args.compile_mode)
         except ValueError as e:
             ap.error(str(e))
     warm_up(model)
@@ -429,7 +446,8 @@ examples:
         bar = _bar(args.requests, name, quiet=args.json)
         runs[name] = run(model, tok, args.workload, name, args.batch, args.requests, args.seed, bar,
                          args.paged_slots, args.block_size, args.kv_blocks,
-                         args.max_step_tokens, args.prefix_cache, budget_for_all, args.decoder)
+                         args.max_step_tokens, args.prefix_cache, budget_for_all, args.decoder,
+                         args.compile_mode)
         if bar is not None:
             bar.close()
     if args.json:

@@ -14,6 +14,15 @@ decode step (`cuda_graph.decode_step`). A bucket's step is compiled the first ti
 follow) and replayed after that; above the largest bucket the step runs eagerly. On CUDA it
 compiles with `mode="reduce-overhead"`, which adds CUDA graphs of its own.
 
+Two modes. "default" fuses the small operations and leaves the matrix products to the
+library's GEMM (MKL or oneDNN on a CPU), which on a CPU re-packs every weight at every call.
+"max-autotune" also freezes the weights into the program (inductor's `freezing`: they become
+constants, packed once at compile time) and lets inductor generate GEMM micro-kernels of its own
+for the step's small batch, keeping whichever of them or the library's is faster for each
+product (benchmarked at compile time). On a CPU that is about twice as fast a step for twice to
+three times the compile time, and a packed copy of the weights per compiled shape; a later
+change to the model's weights is not seen by a program already compiled.
+
 Its arithmetic is the eager step's, up to the order of additions in the fused loops: logits
 differ from the eager step's by rounding (about 1e-6 in float32), so greedy tokens can part only
 at a near-tie (check.near_tie); in float64 they agree.
@@ -28,6 +37,23 @@ from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.model import Transformer
 from tinyllm.slot_cache import SlotKVCache
 
+MODES = ("default", "max-autotune")
+
+
+def compile_settings(mode: str, device: torch.device) -> tuple[dict, dict]:
+    """A mode on a device -> torch.compile's keywords, and the inductor settings its compilation
+    runs under. On CUDA, CUDA graphs: mode "reduce-overhead", or "max-autotune", which
+    includes them. On a CPU, for max-autotune: frozen weights (`freezing`) and inductor's own
+    GEMM kernels (`max_autotune`). Those two are set around the compiling call rather than
+    passed as torch.compile's options, because the tracer must see `freezing` too: it is what
+    keeps the weights as constants of the graph instead of inputs."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if device.type == "cuda":
+        return {"mode": "reduce-overhead" if mode == "default" else "max-autotune"}, {}
+    return {}, {} if mode == "default" else {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+
+
 # Every (model, batch, bucket) shape is one compiled entry of the same code: lift the default
 # limit of 8, past which torch.compile would fall back to eager without saying so in a result.
 RECOMPILE_LIMIT = 64
@@ -40,14 +66,15 @@ class CompiledStep:
 
     def __init__(self, decoder: "CompiledDecoder", W: int):
         self.decoder, self.W = decoder, W
-        mode = "reduce-overhead" if decoder.device.type == "cuda" else None
-        self.fn = torch.compile(decoder.run_eager, mode=mode, dynamic=False, fullgraph=True)
+        settings, self.inductor = compile_settings(decoder.mode, decoder.device)
+        self.fn = torch.compile(decoder.run_eager, dynamic=False, fullgraph=True, **settings)
 
     def replay(self) -> None:
         dec, W = self.decoder, self.W
         first = W not in dec.compile_s
         t0 = time.perf_counter()
-        dec.logits[W] = self.fn(W)                                       # (S, 1, V)
+        with torch._inductor.config.patch(self.inductor):   # read when (re)compiling
+            dec.logits[W] = self.fn(W)                                   # (S, 1, V)
         if first:
             dec.compile_s[W] = time.perf_counter() - t0
 
@@ -73,10 +100,14 @@ class CompiledDecoder(SlotGraphDecoder):
     capture is True (decode_step replays graphs[W]), but nothing is recorded at construction:
     graphs[W] compiles bucket W the first time a step needs it. compile_s[W]: the seconds that
     first step took, compilation included. warm_up() compiles buckets ahead, while the slots
-    are free, so that no request waits for a compilation."""
+    are free, so that no request waits for a compilation. mode: "default" or "max-autotune"
+    (frozen weights and generated GEMM kernels: a faster step, a longer compilation)."""
 
-    def __init__(self, model: Transformer, slots: SlotKVCache, buckets=None):
+    def __init__(self, model: Transformer, slots: SlotKVCache, buckets=None,
+                 mode: str = "default"):
+        compile_settings(mode, slots.k[0].device)       # refuses an unknown mode first
         super().__init__(model, slots, buckets, capture=False)
+        self.mode = mode
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                     RECOMPILE_LIMIT)
         self.capture = True                             # decode_step replays graphs[W]

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from tinyllm import chunked_prefill
-from tinyllm.compiled import CompiledDecoder
+from tinyllm.compiled import MODES, CompiledDecoder
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer, gpu_dtype
@@ -52,7 +52,8 @@ class EngineConfig:
     blocks of block_size positions (None: the memory of the slot cache). decoder (06,
     kv="slots" for all but "eager"): "eager" runs the model's forward pass; "graphs" replays a
     CUDA graph per window in `buckets` (their eager bucketed twin on a CPU); "compiled" runs a
-    step compiled by torch.compile per bucket, on any device (compiled.py).
+    step compiled by torch.compile per bucket, on any device (compiled.py), in compile_mode
+    "default" or "max-autotune" (a faster step for a longer compilation).
     max_step_tokens (07): at most this many tokens computed per step, decodes first, the rest
     in prompt chunks (None: every context whole); at least n_slots, so that every running
     request can decode. prefix_cache (08, kv="paged"): requests share the blocks of a
@@ -71,6 +72,7 @@ class EngineConfig:
     block_size: int = 16
     kv_blocks: int | None = None
     decoder: str = "eager"
+    compile_mode: str = "default"
     buckets: tuple[int, ...] | None = None
     max_step_tokens: int | None = None
     prefix_cache: bool = False
@@ -89,6 +91,12 @@ class EngineConfig:
                              f"got {self.decoder!r}")
         if self.decoder != "eager" and self.kv != "slots":
             raise ValueError(f"the {self.decoder} decoder decodes a slot cache: use kv='slots'")
+        if self.compile_mode not in MODES:
+            raise ValueError(f"compile_mode must be one of {', '.join(map(repr, MODES))}, "
+                             f"got {self.compile_mode!r}")
+        if self.compile_mode != "default" and self.decoder != "compiled":
+            raise ValueError(f"compile_mode is the compiled decoder's: use decoder='compiled' "
+                             f"(got decoder={self.decoder!r})")
         if self.max_step_tokens is not None:
             check_positive_int("max_step_tokens", self.max_step_tokens)
             if self.max_step_tokens < self.n_slots:
@@ -159,6 +167,10 @@ def _settings(config: EngineConfig | int, settings: dict):
         decoder = "graphs" if graph is True else graph or None
     if isinstance(decoder, SlotGraphDecoder):
         settings["decoder"] = "compiled" if isinstance(decoder, CompiledDecoder) else "graphs"
+        if isinstance(decoder, CompiledDecoder):
+            if settings.setdefault("compile_mode", decoder.mode) != decoder.mode:
+                raise ValueError(f"compile_mode {settings['compile_mode']!r}: the decoder "
+                                 f"given was compiled in mode {decoder.mode!r}")
         settings.setdefault("max_len", decoder.slots.max_len)     # by default, its cache's
     elif decoder is not None:
         settings["decoder"], decoder = decoder, None
@@ -174,6 +186,8 @@ def _cache_and_decoder(model: Transformer, config: EngineConfig, max_len: int,
     these settings and is idle."""
     if decoder is None:
         cache = config.make_cache(model, max_len, n_blocks, device)
+        if config.decoder == "compiled":
+            return cache, CompiledDecoder(model, cache, config.buckets, config.compile_mode)
         kind = DECODERS[config.decoder]
         return cache, kind(model, cache, config.buckets) if kind is not None else None
     cache = decoder.slots

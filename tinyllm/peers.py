@@ -188,11 +188,12 @@ def same_values(gguf: str | Path, kind: str = "F32") -> Path:
 
 def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0,
             gguf: str | Path | None = None, compiled: bool = True,
-            bf16_model=None) -> dict[str, dict]:
+            bf16_model=None, compile_mode: str = "default") -> dict[str, dict]:
     """Each engine on the same requests: wall time, tokens, tokens/s, and how many requests'
     tokens equal tinyllm's solo generate() (float32). compiled: add the compiled decoder's
     row; bf16_model: the same model in bf16, for a compiled bf16 row. A compiled row compiles
-    one bucket, the workload's longest request, before its clock starts (compile_s)."""
+    one bucket, the workload's longest request, before its clock starts (compile_s), in
+    compile_mode (default, max-autotune)."""
     if any(r.sampling is not None for r in reqs):
         raise ValueError("the peer comparison is greedy: tokens of sampled requests would differ")
     generate(model, reqs[0].prompt, 4)                  # first call: allocator, kernel choice
@@ -212,7 +213,8 @@ def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0,
 
     def compile_for(name, m):
         """A compiled decoder of `batch` slots, its one bucket compiled now (not timed)."""
-        decoders[name] = compiled_decoder(m, batch, max_len=max_len, buckets=(max_len,))
+        decoders[name] = compiled_decoder(m, batch, max_len=max_len, buckets=(max_len,),
+                                          compile_mode=compile_mode)
         compile_s[name] = sum(decoders[name].compile_s.values())
 
     engines = {
