@@ -409,7 +409,8 @@ examples:
             print(json.dumps({"workload": args.workload, "device": str(device), "rows": rows}, indent=2))
             return
         print(f"workload {args.workload}: {args.requests} requests, batch/slots {args.batch}, "
-              f"{path.name} on {device} ({torch.get_num_threads()} threads)\n")
+              f"{path.name} on {device} ({torch.get_num_threads()} threads), compiled rows in "
+              f"compile mode {args.compile_mode}\n")
         print(peers.table(rows))
         print("\n== solo: requests whose tokens equal tinyllm's solo generate(); KV MiB: the KV "
               "cache tinyllm reserved, sized to the workload")

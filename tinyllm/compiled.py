@@ -14,14 +14,13 @@ decode step (`cuda_graph.decode_step`). A bucket's step is compiled the first ti
 follow) and replayed after that; above the largest bucket the step runs eagerly. On CUDA it
 compiles with `mode="reduce-overhead"`, which adds CUDA graphs of its own.
 
-Two modes. "default" fuses the small operations and leaves the matrix products to the
-library's GEMM (MKL or oneDNN on a CPU), which on a CPU re-packs every weight at every call.
-"max-autotune" also freezes the weights into the program (inductor's `freezing`: they become
-constants, packed once at compile time) and lets inductor generate GEMM micro-kernels of its own
-for the step's small batch, keeping whichever of them or the library's is faster for each
-product (benchmarked at compile time). On a CPU that is about twice as fast a step for twice to
-three times the compile time, and a packed copy of the weights per compiled shape; a later
-change to the model's weights is not seen by a program already compiled.
+Two modes. "default" fuses the small operations and leaves the matrix products to the math
+library (MKL or oneDNN on a CPU), called as the eager step calls it. On a CPU, "max-autotune" also freezes the weights into the program (inductor's `freezing`: they become
+constants, packed once at compile time) and has inductor generate a GEMM micro-kernel of its own
+for each product's shape at the step's small batch (its C++ GEMM template), in place of the
+library call. On a CPU that is a much faster step for two to three times the compile time, and a
+packed copy of the weights per compiled shape; a later change to the model's weights is not
+seen by a program already compiled. On CUDA it is torch.compile's mode of that name.
 
 Its arithmetic is the eager step's, up to the order of additions in the fused loops: logits
 differ from the eager step's by rounding (about 1e-6 in float32), so greedy tokens can part only
@@ -40,18 +39,24 @@ from tinyllm.slot_cache import SlotKVCache
 MODES = ("default", "max-autotune")
 
 
-def compile_settings(mode: str, device: torch.device) -> tuple[dict, dict]:
-    """A mode on a device -> torch.compile's keywords, and the inductor settings its compilation
-    runs under. On CUDA, CUDA graphs: mode "reduce-overhead", or "max-autotune", which
-    includes them. On a CPU, for max-autotune: frozen weights (`freezing`) and inductor's own
-    GEMM kernels (`max_autotune`). Those two are set around the compiling call rather than
+def compile_settings(mode: str, device: torch.device,
+                     dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
+    """A mode on a device, for weights of a dtype -> torch.compile's keywords, and the inductor
+    settings its compilation runs under. On CUDA, CUDA graphs: mode "reduce-overhead", or
+    "max-autotune", which includes them. On a CPU, for max-autotune: frozen weights
+    (`freezing`) and inductor's own GEMM kernels (`max_autotune` with its C++ GEMM template
+    alone, which has kernels for float32, bf16 and float16, so there is nothing to benchmark;
+    float64 keeps the library's GEMM). Those are set around the compiling call rather than
     passed as torch.compile's options, because the tracer must see `freezing` too: it is what
     keeps the weights as constants of the graph instead of inputs."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
     if device.type == "cuda":
         return {"mode": "reduce-overhead" if mode == "default" else "max-autotune"}, {}
-    return {}, {} if mode == "default" else {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+    if mode == "default":
+        return {}, {}
+    gemm = "ATEN" if dtype == torch.float64 else "CPP"
+    return {}, {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": gemm}
 
 
 # Every (model, batch, bucket) shape is one compiled entry of the same code: lift the default
@@ -66,7 +71,8 @@ class CompiledStep:
 
     def __init__(self, decoder: "CompiledDecoder", W: int):
         self.decoder, self.W = decoder, W
-        settings, self.inductor = compile_settings(decoder.mode, decoder.device)
+        settings, self.inductor = compile_settings(decoder.mode, decoder.device,
+                                                   decoder.slots.k[0].dtype)
         self.fn = torch.compile(decoder.run_eager, dynamic=False, fullgraph=True, **settings)
 
     def replay(self) -> None:
