@@ -15,12 +15,13 @@ follow) and replayed after that; above the largest bucket the step runs eagerly.
 compiles with `mode="reduce-overhead"`, which adds CUDA graphs of its own.
 
 Two modes. "default" fuses the small operations and leaves the matrix products to the math
-library (MKL or oneDNN on a CPU), called as the eager step calls it. On a CPU, "max-autotune" also freezes the weights into the program (inductor's `freezing`: they become
-constants, packed once at compile time) and has inductor generate a GEMM micro-kernel of its own
-for each product's shape at the step's small batch (its C++ GEMM template), in place of the
-library call. On a CPU that is a much faster step for two to three times the compile time, and a
-packed copy of the weights per compiled shape; a later change to the model's weights is not
-seen by a program already compiled. On CUDA it is torch.compile's mode of that name.
+library (MKL or oneDNN on a CPU), called as the eager step calls it. On a CPU, "max-autotune"
+also freezes the weights into the program (inductor's `freezing`: they become constants, packed
+once at compile time) and has inductor generate a GEMM micro-kernel of its own for each
+product's shape at the step's small batch (its C++ GEMM template), in place of the library
+call: a much faster step, for two to three times the compile time and a packed copy of the
+weights per compiled shape; a later change to the model's weights is not seen by a program
+already compiled. On CUDA it is torch.compile's mode of that name.
 
 Its arithmetic is the eager step's, up to the order of additions in the fused loops: logits
 differ from the eager step's by rounding (about 1e-6 in float32), so greedy tokens can part only
