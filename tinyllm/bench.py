@@ -168,8 +168,8 @@ def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, se
     blocks of block_size (default: the memory of `batch` slots). The KV cache is sized to the
     workload: max_len is its longest request. engine may carry +chunked and +prefix, decoder
     is the continuous engines' decode step, compile_mode a compiled one's mode
-    (engine_settings). A compiled decoder compiles
-    every bucket before the clock starts: the summary's compile_s."""
+    (engine_settings). A compiled decoder compiles every bucket before the clock starts: the
+    summary's compile_s."""
     base, kw = engine_settings(engine, max_step_tokens, prefix_cache, budget_for_all, decoder,
                                compile_mode)
     reqs, arrivals = workload(workload_name, tok, n, seed)

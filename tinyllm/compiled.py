@@ -72,15 +72,14 @@ class CompiledStep:
 
     def __init__(self, decoder: "CompiledDecoder", W: int):
         self.decoder, self.W = decoder, W
-        settings, self.inductor = compile_settings(decoder.mode, decoder.device,
-                                                   decoder.slots.k[0].dtype)
-        self.fn = torch.compile(decoder.run_eager, dynamic=False, fullgraph=True, **settings)
+        self.fn = torch.compile(decoder.run_eager, dynamic=False, fullgraph=True,
+                                **decoder.compile_kwargs)
 
     def replay(self) -> None:
         dec, W = self.decoder, self.W
         first = W not in dec.compile_s
         t0 = time.perf_counter()
-        with torch._inductor.config.patch(self.inductor):   # read when (re)compiling
+        with torch._inductor.config.patch(dec.inductor):    # read when (re)compiling
             dec.logits[W] = self.fn(W)                                   # (S, 1, V)
         if first:
             dec.compile_s[W] = time.perf_counter() - t0
@@ -112,7 +111,9 @@ class CompiledDecoder(SlotGraphDecoder):
 
     def __init__(self, model: Transformer, slots: SlotKVCache, buckets=None,
                  mode: str = "default"):
-        compile_settings(mode, slots.k[0].device)       # refuses an unknown mode first
+        # torch.compile's keywords and the inductor settings of every bucket (refuses a bad mode)
+        self.compile_kwargs, self.inductor = compile_settings(mode, slots.k[0].device,
+                                                              slots.k[0].dtype)
         super().__init__(model, slots, buckets, capture=False)
         self.mode = mode
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
