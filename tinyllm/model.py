@@ -200,13 +200,21 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # nn.Embedding's own init (normal_), except on the meta device, where the loaders build
+        # the model before its weights arrive: there an operation runs PyTorch's Python version
+        # of itself, whose first call imports torch.compile's machinery (seconds), so the
+        # loaders build the RoPE tables too once the weights are in place (init_rope)
+        weight = torch.empty(cfg.vocab_size, cfg.d_model)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=weight)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.init_rope()
+        if not weight.is_meta:
+            self.init_rope()
 
     def init_rope(self, device=None) -> None:
         """(Re)build the RoPE tables, e.g. after the weights were built on the meta device."""
