@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tinyllm
-from tinyllm import smollm2
+from tinyllm import peers, smollm2
 from tinyllm.checkpoint import DEFAULT, CheckpointError
 from tinyllm.generate import generate
 
@@ -45,8 +45,9 @@ def smollm2_model(smollm2_file):
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(smollm2_file):
-    return transformers.AutoTokenizer.from_pretrained(smollm2_file.parent,
-                                                      gguf_file=smollm2_file.name)
+    with peers.quick_gguf_reads():
+        return transformers.AutoTokenizer.from_pretrained(smollm2_file.parent,
+                                                          gguf_file=smollm2_file.name)
 
 
 def test_smollm2_config_comes_from_the_metadata(smollm2_model):
@@ -86,8 +87,7 @@ def test_smollm2_logits_equal_transformers(smollm2_file, smollm2_model):
     """The same GGUF in transformers (which de-quantises and un-permutes on its own): the same
     logits for a chat prompt, in float32."""
     model, tok = smollm2_model
-    peer = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_file.parent, gguf_file=smollm2_file.name, dtype=torch.float32).eval()
+    peer = peers.peer_model(smollm2_file, "cpu")                 # transformers' read, float32
     ids = torch.tensor([tok.apply_chat_template(QUESTION, tokenize=True)])
     with torch.no_grad():
         ours, theirs = model(ids)[0], peer(ids).logits
@@ -263,6 +263,20 @@ def test_gguf_model_gives_the_original_logits(tmp_path, name):
     with torch.no_grad():
         ours, theirs = model(ids)[0], peer(ids).logits
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def test_quick_gguf_reads_change_only_the_speed(tmp_path):
+    """transformers reads the same model from a GGUF file inside peers.quick_gguf_reads as
+    outside it, and the block gives gguf its own reader and name map back."""
+    write_tiny(tmp_path / "tiny.gguf", "llama")
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    quick = peers.peer_model(tmp_path / "tiny.gguf", "cpu")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == saved
+    want, got = plain.state_dict(), quick.state_dict()
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
 
 
 @pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2"])

@@ -18,6 +18,8 @@ with tinyllm's solo generate(): the table says how many agreed. Greedy workloads
 (sampling draws differ).
 """
 
+import contextlib
+import functools
 import importlib.util
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ import torch
 
 from tinyllm.continuous import compiled_decoder, run_continuous
 from tinyllm.generate import generate
+from tinyllm.gguf_file import reader_class
 from tinyllm.requests import Request, eos_ids, is_done, is_eos, longest
 from tinyllm.static import run_static
 
@@ -36,9 +39,28 @@ def peer_model(path, device, dtype=torch.float32):
     from transformers.utils import logging
     logging.set_verbosity_error()       # it warns that eos -1 (no EOS) never stops a row: intended
     path = Path(path)
-    where = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name) \
-        if path.suffix == ".gguf" else dict(pretrained_model_name_or_path=path)
-    return AutoModelForCausalLM.from_pretrained(**where, dtype=dtype).to(device).eval()
+    if path.suffix != ".gguf":
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    with quick_gguf_reads():
+        peer = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    return peer.to(device).eval()
+
+
+@contextlib.contextmanager
+def quick_gguf_reads():
+    """transformers reads a GGUF file with the gguf package: it opens the file twice, and it
+    builds gguf's map of tensor names once per module of the model (397 times for SmolLM2),
+    half a minute in all. Within this block the reader it opens is gguf_file's (the same
+    reader, parsing from a plain view of the file), and the name map is built once per
+    architecture and depth. What it reads, and the model it builds, are unchanged."""
+    import gguf
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = reader_class()
+    gguf.get_tensor_name_map = functools.lru_cache(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
 def upto(tokens: list[int], req: Request) -> list[int]:
