@@ -48,9 +48,11 @@ def test_compiled_decoder_matches_solo(compiled, requests):
 
 
 def test_each_bucket_compiles_once_and_is_replayed(compiled):
-    """Long requests pass the bucket; a second run of the same work compiles nothing new
-    (a recompilation per step would cost seconds a step), and its tokens are the same."""
-    reqs = [Request([1, 2, 3], 40), Request([4] * 20, 20), Request([5], 6, eos_id=(3, 11))]
+    """The steps start in the bucket and the long requests pass it (run alone too: the bucket
+    is compiled here if no test before compiled it); a second run of the same work compiles
+    nothing new (a recompilation per step would cost seconds a step), and its tokens are the
+    same."""
+    reqs = [Request([1, 2, 3], 40), Request([4] * 5, 20), Request([5], 6, eos_id=(3, 11))]
     first, _ = run_continuous(TINY, reqs, 3, decoder=compiled)
     assert set(compiled.compile_s) == set(BUCKETS), f"compiled {sorted(compiled.compile_s)}"
     assert all(s > 0 for s in compiled.compile_s.values())
