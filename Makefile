@@ -40,12 +40,17 @@ help:                             ## list the targets
 	@echo "usage: make TARGET; every target below but help and clean sets up $(VENV) first"
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-11s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
+# pip byte-compiles what it installs one file at a time; this does it on every core.
+COMPILE := import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)
+
 $(STAMP): pyproject.toml
 	@echo "Setting up $(VENV) with PyTorch and the course's libraries; the first time takes a few minutes (pip is quiet)."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || \
-		$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[notebooks,dev]"
+		$(BIN)/python -m pip install --quiet --no-compile $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(BIN)/python -m pip install --quiet --no-compile -e ".[notebooks,dev]"
+	$(BIN)/python -c "$(COMPILE)" $(VENV)/lib
 	touch $(STAMP)
 
 setup: $(STAMP)                   ## only set up .venv (then: source .venv/bin/activate)
@@ -55,8 +60,10 @@ lab: $(STAMP)                     ## open the course in JupyterLab
 
 # The package and exercise tests and the stub proof run beside the notebooks (two processes, one
 # core each): the notebooks report as they go, the tests' report follows theirs. torch.compile
-# (step 06's compiled decoder) compiles with one worker in each, not one per core.
+# (step 06's compiled decoder) compiles with one worker in each, not one per core, and PyTorch
+# computes with one thread in each.
 test: export TORCHINDUCTOR_COMPILE_THREADS = 1
+test: export OMP_NUM_THREADS = 1
 test: $(STAMP)                    ## every test: package, exercises (solutions), notebooks, stub proof
 	@echo "The package and exercise tests, and the proof that every exercise test fails on the"
 	@echo "untouched stubs, run beside the notebooks; their report follows the notebooks'."

@@ -1,7 +1,7 @@
 """Step 06 on a CPU - the compiled decoder (torch.compile of the bucketed decode step) gives each
 request its solo generate() tokens: exactly in float64 and float32, up to near-ties in bf16,
-where every path is checked (the compiled one in mode max-autotune). Compilation is slow, so
-every test shares a few small shapes."""
+where every path is checked (the compiled one in float32 in mode max-autotune, where it is
+exact). Compilation is slow, so every test shares a few small shapes."""
 
 import random
 
@@ -112,7 +112,7 @@ def test_float32_is_exact_and_bf16_parts_only_at_near_ties(low, path):
     logits that differ from eager ones by rounding, about 1e-7 here, far below any gap between
     two candidate tokens); in bf16 (a documented choice on the CPU, faster where it computes in
     bf16) every path gives solo bf16 generate()'s tokens, or parts from them only where solo
-    stood at a near-tie."""
+    stood at a near-tie (the compiled step in the default mode: one compilation less)."""
     model, reqs = low
     dtype = next(model.parameters()).dtype
     if path == "static":
@@ -120,7 +120,7 @@ def test_float32_is_exact_and_bf16_parts_only_at_near_ties(low, path):
     else:
         kw = dict(kv="paged") if path == "paged" else \
             dict(decoder=path, max_len=64, buckets=(32,)) if path != "continuous" else {}
-        if path == "compiled":
+        if path == "compiled" and dtype == torch.float32:
             kw["compile_mode"] = "max-autotune"
         results = run_continuous(model, reqs, 3, **kw)[0]
     for i, (r, res) in enumerate(zip(reqs, results)):
