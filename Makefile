@@ -13,8 +13,9 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 NBVAL  := --nbval-lax --nbval-current-env
 # PyTorch's CPU threads spin while they wait for each other, which burns a shared or busy
-# machine's cores; passive waiting costs nothing on a quiet one. Every target (and JupyterLab's
-# kernels) inherits it.
+# machine's cores; passive waiting costs nothing on a quiet one. Importing tinyllm sets it
+# before torch loads; every target (and JupyterLab's kernels) inherits it from here too, for
+# the processes that import torch first.
 export OMP_WAIT_POLICY ?= PASSIVE
 # Notebooks draw with Jupyter's inline backend; a backend chosen in the shell (MPLBACKEND=Agg)
 # would leave their figures blank, so kernels started from here never see one.
@@ -40,23 +41,31 @@ help:                             ## list the targets
 	@echo "usage: make TARGET; every target below but help and clean sets up $(VENV) first"
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-11s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-# pip byte-compiles what it installs one file at a time; this does it on every core.
-COMPILE := import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)
+PIP    := $(BIN)/python -m pip --quiet --quiet --disable-pip-version-check
+# Python caches each module it imports as bytecode, unless the environment forbids it
+# (PYTHONDONTWRITEBYTECODE): then setup compiles the installed modules once, on every core,
+# leaving out those the course never imports (pip's, setuptools', other models of transformers).
+COMPILE := import compileall, re, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0, \
+	rx=re.compile(r'/site-packages/(pip|setuptools|debugpy|transformers/models/(?!auto|llama|qwen2)[^/]+)/'))
 
 $(STAMP): pyproject.toml
-	@echo "Setting up $(VENV) with PyTorch and the course's libraries; the first time takes a few minutes (pip is quiet)."
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || \
-		$(BIN)/python -m pip install --quiet --no-compile $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(BIN)/python -m pip install --quiet --no-compile -e ".[notebooks,dev]"
-	$(BIN)/python -c "$(COMPILE)" $(VENV)/lib
-	touch $(STAMP)
+	@echo "Setting up $(VENV): PyTorch and the course's libraries, a few quiet minutes the first time."
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(PIP) install --upgrade pip
+	@$(BIN)/python -c "import torch" 2>/dev/null || \
+		$(PIP) install --no-compile $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	@$(PIP) install --no-compile -e ".[notebooks,dev]"
+	@if [ -n "$$PYTHONDONTWRITEBYTECODE" ]; then \
+		echo "Byte-compiling the installed modules once: PYTHONDONTWRITEBYTECODE keeps Python from caching them."; \
+		$(BIN)/python -c "$(COMPILE)" $(VENV)/lib; fi
+	@touch $(STAMP)
+	@echo "$(VENV) is ready."
 
 setup: $(STAMP)                   ## only set up .venv (then: source .venv/bin/activate)
 
+# JupyterLab is rooted here, so that exercises/ opens beside notebooks/; it starts in notebooks/.
 lab: $(STAMP)                     ## open the course in JupyterLab
-	$(BIN)/jupyter lab $(ROOT_OK) notebooks/
+	$(BIN)/jupyter lab $(ROOT_OK) --LabApp.default_url=/lab/tree/notebooks
 
 # The package and exercise tests and the stub proof run beside the notebooks (two processes, one
 # core each): the notebooks report as they go, the tests' report follows theirs. The tests take

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tinyllm
-from tinyllm.checkpoint import CheckpointError, save
+from tinyllm.checkpoint import DEFAULT, CheckpointError, resolve, save
 from tinyllm.tokenizer import Tokenizer
 from tinyllm.train import train_tokenizer
 from tests.conftest import make_tiny
@@ -76,7 +76,10 @@ def expect_error(path, *words):
 
 def test_missing_files_are_named(ckpt):
     path, _ = ckpt
-    expect_error(path.parent / "nowhere", "nowhere", "not a checkpoint directory")
+    expect_error(path.parent / "nowhere", "nowhere", "no such file or directory",
+                 "python -m tinyllm fetch smollm2")
+    (path.parent / "notes.txt").write_text("not a model")
+    expect_error(path.parent / "notes.txt", "notes.txt", "not a checkpoint directory or .gguf file")
     (path / "model.safetensors").unlink()
     expect_error(path, "model.safetensors", "missing")
     (path / "config.json").unlink()
@@ -268,3 +271,17 @@ def test_config_value_of_wrong_type_is_named(ckpt, change, words):
     (ckpt[0] / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"config\.json: " + words):
         tinyllm.load(ckpt[0], device="cpu")
+
+
+def test_the_command_line_names_a_missing_model_and_the_fix(tmp_path, capsys, monkeypatch):
+    """`python -m tinyllm serve --model <a file not there>` says what is missing and how to
+    fetch the real model, without a traceback; "smollm2" names the fetched file."""
+    from tinyllm import __main__ as cli, smollm2
+    missing = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--model", str(missing)])
+    assert str(missing) in str(e.value) and "python -m tinyllm fetch smollm2" in str(e.value)
+    monkeypatch.setattr(smollm2, "gguf_path", lambda fetch=True: missing)
+    assert resolve("smollm2") == missing and resolve("default") == DEFAULT
+    cli.main(["fetch", "smollm2"])
+    assert capsys.readouterr().out.strip() == str(missing)

