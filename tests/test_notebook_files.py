@@ -9,3 +9,15 @@ def test_notebooks_are_saved_as_jupyterlab_writes_them():
         text = path.read_text(encoding="utf-8")
         assert normalise(text) == text, \
             f"{path.name} would change when opened: run `python -m tinyllm.nbfiles {path.name}` (make notebooks does)"
+
+
+def test_the_course_address_is_set_in_one_place(monkeypatch):
+    """Every notebook opens with the Colab cell, and its REPO line comes from pyproject.toml:
+    one edit there (then `python -m tinyllm.nbfiles`) sets it in every notebook."""
+    from tinyllm import nbfiles
+    assert nbfiles.course_address(), "pyproject.toml has no [project.urls] Repository"
+    monkeypatch.setattr(nbfiles, "course_address", lambda: "https://example.org/fork/tinyllm")
+    for path in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
+        cell = nbfiles.nbformat.reads(normalise(path.read_text(encoding="utf-8")), 4).cells[1]
+        assert cell.source.startswith("# Colab only"), f"{path.name}: no Colab cell"
+        assert '    REPO = "https://example.org/fork/tinyllm"' in cell.source, path.name

@@ -9,16 +9,33 @@ numbers (a browser's JSON has no integral floats: a widget state's 38.0 comes ba
 module applies both, drops widget state that no output shows any more, and writes with
 nbformat as the Jupyter server does. `make notebooks` runs it after re-executing.
 
+It also writes the course's address into every notebook's Colab cell (the `REPO = ...` line),
+from its one place, pyproject.toml's `[project.urls] Repository`: whoever publishes the course
+(or a fork) sets it there and runs this, and no learner edits a notebook to open it in Colab.
+
     python -m tinyllm.nbfiles notebooks/*.ipynb            # normalise in place
     python -m tinyllm.nbfiles --check notebooks/*.ipynb    # exit 1 if any would change
 
 What it cannot pin: metadata.language_info, which the kernel reports (its Python version).
 """
 
+import re
 import sys
 from pathlib import Path
 
 import nbformat
+
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+REPO_LINE = re.compile(r'^(    REPO = )"[^"]*"', re.M)       # in the Colab cell
+
+
+def course_address() -> str | None:
+    """pyproject.toml's [project.urls] Repository, or None where there is no pyproject.toml
+    beside the package (an installed copy)."""
+    if not PYPROJECT.is_file():
+        return None
+    found = re.search(r'^Repository = "([^"]+)"', PYPROJECT.read_text(), re.M)
+    return found.group(1) if found else None
 
 
 def kernel_display_name(name: str) -> str | None:
@@ -52,6 +69,10 @@ def normalise(text: str) -> str:
              if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     if "widgets" in nb.metadata and not views:
         del nb.metadata["widgets"]
+    address = course_address()
+    for cell in nb.cells[:2]:
+        if address and cell.cell_type == "code" and cell.source.startswith("# Colab only"):
+            cell.source = REPO_LINE.sub(lambda m: f'{m.group(1)}"{address}"', cell.source)
     nb = nbformat.from_dict(js_numbers(nb))
     out = nbformat.writes(nb, version=nbformat.NO_CONVERT)
     return out if out.endswith("\n") else out + "\n"        # nbformat.write adds the newline
