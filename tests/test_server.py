@@ -38,9 +38,10 @@ class Running:
                                                 port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
-        t0 = time.time()
+        # ready when uvicorn has started, which is after the engine process said it is ready;
+        # a start that fails (EngineLoop.start waits for the engine 120 s at most) ends the thread
         while not self.uv.started:
-            assert time.time() - t0 < 30, "the server did not start"
+            assert self.thread.is_alive(), "the server failed to start: its error is above"
             time.sleep(0.02)
         self.url = f"http://127.0.0.1:{self.port}/v1"
 
@@ -57,11 +58,15 @@ class Running:
 
     def wait_idle(self, timeout=10.0) -> tuple[int, int]:
         """The load once the engine is idle (or timeout s have passed); an idle engine that
-        still holds a slot or a block fails the test."""
+        still holds a slot or a block, or a request the HTTP side still holds, fails the test."""
         t0 = time.time()
         while self.load() != (0, 0) and time.time() - t0 < timeout:
             time.sleep(0.01)
-        assert self.load() != (0, 0) or self.served.loop.leaked is None, self.served.loop.leaked
+        loop = self.served.loop
+        assert self.load() != (0, 0) or loop.leaked is None, loop.leaked
+        assert self.load() != (0, 0) or not loop.tickets, \
+            f"the engine is idle, yet the HTTP side still holds requests {sorted(loop.tickets)}: " \
+            f"a finished or refused request leaves EngineLoop.tickets"
         return self.load()
 
 

@@ -23,8 +23,11 @@ SEAMS: dict[str, tuple[tuple[str, str], ...]] = {
     "06": (("tinyllm.cuda_graph", "choose_bucket"), ("tinyllm.cuda_graph", "fill_static"),
            ("tinyllm.cuda_graph", "decode_step")),
     "07": (("tinyllm.chunked_prefill", "plan_chunks"), ("tinyllm.chunked_prefill", "next_chunk")),
-    "08": (("tinyllm.prefix_cache", "block_hashes"), ("tinyllm.prefix_cache", "match_prefix")),
-    "10": (("tinyllm.textstream", "next_piece"), ("tinyllm.loadgen", "percentile")),
+    "08": (("tinyllm.prefix_cache", "block_hashes"), ("tinyllm.prefix_cache", "match_prefix"),
+           ("tinyllm.prefix_cache", "take_blocks"), ("tinyllm.prefix_cache", "share_blocks"),
+           ("tinyllm.prefix_cache", "release_blocks")),
+    "10": (("tinyllm.textstream", "next_piece"), ("tinyllm.server", "dispatch"),
+           ("tinyllm.server", "sse_events"), ("tinyllm.loadgen", "percentile")),
 }
 
 

@@ -11,9 +11,12 @@ requests and aborts from a pipe, steps while there is work, and sends each step'
 The HTTP side (uvicorn's event loop) reads them and hands each to the queue of the request it
 belongs to (`EngineLoop`). Each HTTP request is one coroutine: it checks the body (a 400
 naming the field), submits one `Request` (a 429 when max_waiting requests already wait), then
-reads its queue, turning tokens into text a settled piece at a time (textstream.py). A client
-that goes away aborts its request: its slot and blocks are free before the next step, and
-nothing else in flight notices.
+reads its queue, turning tokens into text a settled piece at a time (textstream.py), and
+streams them as server-sent events (`sse_events`). A client that goes away aborts its
+request: its slot and blocks are free before the next step, and nothing else in flight
+notices.
+
+Seams: `dispatch` (each step's tokens to their requests) and `sse_events` (exercise 10).
 """
 
 import asyncio
@@ -134,7 +137,7 @@ class EngineLoop:
             self.conn.send(("abort", ticket.key))
 
     def _read(self) -> None:
-        """On the event loop, when the engine has written: each step's tokens to their queues."""
+        """On the event loop, when the engine has written: each step's news to its requests."""
         try:
             while self.conn.poll():
                 what, body = self.conn.recv()
@@ -142,15 +145,10 @@ class EngineLoop:
                     return self._fail(body)
                 tokens, refused, taken, self.reported, self.kv_used, self.leaked = body
                 self.submitted -= taken
-                for key, message in refused:
-                    if (ticket := self.tickets.pop(key, None)) is not None:
-                        ticket.events.put_nowait(APIError(400, message, "prompt"))
-                for key, token, reason in tokens:
-                    ticket = self.tickets.get(key)
-                    if ticket is not None:
-                        ticket.events.put_nowait(Event(key, token, reason is not None, reason))
-                        if reason is not None:
-                            del self.tickets[key]
+                try:
+                    dispatch(self.tickets, tokens, refused)
+                except Exception as e:                  # say so, rather than leave them waiting
+                    return self._fail(f"its news could not be dispatched: {type(e).__name__}: {e}")
         except (EOFError, OSError):
             self._fail(f"its process ended (exit code {self.process.exitcode})")
 
@@ -161,6 +159,32 @@ class EngineLoop:
         for ticket in self.tickets.values():
             ticket.events.put_nowait(APIError(500, f"the engine failed: {why}", kind="server_error"))
         self.tickets.clear()
+
+
+def dispatch(tickets: dict[int, Ticket], tokens: list[tuple[int, int, str | None]],
+             refused: list[tuple[int, str]]) -> None:
+    """One engine step's news, each piece to the request it belongs to.
+
+    tickets: key -> Ticket of every request in flight (a ticket's `events` is its queue);
+    tokens: (key, token, finish_reason) for each token the step made, finish_reason None
+    while the request goes on, else "stop" or "length"; refused: (key, message) for each
+    request the engine would not take.
+    - a token goes to its ticket's queue as an Event(key, token, done, finish_reason), done
+      when it carries a finish_reason; a finished request's ticket leaves `tickets`;
+    - a refused request gets APIError(400, message, "prompt") in its queue and leaves `tickets`;
+    - news for a key that is not in `tickets` (its client went away and aborted it, while
+      the engine still stepped it) is dropped.
+    Example: tickets {4: a, 7: b}, tokens [(4, 11, None), (7, 12, "stop"), (9, 13, None)] ->
+    a's queue gets Event(4, 11, False, None), b's Event(7, 12, True, "stop"); tickets {4: a}."""
+    for key, message in refused:
+        if (ticket := tickets.pop(key, None)) is not None:
+            ticket.events.put_nowait(APIError(400, message, "prompt"))
+    for key, token, reason in tokens:
+        ticket = tickets.get(key)
+        if ticket is not None:
+            ticket.events.put_nowait(Event(key, token, reason is not None, reason))
+            if reason is not None:
+                del tickets[key]
 
 
 def engine_process(engine: ContinuousEngine, conn, n_threads: int) -> None:
@@ -365,6 +389,20 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+async def next_event(loop: EngineLoop, ticket: Ticket):
+    """The ticket's next event (an Event or an APIError). A ticket that left the loop's books
+    without its last event (dispatch forgot it) fails with a 500, rather than wait for ever."""
+    if not ticket.events.empty():
+        return ticket.events.get_nowait()
+    while True:
+        try:
+            return await asyncio.wait_for(ticket.events.get(), 1.0)
+        except asyncio.TimeoutError:
+            if ticket.key not in loop.tickets and ticket.events.empty() and not loop.failed:
+                raise APIError(500, "the request left the engine loop's books before its last "
+                                    "token came (see dispatch)", kind="server_error") from None
+
+
 async def answer(served: Served, ticket: Ticket, stops: list[str], n_prompt: int):
     """Yield (text piece, finish_reason or None, tokens so far) as the request's events come;
     the last item has its finish_reason. The request is aborted if the consumer stops early
@@ -375,7 +413,7 @@ async def answer(served: Served, ticket: Ticket, stops: list[str], n_prompt: int
     over = False
     try:
         while True:
-            ev = await ticket.events.get()
+            ev = await next_event(served.loop, ticket)
             if isinstance(ev, APIError):
                 raise ev
             now = time.perf_counter()
@@ -417,30 +455,62 @@ def usage(n_prompt: int, n_out: int) -> dict:
             "total_tokens": n_prompt + n_out}
 
 
-async def sse(pieces, first: tuple, kind: str, head: dict, n_prompt: int, usage_too: bool):
-    """The server-sent events of one streamed request, from its first piece and the rest of
-    its pieces (answer()): a chunk per settled piece of text (a chat stream opens with the
-    assistant's role), the last with its finish_reason, the usage if asked
-    (stream_options.include_usage), then `data: [DONE]`."""
-    def event(choice: dict | None, extra: dict | None = None) -> str:
-        data = {**head, "choices": [] if choice is None else [{"index": 0, **choice}], **(extra or {})}
-        return f"data: {json.dumps(data)}\n\n"
+def sse_event(data) -> str:
+    """One server-sent event: `data: ` and its JSON (or [DONE]), then a blank line."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
-    async def all_pieces():
-        yield first
-        async for item in pieces:
-            yield item
 
+async def sse_events(pieces, kind: str, head: dict, n_prompt: int, include_usage: bool):
+    """The server-sent events of one streamed answer, as strings (each one sse_event).
+
+    pieces: an async iterator of (text, finish_reason, n_out), the settled pieces of the
+    answer (answer()); the last has its finish_reason ("stop" or "length"), the others None;
+    n_out counts the tokens made so far. kind: "completions" or "chat". head: the fields every
+    chunk repeats (id, object, created, model). Each chunk is head plus
+    "choices": [{"index": 0, ..., "finish_reason": ..., "logprobs": None}]:
+    - completions: a chunk per piece, {"text": piece};
+    - chat: first a chunk {"delta": {"role": "assistant", "content": ""}}, then a chunk per
+      piece, {"delta": {"content": piece}}, or {"delta": {}} for an empty last piece;
+    - finish_reason is None in every chunk but the last piece's;
+    - with include_usage, one more chunk: head, "choices": [] and "usage" (usage(n_prompt,
+      n_out)); last of all the event `data: [DONE]`.
+    Example, completions, pieces ("Good", None, 1), (" morrow", "length", 2): the events
+    data: {..head, "choices": [{"index": 0, "text": "Good", "finish_reason": null, ...}]},
+    data: {..head, "choices": [{"index": 0, "text": " morrow", "finish_reason": "length", ...}]},
+    data: [DONE]."""
     if kind == "chat":
-        yield event({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        yield sse_event({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                     "content": ""},
+                                              "finish_reason": None, "logprobs": None}]})
     n_out = 0
-    async for piece, reason, n_out in all_pieces():
+    async for piece, reason, n_out in pieces:
         content = {"text": piece} if kind == "completions" else \
             {"delta": {"content": piece} if piece else {}}
-        yield event({**content, "finish_reason": reason, "logprobs": None})
-    if usage_too:
-        yield event(None, {"usage": usage(n_prompt, n_out)})
-    yield "data: [DONE]\n\n"
+        yield sse_event({**head, "choices": [{"index": 0, **content, "finish_reason": reason,
+                                              "logprobs": None}]})
+    if include_usage:
+        yield sse_event({**head, "choices": [], "usage": usage(n_prompt, n_out)})
+    yield sse_event("[DONE]")
+
+
+async def errors_as_events(events):
+    """A stream's events; an error once the stream has begun (its status, 200, is sent) ends it
+    with one more event, `data: {"error": {...}}`, as OpenAI's API does, which clients raise."""
+    try:
+        async for e in events:
+            yield e
+    except APIError as err:
+        yield sse_event(err.body())
+    except Exception as err:
+        yield sse_event(APIError(500, f"the server failed on this request: "
+                                      f"{type(err).__name__}: {err}", kind="server_error").body())
+
+
+async def starting_with(first, rest):
+    """first, then the items of the async iterator rest."""
+    yield first
+    async for item in rest:
+        yield item
 
 
 def make_app(served: Served):
@@ -495,8 +565,8 @@ def make_app(served: Served):
             pieces = answer(served, ticket, stops, n_prompt)
             # the stream starts with its first piece: a refusal before it is still a plain error
             first = await failing_plainly(pieces.__anext__())
-            return StreamingResponse(sse(pieces, first, kind, head, n_prompt, usage_too),
-                                     media_type="text/event-stream")
+            events = sse_events(starting_with(first, pieces), kind, head, n_prompt, usage_too)
+            return StreamingResponse(errors_as_events(events), media_type="text/event-stream")
 
         async def collect():
             text, reason, n_out = "", None, 0
@@ -539,7 +609,8 @@ def serve_main(argv=None) -> None:
         "Serve a checkpoint over the OpenAI API (completions and chat completions, streamed or "
         "not) with the continuous engine; Ctrl-C stops it."))
     ap.add_argument("--model", default="default", metavar="DIR",
-                    help="a checkpoint directory or a .gguf file (default: the bundled model)")
+                    help="a checkpoint directory, a .gguf file, or smollm2 (SmolLM2-135M-Instruct, "
+                         "fetched once) (default: the bundled model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when there is one)")

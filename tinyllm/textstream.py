@@ -15,12 +15,21 @@ REPLACEMENT = "\ufffd"                                  # what a split character
 
 
 def next_piece(text: str, sent: int, stops: list[str], final: bool = False) -> tuple[str, bool]:
-    """The new text to send, and whether a stop string ended the answer. text is the whole
-    answer decoded so far; its first `sent` characters are already sent. A stop string found
-    anywhere in text (the earliest, if several) ends the answer: send up to where it starts,
-    and True. Otherwise hold back, unless final (the answer is over): a trailing run of
-    REPLACEMENT characters (a character whose bytes have not all come) and the longest end of
-    text that is the beginning of a stop string. Never returns text before `sent`."""
+    """The new text to send, and whether a stop string ended the answer.
+
+    text is the whole answer decoded so far; its first `sent` characters are already sent.
+    stops are the request's stop strings; final says the answer is over (no token follows).
+    - A stop string in text ends the answer just before it: return the unsent text up to the
+      earliest place where any stop string starts, and True. No text of a stop string is sent.
+    - Otherwise return the unsent text that is settled, and False. The next tokens can still
+      change the end of text in two ways: an unfinished character (REPLACEMENT, U+FFFD, at the
+      end) may complete, and an end of text that begins a stop string may grow into it. Both
+      wait; nothing waits when final.
+    - Text before `sent` is never returned again, and the caller's arguments are not changed.
+    Examples: ("Good\n", 0, ["\n\n"]) -> ("Good", False); then ("Good\nNay", 4, ["\n\n"])
+    -> ("\nNay", False); ("ab END cd STOP", 0, ["STOP", "END"]) -> ("ab ", True);
+    ("ab", 0, ["bc", "ac"]) -> ("a", False): "b" may begin "bc", and "a" here begins nothing;
+    ("caf\ufffd", 0, []) -> ("caf", False), and with final=True ("caf\ufffd", False)."""
     found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     if found:
         return text[sent:max(sent, min(found))], True
@@ -28,11 +37,9 @@ def next_piece(text: str, sent: int, stops: list[str], final: bool = False) -> t
     if not final:
         while end > sent and text[end - 1] == REPLACEMENT:
             end -= 1
-        for s in stops:
-            for k in range(min(len(s) - 1, end), 0, -1):    # the longest first
-                if text[:end].endswith(s[:k]):
-                    end -= k
-                    break
+        hold = max((k for s in stops for k in range(1, len(s)) if text[:end].endswith(s[:k])),
+                   default=0)                       # the longest end of text that begins a stop
+        end -= hold
     return text[sent:max(sent, end)], False
 
 
