@@ -194,6 +194,14 @@ class PagedKVCache(SlotCache):
         if not blocks:
             return 0
         m = len(blocks)
+        if m * self.block_size >= len(context):
+            raise ValueError(f"match_prefix gave {m} blocks ({m * self.block_size} tokens) for a "
+                             f"context of {len(context)} tokens: the last token must be left to "
+                             f"compute, for the logits of the request's next token")
+        unknown = [b for b in blocks if b not in self.prefix.hash_of]
+        if unknown:
+            raise ValueError(f"match_prefix gave blocks {unknown}, which hold no cached prefix: "
+                             f"it returns blocks of `cached`, the values of its names")
         self.prefix.share(blocks)
         fresh, self.tables[slot][:m] = self.tables[slot][:m], blocks
         self._free(fresh)

@@ -18,7 +18,9 @@ used goes first. Only full blocks, whose every position has been written, are ev
 block is never shared while it is still being written, and no shared block is written again:
 copy-on-write is not needed.
 
-Seams: `block_hashes` and `match_prefix` (exercise 08).
+Seams (exercise 08): `block_hashes` and `match_prefix`, the names and the lookup; `take_blocks`,
+`share_blocks` and `release_blocks`, the reference counts and the least-recently-used eviction
+that `PrefixCache` runs on.
 """
 
 import hashlib
@@ -27,11 +29,17 @@ from collections import OrderedDict
 
 
 def block_hashes(tokens: list[int], block_size: int, parent: bytes = b"") -> list[bytes]:
-    """One hash per *full* block of tokens (a last partial block gets none): block i's is the
-    sha256 digest of the previous block's hash (parent for block 0) followed by its own
-    block_size tokens, so equal hashes mean equal prefixes, not only equal blocks.
-    (The bytes of a block's tokens: array("q", block).tobytes(); the digest:
-    hashlib.sha256(previous + those bytes).digest().)"""
+    """The names of the full blocks of tokens, in order: a last partial block gets none.
+
+    Block i's name stands for everything up to its end, parent's prefix and tokens[:(i + 1) *
+    block_size]: two blocks get the same name exactly when they hold the same tokens after the
+    same prefix. A name is the digest (bytes) of a cryptographic hash (hashlib), made from the
+    name before it and the block's own tokens, so that different prefixes never share one.
+    parent is the name of the block before tokens[0] (b"": tokens start a context), so that
+    naming a context a few blocks at a time gives the names of naming it at once.
+    Example, blocks of 2: [1, 2, 3, 4, 5] -> [n0, n1] (5 is in no full block); [9, 9, 3, 4] ->
+    [m0, m1] with m0 != n0 and m1 != n1 ([3, 4] after [9, 9] is another prefix); and
+    block_hashes([3, 4], 2, parent=n0) -> [n1]."""
     hashes = []
     for i in range(len(tokens) // block_size):
         block = array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes()
@@ -41,16 +49,72 @@ def block_hashes(tokens: list[int], block_size: int, parent: bytes = b"") -> lis
 
 
 def match_prefix(context: list[int], block_size: int, cached: dict[bytes, int]) -> list[int]:
-    """The cached blocks that hold context's longest cached prefix, in order: the blocks of
-    its leading full blocks whose hashes (prefix_cache.block_hashes) are all in cached
-    (hash -> block), stopping at the first miss. The last token of the context is never
-    covered: a request must compute at least one token to have logits to sample from."""
+    """The cached blocks that a new request's context can share, in order: the blocks of its
+    longest prefix of full blocks whose names (prefix_cache.block_hashes) are all in cached
+    (name -> block). A block counts only after all the blocks before it: its keys belong after
+    theirs. The context's last token is never covered: the request must compute at least one
+    token, whose logits give its next token.
+    Example, blocks of 4, a context of 13 tokens whose blocks 0, 1, 2 are cached as 7, 3, 5:
+    [7, 3, 5]; with block 1 not cached: [7]; the first 12 tokens alone: [7, 3] (block 2
+    holds the last token)."""
     blocks = []
     for h in block_hashes(context[:-1], block_size):
         if h not in cached:
             break
         blocks.append(cached[h])
     return blocks
+
+
+def take_blocks(pc: "PrefixCache", n: int) -> list[int] | None:
+    """n blocks for one block table, each now held once (pc.refs[b] == 1): the allocator's
+    free blocks first, then cached blocks that nobody holds (pc.evictable), the least recently
+    released first; such a block's name leaves the cache (pc.cached and pc.hash_of), since its
+    keys are about to be overwritten. With fewer than n to be had (pc.n_free()), None, and
+    nothing changes.
+    Example: 1 free block (4) and evictable blocks 2, then 6 (2 released first): take_blocks(pc,
+    2) -> [4, 2]; block 2's name is gone, block 6 stays cached."""
+    if n > pc.n_free():
+        return None
+    blocks = pc.allocator.allocate(min(n, pc.allocator.n_free()))
+    while len(blocks) < n:
+        b, _ = pc.evictable.popitem(last=False)         # the least recently released
+        del pc.cached[pc.hash_of.pop(b)]
+        blocks.append(b)
+    for b in blocks:
+        pc.refs[b] = 1
+    return blocks
+
+
+def share_blocks(pc: "PrefixCache", blocks: list[int]) -> None:
+    """One more block table holds these cached blocks (a newcomer's matched prefix): each one's
+    count grows by one, and a block that nobody held is no longer evictable (it is in use).
+    Example: block 6, evictable with refs 0 -> refs 1, not evictable; block 3 with refs 2 ->
+    refs 3."""
+    for b in blocks:
+        pc.refs[b] += 1
+        pc.evictable.pop(b, None)
+
+
+def release_blocks(pc: "PrefixCache", blocks: list[int]) -> None:
+    """A block table lets go of its blocks (its request finished, was aborted or preempted):
+    each one's count falls by one. A block nobody holds any more goes back: if it has a name
+    (pc.hash_of), it stays cached and becomes evictable as the most recently released;
+    otherwise the allocator takes it (pc.allocator.free). A table's blocks are released from
+    its last to its first, so that a prefix is evicted from its end: its first blocks, which
+    more requests share, stay longest. A block nobody holds raises ValueError naming it, and
+    nothing changes.
+    Example: a table [2, 6, 9] held once, 2 and 6 named, 9 not: 9 goes to the allocator, and
+    pc.evictable ends [..., 6, 2] (6 is evicted before 2)."""
+    for b in blocks:
+        if pc.refs[b] < 1:
+            raise ValueError(f"block {b} is not held by any table")
+    for b in reversed(blocks):
+        pc.refs[b] -= 1
+        if pc.refs[b] == 0:
+            if b in pc.hash_of:
+                pc.evictable[b] = None
+            else:
+                pc.allocator.free([b])
 
 
 class PrefixCache:
@@ -74,40 +138,16 @@ class PrefixCache:
         return self.allocator.n_free() + len(self.evictable)
 
     def allocate(self, n: int) -> list[int] | None:
-        """n blocks for one table (refs 1): free ones first, then the least recently used
-        cached ones. None, and nothing taken, when fewer than n are free."""
-        if n > self.n_free():
-            return None
-        blocks = self.allocator.allocate(min(n, self.allocator.n_free()))
-        while len(blocks) < n:
-            b, _ = self.evictable.popitem(last=False)   # least recently used
-            del self.cached[self.hash_of.pop(b)]
-            blocks.append(b)
-        for b in blocks:
-            self.refs[b] = 1
-        return blocks
+        """n blocks for one table (take_blocks)."""
+        return take_blocks(self, n)
 
     def share(self, blocks: list[int]) -> None:
-        """One more table holds these cached blocks."""
-        for b in blocks:
-            self.refs[b] += 1
-            self.evictable.pop(b, None)
+        """One more table holds these cached blocks (share_blocks)."""
+        share_blocks(self, blocks)
 
     def free(self, blocks: list[int]) -> None:
-        """A table lets go of blocks: a block nobody holds goes back to the allocator, or,
-        if it holds a prefix, waits among the evictable as the most recently used. The last
-        block goes first, so a prefix is evicted from its end: its first blocks, which more
-        requests share, stay longest (a block is only found after its parents)."""
-        for b in blocks:
-            if self.refs[b] < 1:
-                raise ValueError(f"block {b} is not held by any table")
-        for b in reversed(blocks):
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                if b in self.hash_of:
-                    self.evictable[b] = None
-                else:
-                    self.allocator.free([b])
+        """A table lets go of these blocks (release_blocks)."""
+        release_blocks(self, blocks)
 
     def register(self, block: int, h: bytes) -> None:
         """block is full and holds the prefix named h. If another block already holds it,

@@ -1,17 +1,18 @@
-"""Exercise 08 - prefix caching: your block hashes and prefix match inside
-ContinuousEngine(kv="paged", prefix_cache=True)."""
+"""Exercise 08 - prefix caching: your block names, prefix match, reference counts and eviction
+inside ContinuousEngine(kv="paged", prefix_cache=True)."""
 
 import functools
-import hashlib
 import random
-from array import array
 
 import pytest
 import torch
 
+from tinyllm import prefix_cache, seams
 from tinyllm.check import divergence, explained, leaks
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import generate
+from tinyllm.paged_kv import BlockAllocator
+from tinyllm.prefix_cache import PrefixCache
 from tinyllm.requests import Request
 from tinyllm.sampling import Sampling
 from tests.conftest import make_tiny
@@ -20,9 +21,9 @@ EXERCISE = "ex08_prefix_caching"
 TINY = make_tiny(seed=9)
 
 
-def sha(parent: bytes, block: list[int]) -> bytes:
-    """The documented name of a block: sha256 of its parent's name and its tokens as int64."""
-    return hashlib.sha256(parent + array("q", block).tobytes()).digest()
+def reference_hashes(tokens: list[int], block_size: int, parent: bytes = b"") -> list[bytes]:
+    """The package's own block names (not yours)."""
+    return seams.reference("08")["block_hashes"](tokens, block_size, parent)
 
 
 # ---- block_hashes ----------------------------------------------------------------------------
@@ -42,18 +43,38 @@ def test_one_hash_per_full_block(impl, n_tokens, block_size, want):
                               f"= {want} full blocks, so {want} hashes (a partial block gets none), got {len(got)}")
 
 
-def test_block_hashes_are_the_documented_sha256_chain(impl):
-    """Block 0: sha256(b"" + its tokens as int64); block i: sha256(block i-1's hash + its
-    tokens). The engine's books and the tests compare these very bytes."""
-    tokens = [5, 17, 3, 88, 40, 2, 61, 7, 9]
-    h0 = sha(b"", [5, 17, 3, 88])
-    h1 = sha(h0, [40, 2, 61, 7])
-    got = hashed(impl, tokens, 4)
-    assert got[:1] == [h0], ("block 0 of [5, 17, 3, 88, ...]: expected hashlib.sha256(b'' + "
-                             "array('q', [5, 17, 3, 88]).tobytes()).digest(), got another digest")
-    assert got[1:2] == [h1], ("block 1 is named by sha256(block 0's hash + array('q', [40, 2, 61, 7])"
-                              ".tobytes()): the chain's second link differs")
-    assert len(got) == 2, f"9 tokens in blocks of 4: 2 hashes (the last token's partial block has none), got {len(got)}"
+def test_names_are_digests_that_depend_on_the_tokens_alone(impl):
+    """A name is bytes (a hashlib digest), the same for the same tokens in any call, and
+    another for other tokens: the engine names blocks in one call and looks them up in another."""
+    a = hashed(impl, [5, 17, 3, 88, 40, 2, 61, 7, 9], 4)
+    assert all(len(h) >= 16 for h in a), \
+        f"names of {[len(h) for h in a]} bytes: use a cryptographic digest (hashlib), 16 bytes or more"
+    assert hashed(impl, [5, 17, 3, 88, 40, 2, 61, 7, 9], 4) == a, "the same tokens, another call: the same names"
+    b = hashed(impl, [5, 17, 3, 88, 40, 2, 61, 8], 4)
+    assert b[0] == a[0] and b[1] != a[1], \
+        "[40, 2, 61, 7] and [40, 2, 61, 8] after the same block 0 are different prefixes: block 1's names differ"
+    c = hashed(impl, [5, 17, 88, 3], 4)
+    assert c[0] != a[0], "[5, 17, 3, 88] and [5, 17, 88, 3] hold the same tokens in another order: other names"
+    d = hashed(impl, [1, 23], 2)
+    e = hashed(impl, [12, 3], 2)
+    assert d != e, ("[1, 23] and [12, 3] must have different names: tokens written as text side "
+                    "by side ('123') collide; give each token its own bytes")
+
+
+def test_random_prefixes_have_names_as_distinct_as_they_are(impl):
+    """Many random token lists, some sharing starts: two blocks share a name exactly when
+    they close the same prefix."""
+    rng = random.Random(3)
+    base = [rng.randrange(0, 50) for _ in range(12)]
+    lists = [base[:rng.randint(0, 12)] + [rng.randrange(0, 50) for _ in range(rng.randint(0, 8))]
+             for _ in range(60)]
+    names: dict[bytes, tuple] = {}
+    for t in lists:
+        for i, h in enumerate(hashed(impl, t, 3)):
+            prefix = tuple(t[:(i + 1) * 3])
+            assert names.setdefault(h, prefix) == prefix, \
+                f"the prefixes {list(names[h])} and {list(prefix)} got the same name"
+    assert len(set(names.values())) == len(names)
 
 
 def test_the_same_block_after_another_prefix_has_another_hash(impl):
@@ -80,10 +101,8 @@ def test_parent_continues_a_chain(impl):
 
 
 # ---- match_prefix ----------------------------------------------------------------------------
-CTX = list(range(1, 13))                # 12 tokens: 3 blocks of 4, and their documented hashes
-H = [sha(b"", CTX[:4])]
-H.append(sha(H[0], CTX[4:8]))
-H.append(sha(H[1], CTX[8:12]))
+CTX = list(range(1, 13))                # 12 tokens: 3 blocks of 4, and the package's names for them
+H = reference_hashes(CTX, 4)
 
 
 def matched(impl, context, cached):
@@ -130,6 +149,107 @@ def test_match_prefix_of_a_context_shorter_than_a_block(impl):
     """Fewer tokens than a block: no full block, nothing to reuse."""
     got = matched(impl, [1, 2, 3], {H[0]: 7})
     assert got == [], f"3 tokens, blocks of 4: no full block to reuse, expected [], got {got}"
+
+
+# ---- take_blocks, share_blocks, release_blocks -------------------------------------------------
+def pool(n_blocks=8, named=()) -> PrefixCache:
+    """A PrefixCache over a fresh pool; `named` blocks are taken by one table, given names,
+    and released (so they wait, evictable, in that order)."""
+    pc = PrefixCache(BlockAllocator(n_blocks), 4)
+    for b in named:
+        pc.allocator.free_list.remove(b)
+        pc.allocator.allocated[b] = True
+        pc.refs[b] = 1
+        pc.register(b, bytes([b]) * 32)
+    for b in named:
+        pc.refs[b] = 0
+        pc.evictable[b] = None
+    return pc
+
+
+def books(pc: PrefixCache) -> tuple:
+    return (list(pc.refs), dict(pc.cached), dict(pc.hash_of), list(pc.evictable),
+            sorted(pc.allocator.free_list))
+
+
+def test_take_blocks_takes_free_blocks_first(impl):
+    pc = pool(8, named=[2, 6])
+    with explained("take_blocks(pc, 3) from 6 free blocks and 2 evictable ones"):
+        got = impl.take_blocks(pc, 3)
+    assert isinstance(got, list) and len(got) == 3 and len(set(got)) == 3, \
+        f"take_blocks(pc, 3) returns a list of 3 distinct blocks, got {got!r}"
+    assert not {2, 6} & set(got), \
+        f"6 blocks are free: take those, and keep the cached blocks 2 and 6 cached; got {got}"
+    assert all(pc.refs[b] == 1 for b in got), \
+        f"each block taken is held by one table: refs {[pc.refs[b] for b in got]}, expected 1 each"
+    assert list(pc.evictable) == [2, 6] and set(pc.cached.values()) == {2, 6}, \
+        "blocks 2 and 6 stay cached and evictable"
+
+
+def test_take_blocks_evicts_the_least_recently_released(impl):
+    pc = pool(4, named=[2, 0, 3])                   # released in that order: 2 is the oldest
+    free = list(pc.allocator.free_list)             # block 1
+    with explained("take_blocks(pc, 2) from 1 free block and evictable 2, 0, 3"):
+        got = impl.take_blocks(pc, 2)
+    assert got is not None and sorted(got) == sorted(free + [2]), \
+        (f"1 free block ({free[0]}) and evictable blocks 2, 0, 3 (2 released first): take "
+         f"{free[0]}, then the least recently released, 2; got {got}")
+    assert bytes([2]) * 32 not in pc.cached and 2 not in pc.hash_of, \
+        "block 2 is about to be overwritten: its name must leave pc.cached and pc.hash_of"
+    assert list(pc.evictable) == [0, 3] and pc.refs[2] == 1, \
+        f"0 and 3 stay evictable, 2 is held once: evictable {list(pc.evictable)}, refs[2] {pc.refs[2]}"
+
+
+def test_take_blocks_takes_nothing_when_too_few(impl):
+    pc = pool(4, named=[1])
+    before = books(pc)
+    got = impl.take_blocks(pc, 5)
+    assert got is None, f"4 blocks in all, 5 asked for: None, got {got!r}"
+    assert books(pc) == before, "take_blocks that cannot take n blocks changes nothing"
+
+
+def test_share_blocks_counts_one_more_table(impl):
+    pc = pool(6, named=[4, 5])
+    pc.refs[3] = 2
+    with explained("share_blocks(pc, [4, 3])"):
+        impl.share_blocks(pc, [4, 3])
+    assert (pc.refs[4], pc.refs[3]) == (1, 3), \
+        f"each shared block is held once more: refs[4] 0 -> 1, refs[3] 2 -> 3, got {pc.refs[4]}, {pc.refs[3]}"
+    assert list(pc.evictable) == [5], \
+        f"block 4 is in use again: it is no longer evictable (evictable should be [5], got {list(pc.evictable)})"
+
+
+def test_release_blocks_keeps_named_blocks_cached_last_block_first(impl):
+    pc = pool(12)
+    table = pc.allocator.allocate(3)                # a table's three blocks
+    for b in table:
+        pc.refs[b] = 1
+    pc.register(table[0], b"a" * 32)
+    pc.register(table[1], b"b" * 32)
+    shared = pc.allocator.allocate(1)[0]            # a block two tables hold
+    pc.refs[shared] = 2
+    with explained(f"release_blocks(pc, {table + [shared]})"):
+        impl.release_blocks(pc, table + [shared])
+    assert [pc.refs[b] for b in table] == [0, 0, 0] and pc.refs[shared] == 1, \
+        f"each count falls by one: refs {[pc.refs[b] for b in table + [shared]]}, expected [0, 0, 0, 1]"
+    assert table[2] in pc.allocator.free_list and table[2] not in pc.evictable, \
+        f"block {table[2]} has no name: the allocator takes it back"
+    assert list(pc.evictable) == [table[1], table[0]], \
+        (f"named blocks {table[:2]} stay cached, evictable from the table's end: expected "
+         f"evictable [{table[1]}, {table[0]}], got {list(pc.evictable)}")
+    assert shared not in pc.evictable and shared not in pc.allocator.free_list, \
+        f"block {shared} is still held by another table: it stays in use"
+
+
+def test_release_blocks_refuses_a_block_nobody_holds(impl):
+    pc = pool(6, named=[2])
+    held = pc.allocator.allocate(1)[0]
+    pc.refs[held] = 1
+    before = books(pc)
+    with pytest.raises(ValueError) as e:
+        impl.release_blocks(pc, [held, 2])
+    assert "2" in str(e.value), f"the error names block 2, which nobody holds: {e.value}"
+    assert books(pc) == before, "a release that is refused changes nothing, not even the blocks before"
 
 
 # ---- the engine ------------------------------------------------------------------------------
@@ -269,8 +389,8 @@ def test_a_match_ends_at_an_evicted_block(plug):
             eng.step()
         pc = eng.cache.prefix
         assert len(pc.cached) == 3, f"A's 3 full blocks should be cached, {len(pc.cached)} are"
-        first = [blk for h, blk in pc.cached.items() if h == reference_hashes(system, 4)[0]]
-        assert first, "A's block 0 is not in the cache under the reference hash of its tokens"
+        first = [blk for h, blk in pc.cached.items() if h == prefix_cache.block_hashes(system, 4)[0]]
+        assert first, "A's block 0 is not in the cache under the name block_hashes gives its tokens"
         evict(pc, first[0])
         rids.append(eng.add_request(c))
         while eng.has_work():
@@ -284,12 +404,6 @@ def test_a_match_ends_at_an_evicted_block(plug):
                          f"reused, the cache served {cached}")
     msg = leaks(eng)
     assert msg is None, msg
-
-
-def reference_hashes(tokens: list[int], block_size: int) -> list[bytes]:
-    """The package's own block names (not yours), to find a block in the cache."""
-    from tinyllm import seams
-    return seams.reference("08")["block_hashes"](tokens, block_size)
 
 
 def evict(pc, block: int) -> None:
@@ -366,5 +480,29 @@ def test_bundled_model_with_your_functions(plug, bundled64):
     assert cached >= 16 * (len(reqs) - 1), \
         (f"each of the {len(reqs) - 1} later speeches finds at least the 4 full blocks of the shared "
          f"18-token prefix, {16 * (len(reqs) - 1)} tokens in all; the cache served {cached}")
+    msg = leaks(eng)
+    assert msg is None, msg
+
+
+def test_a_tight_pool_keeps_what_the_reference_keeps(plug):
+    """Requests sharing system prompts through a pool so small that cached blocks are evicted
+    all the time: your books must serve exactly the prompt tokens the package's books serve
+    (the same blocks evicted, in the same order), and hold nothing at the end."""
+    reqs = requests(16, 5)
+
+    def run():
+        eng = ContinuousEngine(TINY, 2, kv="paged", block_size=2, kv_blocks=20, prefix_cache=True)
+        rids, _, _ = drive(eng, reqs, seed=11)
+        return eng, [eng.results[r].tokens for r in rids]
+    ref, ref_tokens = run()
+    plug()
+    eng, tokens = run()
+    for i, (e, g) in enumerate(zip(ref_tokens, tokens)):
+        msg = divergence(f"request {i}", e, g)
+        assert msg is None, msg
+    want, got = (e.stats.summary([])["cached_prompt_tokens"] for e in (ref, eng))
+    assert got == want, (f"the package's books serve {want} prompt tokens from the cache, yours "
+                         f"{got}: evict the least recently released block first, a table's last "
+                         f"block before its first, and only when no free block is left")
     msg = leaks(eng)
     assert msg is None, msg
