@@ -1,34 +1,60 @@
-"""Exercise 07 - chunked prefill: the chunks within a step's budget, and a sequence's next one.
+"""Exercise 07 - chunked prefill: a step's plan within its token budget, and a sequence's next
+chunk.
 
 Two seams of the reference package, both in `tinyllm.chunked_prefill`:
-- `plan_chunks` shares what is left of a step's token budget, after the decodes, among the
-  sequences whose contexts are being prefilled: first come first served;
+- `plan_step` is the scheduler's plan of every step: the decodes first, one token each; then
+  whether a newcomer may enter (only if the budget has room for it); then the contexts being
+  computed, first come first served, each all it has left or what the budget still holds;
 - `next_chunk` gives the tokens a sequence computes next, from `seq.computed` on, and says
   whether they end its context: only then does the step sample its next token.
 
-A `Sequence` (tinyllm.requests) holds `context()` (its prompt, and after a preemption the tokens
-it had made), `context_len()`, `computed` (how many of those tokens its slot holds) and
-`left()` (context_len() - computed).
+A `Sequence` (tinyllm.requests) holds `rid` (its arrival number), `slot`, `context()` (its
+prompt, and after a preemption the tokens it had made), `context_len()`, `computed` (how many
+of those tokens its slot holds) and `left()` (context_len() - computed).
 
 Check your work with `make check EX=07` (or `check_exercise("07")` in notebook 07). The tests
-plug your functions into `ContinuousEngine(max_step_tokens=N)` and compare every request's
-tokens with solo generate().
+plug your functions into `ContinuousEngine(max_step_tokens=N)`, on slots and on a paged pool
+small enough to preempt, and compare every request's tokens with solo generate().
 """
+
+from typing import Callable
 
 from tinyllm.requests import Sequence
 
 
-def plan_chunks(left: list[int], budget: int | None) -> list[int]:
-    """How many tokens each prefilling sequence computes this step. left[i] >= 1 is what
-    sequence i still has to compute, in arrival order; budget is the step's tokens left after
-    the decodes (None: no limit). First come first served: each takes all it has left, or
-    whatever the budget still holds; once the budget is spent the rest get 0. Returns one
-    count per sequence, each in 0..left[i], summing to at most budget."""
-    raise NotImplementedError("exercise 07: first come first served, within the budget")
+def plan_step(running: list[Sequence], budget: int | None,
+              admit: Callable[[], list[Sequence]]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+    """This step's work within a budget of `budget` tokens (None: no limit).
+
+    running: the sequences in slots, in slot order. One with seq.left() == 1 decodes (the
+    token it last sampled); one with more left is computing its context: a newcomer, a long
+    prompt a chunk at a time, or a preempted sequence recomputing what it had.
+    admit(): moves waiting sequences into free slots now and returns them, each with its
+    context left to compute. Call it at most once, and only when the budget has room for a
+    newcomer: some tokens left after the decodes and after everything the sequences in slots
+    still have to compute.
+    Returns (decodes, chunks):
+    - decodes: every decoding sequence, in slot order; they come first, one token each, and
+      are never left out (max_step_tokens >= the slots, so they always fit);
+    - chunks: (seq, n) for the sequences computing their contexts, the newcomers among them,
+      first come first served (by seq.rid): each takes all it has left, or what the budget
+      still holds; none gets n == 0.
+    Example: running A (rid 0, left 1), B (rid 2, left 10), C (rid 1, left 1); admit() would
+    bring D (rid 3, left 4). Budget 8: decodes [A, C], 6 tokens left < B's 10, so admit() is
+    not called, and chunks [(B, 6)]. Budget 16: 14 left > 10: admit() brings D, chunks
+    [(B, 10), (D, 4)]. No budget: admit() is called, chunks [(B, 10), (D, 4)]."""
+    raise NotImplementedError("exercise 07: decodes first, admit only if the budget has room, then chunks first come first served")
 
 
 def next_chunk(seq: Sequence, n: int) -> tuple[list[int], bool]:
-    """The n tokens of seq's context it computes next, the ones from seq.computed on, and
-    whether they finish its context (only then does the step sample its next token from
-    the last one's logits)."""
+    """The n tokens seq computes next, and whether they end its context.
+
+    seq.context() is what its slot must hold before it can sample again: its prompt, and
+    after a preemption the tokens it had made too. Its first seq.computed tokens are in the
+    slot already; the chunk is the n tokens after them. done says whether the chunk reaches
+    the end of the context: only then do the chunk's last logits give the next token. It
+    only reads seq (the engine moves seq.computed after the step).
+    Example: prompt [5, 6, 7, 8] and tokens made [40, 41] (it was preempted), computed 2:
+    next_chunk(seq, 3) -> ([7, 8, 40], False); with computed 5: next_chunk(seq, 1) ->
+    ([41], True)."""
     raise NotImplementedError("exercise 07: the next n tokens of the context, and whether they end it")

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinyllm.chunked_prefill import next_chunk, plan_chunks
+from tinyllm.chunked_prefill import next_chunk, plan_step
 from tinyllm.engine import ContinuousEngine, EngineConfig, Request, Sampling, Trace, run_continuous
 from tinyllm.paged_kv import BlockAllocator, PagedKVCache
 from tinyllm.prefix_cache import PrefixCache, block_hashes, match_prefix
@@ -43,12 +43,24 @@ def budget_kept(trace: Trace, budget: int) -> None:
 
 # ---- 07: chunked prefill ---------------------------------------------------------------------------
 
-def test_plan_chunks_first_come_first_served():
-    assert plan_chunks([5, 3, 4], None) == [5, 3, 4]
-    assert plan_chunks([5, 3, 4], 7) == [5, 2, 0]
-    assert plan_chunks([5, 3, 4], 0) == [0, 0, 0]
-    assert plan_chunks([2, 3], 100) == [2, 3]
-    assert plan_chunks([], 4) == []
+def seq_left(rid: int, left: int, slot: int) -> Sequence:
+    """A Sequence in `slot` with `left` tokens of its context still to compute."""
+    seq = Sequence(rid, Request(list(range(1, left + 1)), 4), 0.0, Sampling(), None)
+    seq.slot = slot
+    return seq
+
+
+def test_plan_step_decodes_first_then_chunks_first_come_first_served():
+    a, b, c, d = seq_left(0, 1, 0), seq_left(2, 10, 1), seq_left(1, 1, 2), seq_left(3, 4, 3)
+    calls = []
+
+    def admit():
+        calls.append(1)
+        return [d]
+    assert plan_step([a, b, c], 8, admit) == ([a, c], [(b, 6)]) and not calls
+    assert plan_step([a, b, c], 16, admit) == ([a, c], [(b, 10), (d, 4)]) and len(calls) == 1
+    assert plan_step([a, b, c], None, admit) == ([a, c], [(b, 10), (d, 4)]) and len(calls) == 2
+    assert plan_step([a, c], 2, admit) == ([a, c], []) and len(calls) == 2
 
 
 def test_next_chunk_samples_only_at_the_end_of_the_context():

@@ -4,7 +4,7 @@ Without a budget, a newcomer's whole context is prefilled in one step, and every
 request waits for that forward pass: one 450-token prompt stalls every stream for as long as
 450 tokens take. With `max_step_tokens=N` a step computes at most N tokens in all. The running
 requests' decode tokens come first (one each); what is left of the budget goes to contexts
-being prefilled, first come first served (`plan_chunks`), so a long prompt is prefilled a chunk
+being prefilled, first come first served (`plan_step`), so a long prompt is prefilled a chunk
 per step while the others keep decoding. This is the Sarathi-Serve scheme; vLLM calls the
 budget `max_num_batched_tokens`.
 
@@ -17,31 +17,61 @@ The decode rows and the chunk rows run as two forward passes of one step: our mo
 rectangular (B, T) batches, and padding every decode row to a chunk's width would cost more
 than a second pass. (vLLM packs all of a step's tokens into one flat row instead.)
 
-Seams: `plan_chunks` and `next_chunk` (exercise 07).
+Seams: `plan_step` and `next_chunk` (exercise 07).
 """
+
+from typing import Callable
 
 from tinyllm.requests import Sequence
 
 
-def plan_chunks(left: list[int], budget: int | None) -> list[int]:
-    """How many tokens each prefilling sequence computes this step. left[i] >= 1 is what
-    sequence i still has to compute, in arrival order; budget is the step's tokens left after
-    the decodes (None: no limit). First come first served: each takes all it has left, or
-    whatever the budget still holds; once the budget is spent the rest get 0. Returns one
-    count per sequence, each in 0..left[i], summing to at most budget."""
-    if budget is None:
-        return list(left)
-    sizes = []
-    for n in left:
-        take = min(n, budget)
-        sizes.append(take)
-        budget -= take
-    return sizes
+def plan_step(running: list[Sequence], budget: int | None,
+              admit: Callable[[], list[Sequence]]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+    """This step's work within a budget of `budget` tokens (None: no limit).
+
+    running: the sequences in slots, in slot order. One with seq.left() == 1 decodes (the
+    token it last sampled); one with more left is computing its context: a newcomer, a long
+    prompt a chunk at a time, or a preempted sequence recomputing what it had.
+    admit(): moves waiting sequences into free slots now and returns them, each with its
+    context left to compute. Call it at most once, and only when the budget has room for a
+    newcomer: some tokens left after the decodes and after everything the sequences in slots
+    still have to compute.
+    Returns (decodes, chunks):
+    - decodes: every decoding sequence, in slot order; they come first, one token each, and
+      are never left out (max_step_tokens >= the slots, so they always fit);
+    - chunks: (seq, n) for the sequences computing their contexts, the newcomers among them,
+      first come first served (by seq.rid): each takes all it has left, or what the budget
+      still holds; none gets n == 0.
+    Example: running A (rid 0, left 1), B (rid 2, left 10), C (rid 1, left 1); admit() would
+    bring D (rid 3, left 4). Budget 8: decodes [A, C], 6 tokens left < B's 10, so admit() is
+    not called, and chunks [(B, 6)]. Budget 16: 14 left > 10: admit() brings D, chunks
+    [(B, 10), (D, 4)]. No budget: admit() is called, chunks [(B, 10), (D, 4)]."""
+    decodes = [s for s in running if s.left() == 1]
+    prefilling = [s for s in running if s.left() > 1]
+    budget = None if budget is None else budget - len(decodes)
+    if budget is None or budget > sum(s.left() for s in prefilling):
+        prefilling += admit()                           # room for a newcomer's first chunk
+    chunks = []
+    for seq in sorted(prefilling, key=lambda s: s.rid):
+        n = seq.left() if budget is None else min(seq.left(), budget)
+        if n == 0:
+            break
+        chunks.append((seq, n))
+        if budget is not None:
+            budget -= n
+    return decodes, chunks
 
 
 def next_chunk(seq: Sequence, n: int) -> tuple[list[int], bool]:
-    """The n tokens of seq's context it computes next, the ones from seq.computed on, and
-    whether they finish its context (only then does the step sample its next token from
-    the last one's logits)."""
+    """The n tokens seq computes next, and whether they end its context.
+
+    seq.context() is what its slot must hold before it can sample again: its prompt, and
+    after a preemption the tokens it had made too. Its first seq.computed tokens are in the
+    slot already; the chunk is the n tokens after them. done says whether the chunk reaches
+    the end of the context: only then do the chunk's last logits give the next token. It
+    only reads seq (the engine moves seq.computed after the step).
+    Example: prompt [5, 6, 7, 8] and tokens made [40, 41] (it was preempted), computed 2:
+    next_chunk(seq, 3) -> ([7, 8, 40], False); with computed 5: next_chunk(seq, 1) ->
+    ([41], True)."""
     context = seq.context()
     return context[seq.computed:seq.computed + n], seq.computed + n == len(context)

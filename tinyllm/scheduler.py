@@ -8,7 +8,8 @@ in arrival order, to be recomputed from its prompt and the tokens it has made
 (`reserve_or_preempt`). Then it moves waiting sequences into free slots, first come first
 served (`admit_waiting`, 04); a sequence that finishes or is aborted leaves its slot at once
 (`leave_slot`, 04). Last it plans the step (`plan`): one token for each decoding sequence, and
-the contexts of the others, whole or in chunks within a token budget (chunked_prefill.py, 07).
+the contexts of the others, whole or in chunks within a token budget (`plan_step`,
+chunked_prefill.py, 07).
 It asks the cache questions (`can_admit`, `reserve`, `reuse_prefix`) and never asks which kind
 of cache it holds.
 
@@ -68,6 +69,28 @@ def reserve_or_preempt(running: dict, waiting: deque, cache: SlotCache) -> list[
     return preempted
 
 
+def check_plan(decoding: list[Sequence], decodes: list[Sequence],
+               chunks: list[tuple[Sequence, int]], budget: int | None, running: dict) -> None:
+    """Raise ValueError naming what a step's plan gets wrong: a decode left out or added, a
+    sequence twice, a chunk of no token or of more than is left, a plan over the budget."""
+    if [s.rid for s in decodes] != [s.rid for s in decoding]:
+        raise ValueError(f"plan_step's decodes are requests {[s.rid for s in decodes]}; the "
+                         f"decoding sequences (one token left) are {[s.rid for s in decoding]}, "
+                         f"in slot order, and none is ever left out")
+    seen = [s.rid for s in decodes] + [s.rid for s, _ in chunks]
+    if len(set(seen)) != len(seen) or any(running.get(s.slot) is not s for s, _ in chunks):
+        raise ValueError(f"plan_step planned requests {seen}: each running request at most "
+                         f"once, and only requests in a slot")
+    for seq, n in chunks:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= seq.left():
+            raise ValueError(f"plan_step gave request {seq.rid} a chunk of {n!r} tokens; it has "
+                             f"{seq.left()} left, and a chunk holds 1 to that many")
+    total = len(decodes) + sum(n for _, n in chunks)
+    if budget is not None and total > budget:
+        raise ValueError(f"plan_step planned {total} tokens ({len(decodes)} decodes and chunks "
+                         f"{[n for _, n in chunks]}), over the step's budget of {budget}")
+
+
 class Scheduler:
     """The waiting queue and the running sequences (by slot) of one SlotCache."""
 
@@ -114,28 +137,15 @@ class Scheduler:
         return admitted
 
     def plan(self, max_tokens: int | None) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-        """This step's work within a budget of max_tokens (None: no limit; 07): the decodes,
-        every running sequence with one token left, in slot order; then, if the budget is not
-        spent by them and the prompts already being prefilled, newcomers are admitted; the
-        chunks go to the sequences with more left (the newcomers among them), first come first
-        served (plan_chunks). Returns the decodes and the chunks (sequence, tokens it
-        computes)."""
-        decodes = [s for s in self.in_slot_order() if s.left() == 1]
-        ids = {s.rid for s in decodes}
-        budget = None if max_tokens is None else max_tokens - len(decodes)
-        started = sum(s.left() for s in self.running.values() if s.rid not in ids)
-        if budget is None or budget > started:          # room for a newcomer's first chunk
-            self.admit()
-        prefilling = sorted((s for s in self.running.values() if s.rid not in ids),
-                            key=lambda s: s.rid)
-        left = [s.left() for s in prefilling]
-        sizes = chunked_prefill.plan_chunks(list(left), budget)
-        if not isinstance(sizes, (list, tuple)) or len(sizes) != len(left) \
-                or any(not 0 <= n <= m for n, m in zip(sizes, left)) \
-                or (budget is not None and sum(sizes) > budget):
-            raise ValueError(f"plan_chunks gave {sizes} to sequences with {left} tokens left "
-                             f"and a budget of {budget}")
-        return decodes, [(s, n) for s, n in zip(prefilling, sizes) if n > 0]
+        """This step's work within a budget of max_tokens (None: no limit; 07): a token for
+        every decoding sequence, then the contexts being computed, newcomers admitted only if
+        the budget has room for them (chunked_prefill.plan_step). Returns the decodes and the
+        chunks (sequence, tokens it computes); a plan that breaks the rules is named."""
+        running = self.in_slot_order()
+        decoding = [s for s in running if s.left() == 1]
+        decodes, chunks = chunked_prefill.plan_step(running, max_tokens, self.admit)
+        check_plan(decoding, decodes, chunks, max_tokens, self.running)
+        return decodes, chunks
 
     # ---- 4) retire --------------------------------------------------------------------------
     def finish(self, seq: Sequence) -> None:

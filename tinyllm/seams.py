@@ -22,7 +22,7 @@ SEAMS: dict[str, tuple[tuple[str, str], ...]] = {
            ("tinyllm.scheduler", "reserve_or_preempt")),
     "06": (("tinyllm.cuda_graph", "choose_bucket"), ("tinyllm.cuda_graph", "fill_static"),
            ("tinyllm.cuda_graph", "decode_step")),
-    "07": (("tinyllm.chunked_prefill", "plan_chunks"), ("tinyllm.chunked_prefill", "next_chunk")),
+    "07": (("tinyllm.chunked_prefill", "plan_step"), ("tinyllm.chunked_prefill", "next_chunk")),
     "08": (("tinyllm.prefix_cache", "block_hashes"), ("tinyllm.prefix_cache", "match_prefix"),
            ("tinyllm.prefix_cache", "take_blocks"), ("tinyllm.prefix_cache", "share_blocks"),
            ("tinyllm.prefix_cache", "release_blocks")),

@@ -1,5 +1,5 @@
-"""Exercise 07 - chunked prefill: your budget plan and next chunk inside
-ContinuousEngine(max_step_tokens=N), slots and paged."""
+"""Exercise 07 - chunked prefill: your step plan (decodes, admission, chunks within the budget)
+and next chunk inside ContinuousEngine(max_step_tokens=N), slots and paged."""
 
 import functools
 import random
@@ -19,59 +19,114 @@ EXERCISE = "ex07_chunked_prefill"
 TINY = make_tiny(seed=8)
 
 
-# ---- plan_chunks -----------------------------------------------------------------------------
-def planned(impl, left, budget):
-    got = impl.plan_chunks(list(left), budget)
-    assert isinstance(got, (list, tuple)) and len(got) == len(left), \
-        f"plan_chunks({left}, {budget}) returns one count per sequence, a list of {len(left)}, got {got!r}"
-    return list(got)
+# ---- plan_step -------------------------------------------------------------------------------
+def seq_left(rid: int, left: int, slot: int | None = None) -> Sequence:
+    """A Sequence (rid = its arrival order) in `slot`, with `left` tokens still to compute."""
+    seq = Sequence(rid, Request(list(range(1, left + 1)), 8), 0.0, Sampling(), None)
+    seq.slot = slot
+    return seq
 
 
-def test_plan_chunks_first_come_first_served(impl):
-    """A budget of 7 for sequences with 5, 3 and 4 tokens left: the first takes its 5, the
-    second the 2 that remain, the third waits for the next step."""
-    got = planned(impl, [5, 3, 4], 7)
-    assert got == [5, 2, 0], (f"left [5, 3, 4], budget 7: the first takes all its 5, the second "
-                              f"the 2 left of the budget, the third 0 (first come first served): "
-                              f"expected [5, 2, 0], got {got}")
+class Admit:
+    """admit() for the tests: brings `newcomers` once, and counts its calls."""
+
+    def __init__(self, *newcomers):
+        self.newcomers, self.calls = list(newcomers), 0
+
+    def __call__(self):
+        self.calls += 1
+        out, self.newcomers = self.newcomers, []
+        return out
 
 
-def test_plan_chunks_without_a_budget_takes_every_context_whole(impl):
-    """budget None (no max_step_tokens): each sequence computes everything it has left."""
-    got = planned(impl, [5, 3, 40], None)
-    assert got == [5, 3, 40], f"left [5, 3, 40], no budget (None): each takes all it has left, expected [5, 3, 40], got {got}"
-    got = planned(impl, [], None)
-    assert got == [], f"nobody to prefill: expected [], got {got}"
+def planned(impl, running, budget, admit):
+    what = (f"plan_step(running with {[s.left() for s in running]} tokens left (rids "
+            f"{[s.rid for s in running]}), budget {budget})")
+    try:
+        got = impl.plan_step(list(running), budget, admit)
+    except (NotImplementedError, AssertionError):
+        raise
+    except TypeError as e:
+        if budget is None:
+            raise AssertionError(f"{what} raised TypeError: {e}; a budget of None means no "
+                                 f"limit: every sequence takes all it has left") from None
+        raise AssertionError(f"{what} raised TypeError: {e}") from None
+    assert isinstance(got, tuple) and len(got) == 2, \
+        f"{what} returns (decodes, chunks), got {got!r}"
+    decodes, chunks = got
+    assert all(isinstance(c, tuple) and len(c) == 2 for c in chunks), \
+        f"{what}: chunks are (sequence, n) pairs, got {chunks!r}"
+    return list(decodes), [(s.rid, n) for s, n in chunks]
 
 
-def test_plan_chunks_with_a_spent_budget_gives_nothing(impl):
-    """The decodes took the whole budget: every prefilling sequence waits (0 each)."""
-    got = planned(impl, [5, 3, 4], 0)
-    assert got == [0, 0, 0], f"left [5, 3, 4], budget 0: nobody computes anything, expected [0, 0, 0], got {got}"
+def test_plan_step_decodes_first_then_prompts_first_come_first_served(impl):
+    """Budget 8: A and C decode (2 tokens); B (10 left) takes the 6 that remain. 6 < 10, so
+    nothing is left for a newcomer: admit() is not called."""
+    a, b, c = seq_left(0, 1, 0), seq_left(2, 10, 1), seq_left(1, 1, 2)
+    admit = Admit(seq_left(3, 4, 3))
+    decodes, chunks = planned(impl, [a, b, c], 8, admit)
+    assert decodes == [a, c], \
+        f"the decoding sequences (1 token left) are A and C, in slot order: got rids {[s.rid for s in decodes]}"
+    assert chunks == [(2, 6)], f"B (rid 2) takes the 6 tokens the decodes left of 8: expected [(2, 6)], got {chunks}"
+    assert admit.calls == 0, ("after the decodes and B's 10 tokens the budget of 8 has no room "
+                              "for a newcomer: admit() must not be called (it would take a slot "
+                              "and memory for a request that computes nothing this step)")
 
 
-@pytest.mark.parametrize("left, budget, want", [([3, 4], 7, [3, 4]), ([3, 4], 3, [3, 0]),
-                                                ([2, 3], 100, [2, 3]), ([9], 9, [9])],
-                         ids=["3,4 budget 7", "3,4 budget 3", "2,3 budget 100", "9 budget 9"])
-def test_plan_chunks_with_an_exact_or_ample_budget(impl, left, budget, want):
-    """A budget that ends exactly where a sequence's context does, or exceeds them all."""
-    got = planned(impl, left, budget)
-    assert got == want, (f"left {left}, budget {budget}: each takes all it has left while the "
-                         f"budget lasts, expected {want}, got {got}")
+def test_plan_step_admits_when_the_budget_has_room(impl):
+    """Budget 16: 2 decodes, B's 10, and 4 more: admit() brings D (rid 3), which takes them."""
+    a, b, c, d = seq_left(0, 1, 0), seq_left(2, 10, 1), seq_left(1, 1, 2), seq_left(3, 4, 3)
+    admit = Admit(d)
+    decodes, chunks = planned(impl, [a, b, c], 16, admit)
+    assert admit.calls == 1, f"14 tokens left after the decodes, B needs 10: admit() once, called {admit.calls} times"
+    assert chunks == [(2, 10), (3, 4)], \
+        f"B takes its 10, then newcomer D its 4: expected [(2, 10), (3, 4)], got {chunks}"
+    assert decodes == [a, c]
 
 
-@pytest.mark.parametrize("left, budget, want", [([1, 1, 1, 1], 2, [1, 1, 0, 0]),
-                                                ([2, 9, 1, 6], 5, [2, 3, 0, 0]),
-                                                ([10, 1, 1], 4, [4, 0, 0]),
-                                                ([1, 20, 3, 2], 11, [1, 10, 0, 0])],
-                         ids=["1,1,1,1 budget 2", "2,9,1,6 budget 5", "10,1,1 budget 4", "1,20,3,2 budget 11"])
-def test_plan_chunks_spreads_the_budget_in_arrival_order(impl, left, budget, want):
-    """A budget that covers some sequences and part of one: the part goes to the first that
-    does not fit, the ones after it get 0 (nobody overtakes, and nobody splits the budget evenly)."""
-    got = planned(impl, left, budget)
-    assert got == want, (f"left {left}, budget {budget}: in arrival order each takes min(left, "
-                         f"what the budget still holds), expected {want}, got {got}")
-    assert sum(got) <= budget, f"the counts {got} sum to more than the budget {budget}"
+def test_plan_step_admits_nobody_when_the_prompts_take_the_rest(impl):
+    """Budget 7: A decodes, B takes the 6 it has left: nothing remains for a newcomer, so
+    admit() is not called (a newcomer would hold a slot and compute nothing)."""
+    a, b = seq_left(0, 1, 0), seq_left(1, 6, 1)
+    admit = Admit(seq_left(2, 3))
+    decodes, chunks = planned(impl, [a, b], 7, admit)
+    assert chunks == [(1, 6)] and admit.calls == 0, \
+        (f"1 decode and B's 6 tokens fill the budget of 7 exactly: chunks [(1, 6)] and no "
+         f"admission; got {chunks}, admit() called {admit.calls} times")
+
+
+def test_plan_step_without_a_budget_takes_every_context_whole(impl):
+    """budget None (no max_step_tokens): everyone computes all it has left, newcomers too."""
+    a, b, d = seq_left(0, 1, 0), seq_left(2, 30, 1), seq_left(5, 44, 2)
+    admit = Admit(d)
+    decodes, chunks = planned(impl, [a, b], None, admit)
+    assert (decodes, chunks) == ([a], [(2, 30), (5, 44)]), \
+        f"no budget: A decodes, B takes its 30, newcomer its 44; got {[s.rid for s in decodes]}, {chunks}"
+    assert admit.calls == 1, "with no budget, newcomers are always admitted"
+
+
+def test_plan_step_with_a_spent_budget(impl):
+    """Three decodes and a budget of 3: no prompt computes anything, no newcomer enters."""
+    running = [seq_left(i, 1, i) for i in range(3)] + [seq_left(3, 5, 3)]
+    admit = Admit(seq_left(4, 2))
+    decodes, chunks = planned(impl, running, 3, admit)
+    assert len(decodes) == 3 and chunks == [], \
+        f"the decodes spend the budget of 3: chunks [] (no chunk of 0 tokens), got {chunks}"
+    assert admit.calls == 0, "a spent budget admits nobody"
+
+
+@pytest.mark.parametrize("lefts, budget, want", [
+    ([9, 3, 2], 5, [(0, 5)]), ([2, 9, 3, 6], 5, [(0, 2), (1, 3)]), ([2, 20, 3, 2], 11, [(0, 2), (1, 9)]),
+    ([3, 4], 7, [(0, 3), (1, 4)])], ids=["9,3,2 budget 5", "2,9,3,6 budget 5", "2,20,3,2 budget 11",
+                                         "3,4 budget 7"])
+def test_plan_step_spreads_the_budget_in_arrival_order(impl, lefts, budget, want):
+    """Prompts in slots in reverse arrival order: the budget goes by rid, all of each in turn,
+    a part to the first that does not fit, nothing to those after (nobody overtakes)."""
+    n = len(lefts)
+    running = [seq_left(i, left, n - 1 - i) for i, left in enumerate(lefts)][::-1]   # slot order
+    _, chunks = planned(impl, running, budget, Admit())
+    assert chunks == want, (f"tokens left {lefts} by arrival (rid 0 first), budget {budget}: "
+                            f"expected {want}, got {chunks}")
 
 
 # ---- next_chunk ------------------------------------------------------------------------------
@@ -228,6 +283,23 @@ def test_preempted_requests_are_recomputed_in_chunks(plug):
     budget_kept(trace, 6, "16 blocks of 4, max_step_tokens 6")
     assert eng.stats.preemptions > 0, "a pool of 16 blocks of 4 is small enough that someone is preempted"
     check_results(eng, rids, solo_tokens(10, 1), " (16 blocks of 4, max_step_tokens 6)")
+
+
+def test_a_preempted_request_samples_only_at_the_end_of_its_recompute(plug):
+    """Two requests of 3-token prompts and 24 new tokens in a pool of 12 blocks of 4: the
+    younger is preempted after it has made several tokens, then recomputes its prompt and
+    those tokens 4 or 5 at a time. Only the chunk that ends that whole context samples: a
+    chunk that passes the prompt's end is still mid-recompute."""
+    plug()
+    reqs = [Request([3, 1, 4], 24), Request([2, 7, 1], 24)]
+    trace = Trace()
+    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, kv_blocks=12, max_step_tokens=5,
+                           trace=trace)
+    rids = run_engine(eng, reqs, what="the chunked paged engine with your functions (12 blocks of 4)")
+    assert eng.stats.preemptions > 0, "the pool of 12 blocks is too small for both: one is preempted"
+    recomputed = eng.stats.summary([])["prefill_tokens"] - 6
+    assert recomputed > 5, "the preempted request had made tokens, and recomputes them in chunks"
+    check_results(eng, rids, [solo(TINY, r) for r in reqs], " (preempted, then recomputed in chunks)")
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(plug):
