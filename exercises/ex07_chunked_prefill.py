@@ -43,7 +43,8 @@ def plan_step(running: list[Sequence], budget: int | None,
     bring D (rid 3, left 4). Budget 8: decodes [A, C], 6 tokens left < B's 10, so admit() is
     not called, and chunks [(B, 6)]. Budget 16: 14 left > 10: admit() brings D, chunks
     [(B, 10), (D, 4)]. No budget: admit() is called, chunks [(B, 10), (D, 4)]."""
-    raise NotImplementedError("exercise 07: decodes first, admit only if the budget has room, then chunks first come first served")
+    raise NotImplementedError("exercise 07: decodes first, admit only if the budget has room, "
+                              "then chunks first come first served")
 
 
 def next_chunk(seq: Sequence, n: int) -> tuple[list[int], bool]:
@@ -57,4 +58,5 @@ def next_chunk(seq: Sequence, n: int) -> tuple[list[int], bool]:
     Example: prompt [5, 6, 7, 8] and tokens made [40, 41] (it was preempted), computed 2:
     next_chunk(seq, 3) -> ([7, 8, 40], False); with computed 5: next_chunk(seq, 1) ->
     ([41], True)."""
-    raise NotImplementedError("exercise 07: the next n tokens of the context, and whether they end it")
+    raise NotImplementedError("exercise 07: the next n tokens of the context, and whether they "
+                              "end it")

@@ -40,7 +40,8 @@ def block_hashes(tokens: list[int], block_size: int, parent: bytes = b"") -> lis
     Example, blocks of 2: [1, 2, 3, 4, 5] -> [n0, n1] (5 is in no full block); [9, 9, 3, 4] ->
     [m0, m1] with m0 != n0 and m1 != n1 ([3, 4] after [9, 9] is another prefix); and
     block_hashes([3, 4], 2, parent=n0) -> [n1]."""
-    raise NotImplementedError("exercise 08: a name per full block, chained from the name before it")
+    raise NotImplementedError("exercise 08: a name per full block, chained from the name "
+                              "before it")
 
 
 def match_prefix(context: list[int], block_size: int, cached: dict[bytes, int]) -> list[int]:
@@ -52,7 +53,8 @@ def match_prefix(context: list[int], block_size: int, cached: dict[bytes, int]) 
     Example, blocks of 4, a context of 13 tokens whose blocks 0, 1, 2 are cached as 7, 3, 5:
     [7, 3, 5]; with block 1 not cached: [7]; the first 12 tokens alone: [7, 3] (block 2
     holds the last token)."""
-    raise NotImplementedError("exercise 08: the longest run of cached leading blocks, never covering the last token")
+    raise NotImplementedError("exercise 08: the longest run of cached leading blocks, never "
+                              "covering the last token")
 
 
 def take_blocks(pc: "PrefixCache", n: int) -> list[int] | None:
@@ -63,7 +65,8 @@ def take_blocks(pc: "PrefixCache", n: int) -> list[int] | None:
     nothing changes.
     Example: 1 free block (4) and evictable blocks 2, then 6 (2 released first): take_blocks(pc,
     2) -> [4, 2]; block 2's name is gone, block 6 stays cached."""
-    raise NotImplementedError("exercise 08: free blocks first, then the least recently released cached ones")
+    raise NotImplementedError("exercise 08: free blocks first, then the least recently "
+                              "released cached ones")
 
 
 def share_blocks(pc: "PrefixCache", blocks: list[int]) -> None:
@@ -84,4 +87,5 @@ def release_blocks(pc: "PrefixCache", blocks: list[int]) -> None:
     nothing changes.
     Example: a table [2, 6, 9] held once, 2 and 6 named, 9 not: 9 goes to the allocator, and
     pc.evictable ends [..., 6, 2] (6 is evicted before 2)."""
-    raise NotImplementedError("exercise 08: counts down; a block nobody holds is evictable if named, else freed")
+    raise NotImplementedError("exercise 08: counts down; a block nobody holds is evictable if "
+                              "named, else freed")

@@ -39,7 +39,8 @@ def next_piece(text: str, sent: int, stops: list[str], final: bool = False) -> t
     -> ("\nNay", False); ("ab END cd STOP", 0, ["STOP", "END"]) -> ("ab ", True);
     ("ab", 0, ["bc", "ac"]) -> ("a", False): "b" may begin "bc", and "a" here begins nothing;
     ("caf\ufffd", 0, []) -> ("caf", False), and with final=True ("caf\ufffd", False)."""
-    raise NotImplementedError("exercise 10: the settled new text, cut at the earliest stop string")
+    raise NotImplementedError("exercise 10: the settled new text, cut at the earliest stop "
+                              "string")
 
 
 def dispatch(tickets: dict[int, Ticket], tokens: list[tuple[int, int, str | None]],
@@ -57,7 +58,8 @@ def dispatch(tickets: dict[int, Ticket], tokens: list[tuple[int, int, str | None
       the engine still stepped it) is dropped.
     Example: tickets {4: a, 7: b}, tokens [(4, 11, None), (7, 12, "stop"), (9, 13, None)] ->
     a's queue gets Event(4, 11, False, None), b's Event(7, 12, True, "stop"); tickets {4: a}."""
-    raise NotImplementedError("exercise 10: each token to its ticket's queue, a refusal as a 400")
+    raise NotImplementedError("exercise 10: each token to its ticket's queue, a refusal as a "
+                              "400")
 
 
 async def sse_events(pieces, kind: str, head: dict, n_prompt: int, include_usage: bool):
@@ -78,7 +80,8 @@ async def sse_events(pieces, kind: str, head: dict, n_prompt: int, include_usage
     data: {..head, "choices": [{"index": 0, "text": "Good", "finish_reason": null, ...}]},
     data: {..head, "choices": [{"index": 0, "text": " morrow", "finish_reason": "length", ...}]},
     data: [DONE]."""
-    raise NotImplementedError("exercise 10: the events of one streamed answer, then data: [DONE]")
+    raise NotImplementedError("exercise 10: the events of one streamed answer, then data: "
+                              "[DONE]")
 
 
 def percentile(xs: list[float], p: float) -> float:

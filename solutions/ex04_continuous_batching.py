@@ -30,12 +30,18 @@ from tinyllm.slot_cache import SlotCache
 
 
 def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Sequence]:
-    """Move waiting sequences into the cache's free slots, first come first served, and return
-    them in queue order. For each free slot: the first waiting sequence enters if the cache can
-    take its context (cache.can_admit([seq.context_len()])): it leaves the queue, the cache
-    admits it (cache.admit(slot, seq.context_len())), and it is recorded as running
-    (seq.slot = slot, running[slot] = seq). The first that does not fit stops admission:
-    nobody overtakes it."""
+    """Waiting sequences enter the cache's free slots, first come first served; returns them
+    in the order they entered.
+
+    A sequence enters when there is a free slot and the cache has room for its whole context
+    (seq.context_len(): its prompt, and after a preemption the tokens it had made, which it
+    computes again). The first that cannot enter stops admission: nobody overtakes it.
+    Afterwards each admitted sequence has left `waiting`, holds a slot (seq.slot, and
+    running[seq.slot] is seq), and the cache has admitted it there, with memory for its
+    context. Any free slot will do.
+    Example: three free slots, a pool with room for 3 blocks of 4, waiting r0 (5 tokens, 2
+    blocks with its next token), r1 (9 tokens, 3 blocks), r2 (2 tokens): r0 enters; r1 does
+    not fit, so r1 and r2 wait, in that order."""
     admitted = []
     for slot in cache.free_slots():
         if not waiting or not cache.can_admit([waiting[0].context_len()]):
@@ -48,20 +54,28 @@ def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Seque
 
 
 def leave_slot(seq: Sequence, running: dict, cache: SlotCache) -> None:
-    """seq leaves its slot (it finished, was aborted or is preempted): the cache frees the
-    slot and its memory (cache.release(slot)), running forgets it, and seq.slot is None."""
+    """seq gives its slot back (it finished, was aborted or is preempted). Afterwards the cache
+    has released the slot and its memory, running no longer holds it, and seq.slot is None, so
+    the next step may admit a waiting sequence there.
+    Example: r1 leaves slot 1 of a cache whose slots 0 and 1 were busy: cache.free_slots() is
+    then [1], running has no slot 1, and r1.slot is None."""
     cache.release(seq.slot)
     del running[seq.slot]
     seq.slot = None
 
 
 def ragged_mask(lens: list[int], q_lens: list[int], device) -> tuple[Tensor, Tensor]:
-    """Positions and mask of a ragged step of B rows. Row b holds lens[b] tokens and brings
-    q_lens[b] >= 1 new ones, in columns 0..q_lens[b]-1 of a (B, T) batch, T = max(q_lens);
-    its later columns are padding. Returns positions (B, T): column i of row b sits at
-    lens[b] + i (a padding column repeats the row's last new position), and the mask
-    (B, 1, T, W) over W = max(lens[b] + q_lens[b]) keys: True where key j <= the column's
-    position (causal, and never past the row's own tokens)."""
+    """Positions and mask of a ragged step of B rows.
+
+    Row b's slot holds lens[b] tokens, and the row brings q_lens[b] >= 1 new ones, in columns
+    0..q_lens[b]-1 of a (B, T) batch, T = max(q_lens); its later columns are padding.
+    Returns positions (B, T), long: each new token's position in its own sequence (a padding
+    column repeats the row's last new position); and the mask (B, 1, T, W), bool, over the
+    W = max(lens[b] + q_lens[b]) keys any row may see: True where a column may attend to a
+    key, which is every key of its own sequence up to and including itself, never one after.
+    Example: lens [4, 0], q_lens [1, 3] (a decode, and a 3-token prompt in an empty slot):
+    positions [[4, 4, 4], [0, 1, 2]]; W = 5; row 0's column 0 sees keys 0..4, row 1's column 1
+    keys 0..1, and row 1 never sees key 3 or 4."""
     lens_t = torch.tensor(lens, device=device)[:, None]                 # (B, 1)
     last = torch.tensor(q_lens, device=device)[:, None] - 1             # (B, 1)
     cols = torch.arange(max(q_lens), device=device)[None, :]            # (1, T)

@@ -236,7 +236,7 @@ class PagedKVCache(SlotCache):
     def allocated_tokens(self) -> int:
         return (self.n_blocks - self.n_free()) * self.block_size
 
-    def _capacity(self, slot: int) -> int:
+    def capacity(self, slot: int) -> int:
         return min(self.max_len, len(self.tables[slot]) * self.block_size)
 
     # ---- the step: write and read through the block tables ---------------------------------

@@ -24,12 +24,18 @@ from tinyllm.slot_cache import SlotCache
 
 
 def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Sequence]:
-    """Move waiting sequences into the cache's free slots, first come first served, and return
-    them in queue order. For each free slot: the first waiting sequence enters if the cache can
-    take its context (cache.can_admit([seq.context_len()])): it leaves the queue, the cache
-    admits it (cache.admit(slot, seq.context_len())), and it is recorded as running
-    (seq.slot = slot, running[slot] = seq). The first that does not fit stops admission:
-    nobody overtakes it."""
+    """Waiting sequences enter the cache's free slots, first come first served; returns them
+    in the order they entered.
+
+    A sequence enters when there is a free slot and the cache has room for its whole context
+    (seq.context_len(): its prompt, and after a preemption the tokens it had made, which it
+    computes again). The first that cannot enter stops admission: nobody overtakes it.
+    Afterwards each admitted sequence has left `waiting`, holds a slot (seq.slot, and
+    running[seq.slot] is seq), and the cache has admitted it there, with memory for its
+    context. Any free slot will do.
+    Example: three free slots, a pool with room for 3 blocks of 4, waiting r0 (5 tokens, 2
+    blocks with its next token), r1 (9 tokens, 3 blocks), r2 (2 tokens): r0 enters; r1 does
+    not fit, so r1 and r2 wait, in that order."""
     admitted = []
     for slot in cache.free_slots():
         if not waiting or not cache.can_admit([waiting[0].context_len()]):
@@ -42,8 +48,11 @@ def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Seque
 
 
 def leave_slot(seq: Sequence, running: dict, cache: SlotCache) -> None:
-    """seq leaves its slot (it finished, was aborted or is preempted): the cache frees the
-    slot and its memory (cache.release(slot)), running forgets it, and seq.slot is None."""
+    """seq gives its slot back (it finished, was aborted or is preempted). Afterwards the cache
+    has released the slot and its memory, running no longer holds it, and seq.slot is None, so
+    the next step may admit a waiting sequence there.
+    Example: r1 leaves slot 1 of a cache whose slots 0 and 1 were busy: cache.free_slots() is
+    then [1], running has no slot 1, and r1.slot is None."""
     cache.release(seq.slot)
     del running[seq.slot]
     seq.slot = None
@@ -130,6 +139,12 @@ class Scheduler:
             if any(w is seq for w in self.waiting):
                 raise ValueError(f"admit_waiting returned request {seq.rid}, which still waits: "
                                  f"an admitted request leaves the queue")
+            if self.cache.capacity(seq.slot) <= seq.context_len():
+                raise ValueError(f"admit_waiting admitted request {seq.rid} with room for "
+                                 f"{self.cache.capacity(seq.slot)} tokens; its context holds "
+                                 f"{seq.context_len()} (seq.context_len(): the prompt, and after "
+                                 f"a preemption the tokens it had made) and its next token needs "
+                                 f"one more")
         for seq in admitted:
             seq.computed = self.cache.reuse_prefix(seq.slot, seq.context())
             seq.prefilled += seq.left()

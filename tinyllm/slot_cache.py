@@ -23,12 +23,17 @@ from torch import Tensor
 
 
 def ragged_mask(lens: list[int], q_lens: list[int], device) -> tuple[Tensor, Tensor]:
-    """Positions and mask of a ragged step of B rows. Row b holds lens[b] tokens and brings
-    q_lens[b] >= 1 new ones, in columns 0..q_lens[b]-1 of a (B, T) batch, T = max(q_lens);
-    its later columns are padding. Returns positions (B, T): column i of row b sits at
-    lens[b] + i (a padding column repeats the row's last new position), and the mask
-    (B, 1, T, W) over W = max(lens[b] + q_lens[b]) keys: True where key j <= the column's
-    position (causal, and never past the row's own tokens)."""
+    """Positions and mask of a ragged step of B rows.
+
+    Row b's slot holds lens[b] tokens, and the row brings q_lens[b] >= 1 new ones, in columns
+    0..q_lens[b]-1 of a (B, T) batch, T = max(q_lens); its later columns are padding.
+    Returns positions (B, T), long: each new token's position in its own sequence (a padding
+    column repeats the row's last new position); and the mask (B, 1, T, W), bool, over the
+    W = max(lens[b] + q_lens[b]) keys any row may see: True where a column may attend to a
+    key, which is every key of its own sequence up to and including itself, never one after.
+    Example: lens [4, 0], q_lens [1, 3] (a decode, and a 3-token prompt in an empty slot):
+    positions [[4, 4, 4], [0, 1, 2]]; W = 5; row 0's column 0 sees keys 0..4, row 1's column 1
+    keys 0..1, and row 1 never sees key 3 or 4."""
     lens_t = torch.tensor(lens, device=device)[:, None]                 # (B, 1)
     last = torch.tensor(q_lens, device=device)[:, None] - 1             # (B, 1)
     cols = torch.arange(max(q_lens), device=device)[None, :]            # (1, T)
@@ -41,7 +46,7 @@ def ragged_mask(lens: list[int], q_lens: list[int], device) -> tuple[Tensor, Ten
 class SlotCache:
     """The bookkeeping of n_slots slots, each holding at most max_len tokens: `active[s]`,
     `lens[s]` (tokens stored), and the step in progress. Subclasses store the keys and values
-    (`_index` and `update`) and say how much memory a slot may use (`_capacity`, `reserve`)."""
+    (`_index` and `update`) and say how much memory a slot may use (`capacity`, `reserve`)."""
 
     def __init__(self, n_layers: int, n_slots: int, max_len: int, device=None):
         self.n_layers, self.n_slots, self.max_len, self.device = n_layers, n_slots, max_len, device
@@ -74,7 +79,7 @@ class SlotCache:
 
     def reserve(self, slot: int, n: int = 1) -> bool:
         """Memory for n more tokens in slot; False (and nothing changed) when there is none."""
-        return self.lens[slot] + n <= self._capacity(slot)
+        return self.lens[slot] + n <= self.capacity(slot)
 
     def release(self, slot: int) -> None:
         """The slot's sequence is gone (finished, aborted or preempted): the slot is free."""
@@ -111,7 +116,7 @@ class SlotCache:
     def allocated_tokens(self) -> int:
         return self.reserved_tokens()
 
-    def _capacity(self, slot: int) -> int:
+    def capacity(self, slot: int) -> int:
         """Tokens the slot can hold with the memory it has now."""
         return self.max_len
 
@@ -131,9 +136,9 @@ class SlotCache:
                 raise ValueError(f"slot {s} is free: admit a sequence before stepping it")
             if isinstance(q, bool) or not isinstance(q, int) or q < 1:
                 raise ValueError(f"slot {s}: a row brings q_len >= 1 new tokens, got {q!r}")
-            if self.lens[s] + q > self._capacity(s):
+            if self.lens[s] + q > self.capacity(s):
                 raise ValueError(f"slot {s} holds {self.lens[s]} tokens and has room for "
-                                 f"{self._capacity(s)}: it cannot take {q} more (reserve first)")
+                                 f"{self.capacity(s)}: it cannot take {q} more (reserve first)")
         self._plan = (list(rows), list(q_lens))
 
     def _planned(self) -> tuple[list[int], list[int]]:
