@@ -16,15 +16,21 @@ from torch import Tensor
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Left-pad to the longest prompt. Returns idx (B, L) and pad_lens (B,)."""
+    """Left-pad to the longest prompt: every row ends with its prompt, after pad_id repeated as
+    often as it is shorter than the longest. Returns two long tensors, idx (B, L) and pad_lens
+    (B,), each row's pad count.
+    Example: [[1, 2, 3], [4]], pad_id 0 -> idx [[1, 2, 3], [0, 0, 4]], pad_lens [0, 2]."""
     raise NotImplementedError("exercise 02: left-pad each prompt to the longest one")
 
 
 def rope_positions(pos: int, T: int, pad_lens: Tensor | None) -> Tensor:
-    """RoPE positions of T new tokens at cache positions pos..pos+T-1: (1, T) without padding,
-    else (B, T) with each row shifted by its pad count, so its first real token is at 0.
-    Pad tokens get position 0 (their keys are masked out anyway)."""
-    raise NotImplementedError("exercise 02: positions pos..pos+T-1, shifted back by each row's pad count")
+    """RoPE positions of T new tokens at cache positions pos..pos+T-1, a long tensor: (1, T)
+    without padding, else (B, T), where each row counts from its first real token (position
+    0). Pad tokens get position 0 (their keys are masked out anyway).
+    Example: pos 0, T 4, pad_lens [0, 2] -> [[0, 1, 2, 3], [0, 0, 0, 1]]; then decoding at pos
+    4, T 1 -> [[4], [2]]."""
+    raise NotImplementedError("exercise 02: positions pos..pos+T-1, shifted back by each row's "
+                              "pad count")
 
 
 def attention_mask(pos: int, T: int, pad_lens: Tensor | None, device) -> Tensor | None:
@@ -32,5 +38,8 @@ def attention_mask(pos: int, T: int, pad_lens: Tensor | None, device) -> Tensor 
 
     Causal (a token sees keys at its own position and before) and pad-aware (nobody sees a
     row's left padding). A token always sees itself, so even a pad token's softmax has one
-    finite entry and no NaN can reach the cache. None when nothing needs masking."""
-    raise NotImplementedError("exercise 02: a causal mask that also hides each row's left padding")
+    finite entry and no NaN can reach the cache. None when nothing needs masking.
+    Example: pos 0, T 3, pad_lens [1]: the (1, 1, 3, 3) mask [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    (True = may attend): the pad token sees only itself, and nobody sees it."""
+    raise NotImplementedError("exercise 02: a causal mask that also hides each row's left "
+                              "padding")

@@ -27,9 +27,10 @@ from tinyllm import cuda_graph
 
 
 def choose_bucket(buckets: list[int], window: int) -> int | None:
-    """The smallest bucket >= window, the number of keys the longest active sequence attends
-    to (its length + 1: the new token sees itself). buckets are sorted ascending. None when
-    no bucket is that large (the step then runs eagerly)."""
+    """The bucket a decode step runs at: the smallest of buckets (sorted ascending) that holds
+    window keys, the number the longest active sequence attends to (its length + 1: the new
+    token sees itself). None when no bucket is that large (the step then runs eagerly).
+    Example: buckets [8, 16, 32]: window 8 -> 8, window 9 -> 16, window 40 -> None."""
     for b in buckets:
         if b >= window:
             return b
@@ -37,30 +38,36 @@ def choose_bucket(buckets: list[int], window: int) -> int | None:
 
 
 def fill_static(static_tokens: Tensor, static_lens: Tensor, tokens: Tensor, lens: Tensor) -> None:
-    """Copy this step's inputs into the static buffers, in place: static_tokens (S, 1) gets
-    tokens (S, 1), static_lens (S,) gets lens (S,). A captured graph reads the buffers it was
-    captured with, so they must be written into, never replaced."""
+    """Put this step's inputs in the static buffers: afterwards static_tokens (S, 1) holds the
+    values of tokens (S, 1), and static_lens (S,) those of lens (S,). A captured graph reads
+    the very memory it was captured with, so the buffers keep their memory (the same tensors,
+    written into), and hold copies: the caller may reuse tokens and lens.
+    Example: static_tokens zeros (3, 1), tokens [[7], [8], [9]]: afterwards static_tokens is
+    [[7], [8], [9]], still at static_tokens.data_ptr(), and setting tokens[0, 0] = 99 later
+    leaves it 7."""
     static_tokens.copy_(tokens)
     static_lens.copy_(lens)
 
 
 def decode_step(decoder: "SlotGraphDecoder", tokens: Tensor) -> Tensor:
     """One decode step of every slot of decoder.slots (the step the engine planned):
-    tokens (S, 1) -> logits (S, 1, V).
+    tokens (S, 1) -> logits (S, 1, V), row s the logits of slot s's new token.
 
-    The window is the number of keys the longest busy slot attends to: its length + 1 (the new
-    token sees itself). Fill the static buffers (decoder.tokens, decoder.lens) with the tokens
-    and each slot's length (0 for a free slot). Then run the smallest bucket W that holds the
-    window: replay decoder.graphs[W] when decoder.capture (its logits are decoder.logits[W]),
-    else decoder.run_eager(W); with no such bucket, decoder.run_eager(window). Last, end the
-    slots' step (decoder.slots.end_step()): a replay runs none of the forward pass's Python,
-    so nothing else counts the new tokens."""
+    The step runs at the bucket that holds its window (choose_bucket), from the static
+    buffers: decoder.tokens holds the tokens and decoder.lens each slot's length (0 for a free
+    slot). With decoder.capture, the bucket's graph decoder.graphs[W] is replayed, and its
+    logits are decoder.logits[W]; without, decoder.run_eager(W) runs the same step; a window
+    larger than every bucket runs decoder.run_eager(window). Afterwards each busy slot holds
+    one more token (decoder.slots.end_step(): a replay runs none of the forward pass's Python,
+    so nothing else counts the new tokens).
+    Example: buckets [4, 8, 16], busy slots of 5 and 7 tokens and a free one: the window is 8,
+    decoder.lens holds [5, 0, 7], the step runs at 8, and the slots then hold 6 and 8."""
     slots = decoder.slots
     window = max(slots.lens[s] for s in slots.live_slots()) + 1
-    W = cuda_graph.choose_bucket(decoder.buckets, window)
+    W = choose_bucket(decoder.buckets, window)
     lens = torch.tensor([n if a else 0 for n, a in zip(slots.lens, slots.active)],
                         device=decoder.device)                         # (S,)
-    cuda_graph.fill_static(decoder.tokens, decoder.lens, tokens, lens)
+    fill_static(decoder.tokens, decoder.lens, tokens, lens)
     if W is not None and decoder.capture:
         decoder.graphs[W].replay()
         logits = decoder.logits[W]

@@ -47,9 +47,11 @@ def append_kv(cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor,
 
 
 def rope_positions(pos: int, T: int, pad_lens: Tensor | None) -> Tensor:
-    """RoPE positions of T new tokens at cache positions pos..pos+T-1: (1, T) without padding,
-    else (B, T) with each row shifted by its pad count, so its first real token is at 0.
-    Pad tokens get position 0 (their keys are masked out anyway)."""
+    """RoPE positions of T new tokens at cache positions pos..pos+T-1, a long tensor: (1, T)
+    without padding, else (B, T), where each row counts from its first real token (position
+    0). Pad tokens get position 0 (their keys are masked out anyway).
+    Example: pos 0, T 4, pad_lens [0, 2] -> [[0, 1, 2, 3], [0, 0, 0, 1]]; then decoding at pos
+    4, T 1 -> [[4], [2]]."""
     pos_t = torch.arange(pos, pos + T)[None, :]                         # (1, T)
     if pad_lens is None:
         return pos_t
@@ -61,7 +63,9 @@ def attention_mask(pos: int, T: int, pad_lens: Tensor | None, device) -> Tensor 
 
     Causal (a token sees keys at its own position and before) and pad-aware (nobody sees a
     row's left padding). A token always sees itself, so even a pad token's softmax has one
-    finite entry and no NaN can reach the cache. None when nothing needs masking."""
+    finite entry and no NaN can reach the cache. None when nothing needs masking.
+    Example: pos 0, T 3, pad_lens [1]: the (1, 1, 3, 3) mask [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    (True = may attend): the pad token sees only itself, and nobody sees it."""
     if T == 1 and pad_lens is None:
         return None
     q_pos = torch.arange(pos, pos + T, device=device)[:, None]          # (T, 1)

@@ -64,7 +64,10 @@ def reserve_or_preempt(running: dict, waiting: deque, cache: SlotCache) -> list[
     sequence (highest rid; it may be this very one) is preempted: it leaves its slot
     (leave_slot) and waits again. The waiting queue stays in arrival order (by rid), so a
     preempted sequence goes back ahead of those that arrived after it. Returns the preempted,
-    in the order they were preempted."""
+    in the order they were preempted.
+    Example: running r0, r3, r5, waiting r6, and a pool with room for one more token: r0 gets
+    it; for r3 there is none, so r5 is preempted (its blocks come back), and r3 gets one of
+    them. Returns [r5]; waiting is then r5, r6."""
     preempted = []
     for seq in sorted(running.values(), key=lambda s: s.rid):
         while seq.slot is not None and not cache.reserve(seq.slot, 1):

@@ -16,9 +16,19 @@ EXERCISE = "ex02_padded_prefill"
 TINY = make_tiny(seed=4)
 
 
+def padded(impl, prompts, pad_id):
+    got = impl.left_pad(prompts, pad_id)
+    assert isinstance(got, tuple) and len(got) == 2, f"left_pad returns (idx, pad_lens), got {got!r}"
+    for name, t in zip(("idx", "pad_lens"), got):
+        assert isinstance(t, torch.Tensor), \
+            (f"left_pad returns tensors (the model takes a tensor of ids): {name} is a "
+             f"{type(t).__name__}; make it one with torch.tensor(...)")
+    return got
+
+
 def test_left_pad_puts_padding_on_the_left(impl):
     """Shorter prompts get pad_id on their left; pad_lens counts them."""
-    idx, pad_lens = impl.left_pad([[1, 2, 3], [4], [5, 6]], 0)
+    idx, pad_lens = padded(impl, [[1, 2, 3], [4], [5, 6]], 0)
     assert idx.tolist() == [[1, 2, 3], [0, 0, 4], [0, 5, 6]], \
         f"expected [[1, 2, 3], [0, 0, 4], [0, 5, 6]], got {idx.tolist()}"
     assert pad_lens.tolist() == [0, 2, 1], f"pad_lens should be [0, 2, 1], got {pad_lens.tolist()}"
@@ -27,13 +37,15 @@ def test_left_pad_puts_padding_on_the_left(impl):
 
 def test_left_pad_uses_pad_id(impl):
     """The padding is pad_id, whatever it is."""
-    idx, _ = impl.left_pad([[9], [8, 8, 8]], 7)
+    idx, _ = padded(impl, [[9], [8, 8, 8]], 7)
     assert idx.tolist() == [[7, 7, 9], [8, 8, 8]], f"pad with pad_id=7: got {idx.tolist()}"
 
 
 def test_rope_positions_without_padding(impl):
     """No padding: one row of positions pos..pos+T-1 shared by the batch."""
     got = impl.rope_positions(5, 3, None)
+    assert isinstance(got, torch.Tensor), \
+        f"rope_positions returns a tensor (RoPE indexes its tables with it), got a {type(got).__name__}"
     assert got.tolist() == [[5, 6, 7]], f"positions 5..7 as (1, 3), got {got.tolist()}"
 
 

@@ -54,14 +54,30 @@ def test_free_gives_blocks_back(impl):
         f"all three free blocks can be handed out again, allocate_blocks gave {again!r}"
 
 
-@pytest.mark.parametrize("blocks", [[0], [2, 2], [2, 7]])
-def test_double_free_is_refused_and_changes_nothing(impl, blocks):
-    """A free block, a block given twice or one outside the pool: ValueError, nothing changed."""
+@pytest.mark.parametrize("blocks, bad, why", [
+    ([0], 0, "block 0 is free already"), ([2, 2], 2, "block 2 is given twice"),
+    ([2, 7], 7, "block 7 is not a block of this pool of 4 (0..3)")])
+def test_double_free_is_refused_and_changes_nothing(impl, blocks, bad, why):
+    """A free block, a block given twice or one outside the pool: ValueError naming it, and
+    nothing changed (not even the blocks before it)."""
     free, allocated = [1, 0], [False, False, True, True]
-    with pytest.raises(ValueError, match="block"):
-        impl.free_blocks(free, allocated, blocks)
+    call = f"free_blocks(free_list [1, 0], allocated [False, False, True, True], {blocks})"
+    try:
+        impl.free_blocks(free, allocated, list(blocks))
+    except NotImplementedError:
+        raise
+    except ValueError as e:
+        assert str(bad) in str(e), f"{call}: {why}; the ValueError must name block {bad}, it says {str(e)!r}"
+    except Exception as e:
+        raise AssertionError(f"{call} raised {type(e).__name__}: {e}; {why}: raise ValueError "
+                             f"naming block {bad}") from None
+    else:
+        raise AssertionError(f"{call} did not raise: {why}. A double free would later hand one "
+                             f"block to two sequences: raise ValueError naming block {bad}, before "
+                             f"changing anything (the free list is now {free}, the flags {allocated})")
     assert free == [1, 0] and allocated == [False, False, True, True], \
-        f"freeing {blocks} must fail before changing anything: free list {free}, flags {allocated}"
+        (f"{call} must fail before changing anything: the free list is now {free}, the flags "
+         f"{allocated} (check every block first, then give them back)")
 
 
 # ---- grow_table ------------------------------------------------------------------------------
@@ -105,13 +121,21 @@ def test_grow_table_with_a_dry_pool_changes_nothing(impl):
 
 # ---- slot_mapping ----------------------------------------------------------------------------
 def test_slot_mapping_follows_the_block_table(impl):
-    """Position p of a row is pool row table[p // block_size] * block_size + p % block_size."""
+    """Each row through its own table: blocks of 4, row 0's table [5, 2] keeps positions 0..3
+    in pool block 5 (rows 20..23) and 4..7 in block 2 (rows 8..11)."""
     tables = torch.tensor([[5, 2], [7, 0]])
     positions = torch.tensor([[0, 3, 4, 7], [1, 5, 0, 2]])
     got = impl.slot_mapping(tables, positions, 4)
+    assert isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 4), \
+        f"slot_mapping returns a (B, W) = (2, 4) tensor, got {got!r}"
     want = torch.tensor([[20, 23, 8, 11], [29, 1, 28, 30]])
-    assert torch.equal(got, want), (f"block size 4: position p of a row lives in pool row "
-                                    f"table[p // 4] * 4 + p % 4; want {want.tolist()}, got {got.tolist()}")
+    for b in range(2):
+        for i in range(4):
+            p, blk = int(positions[b, i]), int(tables[b, int(positions[b, i]) // 4])
+            assert int(got[b, i]) == int(want[b, i]), \
+                (f"blocks of 4, row {b} with table {tables[b].tolist()}: position {p} is in the "
+                 f"table's block {p // 4}, pool block {blk}, which holds pool rows {blk * 4}.."
+                 f"{blk * 4 + 3}; expected row {int(want[b, i])}, got {int(got[b, i])}")
 
 
 # ---- reserve_or_preempt --------------------------------------------------------------------

@@ -38,12 +38,22 @@ def test_fill_static_writes_into_the_buffers(impl):
     where = (static_tokens.data_ptr(), static_lens.data_ptr())
     tokens, lens = torch.tensor([[7], [8], [9]]), torch.tensor([4, 0, 11])
     impl.fill_static(static_tokens, static_lens, tokens, lens)
-    assert static_tokens.tolist() == [[7], [8], [9]] and static_lens.tolist() == [4, 0, 11], \
-        "the static buffers hold the step's tokens and lengths"
-    assert (static_tokens.data_ptr(), static_lens.data_ptr()) == where, "same memory"
+    if (static_tokens.data_ptr(), static_lens.data_ptr()) != where:
+        raise AssertionError("fill_static moved a buffer to other memory (set_ or resize?): a "
+                             "graph reads the memory it was captured with; write into it")
+    if static_tokens.tolist() == [[0]] * 3 and static_lens.tolist() == [0] * 3:
+        raise AssertionError("fill_static left both buffers as they were (all zeros): assigning "
+                             "to the name (static_tokens = tokens) only rebinds it inside the "
+                             "function; write the values into the buffers themselves")
+    assert static_tokens.tolist() == [[7], [8], [9]], \
+        f"static_tokens should hold the tokens [[7], [8], [9]], it holds {static_tokens.tolist()}"
+    assert static_lens.tolist() == [4, 0, 11], \
+        f"static_lens should hold the lengths [4, 0, 11], it holds {static_lens.tolist()}"
     tokens[0, 0], lens[0] = 99, 99
     assert static_tokens[0, 0] == 7 and static_lens[0] == 4, \
-        "the buffers hold copies: a graph must not read tensors the caller reuses"
+        ("after fill_static the caller changed tokens[0, 0] and lens[0] to 99, and the buffers "
+         "changed too: they share memory with the inputs; hold copies, since a graph must not "
+         "read tensors the caller reuses")
 
 
 # ---- decode_step ----------------------------------------------------------------------------
