@@ -55,6 +55,25 @@ class Stats:
             self.kv_alloc_steps += 1
 
     def summary(self, results: list[Result]) -> dict:
+        """The figures of a run, from its Results and the engine's counts. Counts of steps and
+        tokens do not depend on the machine; the seconds do (its speed, and what else runs).
+
+        requests, wall_s, useful_tokens (generated), tok_s (useful_tokens / wall_s);
+        decode_steps; row_util: the share of computed rows that served a request; occupancy:
+        the share of the engine's rows or slots that held one; latency_mean_s, latency_p95_s,
+        ttft_mean_s, ttft_p95_s: from each request's arrival; tpot_mean_s: the mean time per
+        token after the first; itl_p99_s, itl_max_s: the gaps between two tokens of a request;
+        prompt_tokens, prefill_tokens (context tokens computed, recomputes included),
+        cached_prompt_tokens (served by a prefix cache, 08); kv_reserved_mib: the KV cache's
+        memory; kv_used_mean, kv_used_peak: per decode step, the positions the requests hold
+        over the positions reserved; kv_alloc_used_mean: the same over the positions allocated
+        (the paged cache's blocks in use; None for a cache that allocates nothing); with a
+        prefix cache both count a shared block once per table that holds it, so they exceed
+        1 when requests share prefixes (the sharing factor); preemptions, recomputed_tokens
+        (context computed again after a preemption); peak_active: the most requests decoded
+        together; kv_allocated_at_end: the positions still allocated when the run ended (0 on
+        a paged pool unless something leaked; a slot cache allocates all it reserves, up
+        front); decode_overhead: the share of a decode step spent outside the forward pass."""
         lat = sorted(r.latency_s for r in results)
         ttft = sorted(r.ttft_s for r in results)
         itl = sorted(gap for r in results for gap in r.itl_s)          # every request's gaps
