@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from tinyllm.check import ROOT, exercise_files, is_untouched
+from tinyllm.check import FUNCTIONS, ROOT, exercise_files, is_untouched, public_functions as defined
 from tinyllm.seams import SEAMS, reference, seam_names
 
 FILES = exercise_files()
@@ -50,6 +50,13 @@ def test_the_exercise_functions_are_the_seams_of_the_table(nn):
         assert ref.__doc__ == getattr(sol, name).__doc__, f"{name}: docstring differs from the reference"
 
 
+@pytest.mark.parametrize("nn", sorted(FILES))
+def test_the_stub_proof_sees_every_seam(nn):
+    """The proof that stubs fail reads the files' source: it finds every seam, async ones too."""
+    for folder in ("exercises", "solutions"):
+        assert sorted(defined(ROOT / folder / FILES[nn].name)) == sorted(seam_names(nn)), folder
+
+
 def test_no_module_imports_a_seam_by_name():
     """`from tinyllm.x import seam` would keep a copy that monkeypatch never replaces: the
     package calls every seam through its own module."""
@@ -69,7 +76,7 @@ def test_stubs_raise_naming_the_exercise(nn):
     path = FILES[nn]
     assert is_untouched(path), f"{path.name} holds code: exercises/ must keep the stubs"
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+        if isinstance(node, FUNCTIONS) and not node.name.startswith("_"):
             assert f"exercise {nn}:" in ast.unparse(node.body[-1]), node.name
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from tinyllm.seams import SEAMS, seam_names
 
 ROOT = Path(__file__).resolve().parent.parent
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)     # a seam may be an async generator (10)
 
 
 def divergence(name: str, expected: list[int], got: list[int]) -> str | None:
@@ -111,7 +112,7 @@ def exercise_files() -> dict[str, Path]:
 def public_functions(path: Path) -> list[str]:
     """The names of the public functions an exercise file defines."""
     return [node.name for node in ast.parse(path.read_text()).body
-            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
+            if isinstance(node, FUNCTIONS) and not node.name.startswith("_")]
 
 
 def run_tests(nn: str | list[str], impl: str = "exercises") -> dict[str, list[tuple[str, str, str]]]:
@@ -170,7 +171,7 @@ def is_untouched(path: Path) -> bool:
     """True if every public function of an exercise file is still a stub: a docstring and
     one `raise NotImplementedError(...)`."""
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+        if isinstance(node, FUNCTIONS) and not node.name.startswith("_"):
             body = node.body[1:] if ast.get_docstring(node) else node.body
             if not (len(body) == 1 and isinstance(body[0], ast.Raise)
                     and "NotImplementedError" in ast.unparse(body[0])):
