@@ -1,8 +1,9 @@
 """Step 00 and 09 - `tinyllm.load`: a model and its tokenizer from wherever they are.
 
-"default" is the bundled model and "smollm2" SmolLM2-135M-Instruct (fetched once); a directory is a Hugging Face checkpoint (checkpoint.load_dir);
-a `.gguf` file is llama.cpp's one-file format (gguf_file.load_gguf); with download=True, a
-Hugging Face Hub id is fetched first (checkpoint.fetch). Nothing is fetched unless asked.
+"default" is the bundled model and "smollm2" SmolLM2-135M-Instruct (fetched once); a directory
+is a Hugging Face checkpoint (checkpoint.load_dir); a `.gguf` file is llama.cpp's one-file
+format (gguf_file.load_gguf); with download=True, a Hugging Face Hub id is fetched first
+(checkpoint.fetch). Nothing is fetched unless asked.
 """
 
 from pathlib import Path

@@ -70,8 +70,8 @@ def normalise(text: str) -> str:
     if "widgets" in nb.metadata and not views:
         del nb.metadata["widgets"]
     address = course_address()
-    for cell in nb.cells[:2]:
-        if address and cell.cell_type == "code" and cell.source.startswith("# Colab only"):
+    for cell in nb.cells[:2] if address else []:
+        if cell.cell_type == "code" and cell.source.startswith("# Colab only"):
             cell.source = REPO_LINE.sub(lambda m: f'{m.group(1)}"{address}"', cell.source)
     nb = nbformat.from_dict(js_numbers(nb))
     out = nbformat.writes(nb, version=nbformat.NO_CONVERT)

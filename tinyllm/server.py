@@ -439,6 +439,15 @@ async def answer(served: Served, ticket: Ticket, stops: list[str], n_prompt: int
             served.loop.abort(ticket)
 
 
+def as_api_error(e: Exception) -> APIError:
+    """The error the client is told of: an APIError as it is; any other, a 500 that says what
+    failed."""
+    if isinstance(e, APIError):
+        return e
+    return APIError(500, f"the server failed on this request: {type(e).__name__}: {e}",
+                    kind="server_error")
+
+
 async def failing_plainly(awaitable):
     """Await it; an error that is not the client's becomes a 500 that says what failed."""
     try:
@@ -446,8 +455,7 @@ async def failing_plainly(awaitable):
     except APIError:
         raise
     except Exception as e:
-        raise APIError(500, f"the server failed on this request: {type(e).__name__}: {e}",
-                       kind="server_error") from e
+        raise as_api_error(e) from e
 
 
 def usage(n_prompt: int, n_out: int) -> dict:
@@ -499,11 +507,8 @@ async def errors_as_events(events):
     try:
         async for e in events:
             yield e
-    except APIError as err:
-        yield sse_event(err.body())
     except Exception as err:
-        yield sse_event(APIError(500, f"the server failed on this request: "
-                                      f"{type(err).__name__}: {err}", kind="server_error").body())
+        yield sse_event(as_api_error(err).body())
 
 
 async def starting_with(first, rest):
