@@ -114,7 +114,7 @@ notebooks: $(STAMP)               ## re-execute every notebook in place, then it
 		$(BIN)/python -c "$(TIMED)" $$nb $(BIN)/jupyter nbconvert --to notebook --execute \
 			--inplace --log-level=WARN $$nb >> $(VENV)/times.txt || exit 1; \
 	done
-	$(BIN)/python -m tinyllm.nbfiles $(NOTEBOOKS)
+	$(BIN)/python tools/nbfiles.py $(NOTEBOOKS)
 	@printf '\n%-28s%10s%10s\n' notebook "wall (s)" "CPU (s)"; cat $(VENV)/times.txt; rm $(VENV)/times.txt
 
 clean:                            ## remove .venv and the test caches (not data/ or runs/)

@@ -2,14 +2,14 @@
 requests, the server-sent events of a stream, and the load generator's percentiles.
 
 Four seams of the reference package:
-- `tinyllm.textstream.next_piece`: after each token the server decodes the whole answer so
+- `tinyllm.serving.textstream.next_piece`: after each token the server decodes the whole answer so
   far and sends only what is settled: never an unfinished character, never the text of a stop
   string, nor the start of one until the next tokens decide;
-- `tinyllm.server.dispatch`: the engine runs in a process of its own and sends, after every
+- `tinyllm.serving.server.dispatch`: the engine runs in a process of its own and sends, after every
   step, the tokens it made for all requests; the HTTP side hands each to its request's queue;
-- `tinyllm.server.sse_events`: a streamed answer goes out as server-sent events, the framing
+- `tinyllm.serving.server.sse_events`: a streamed answer goes out as server-sent events, the framing
   every OpenAI client reads (`data: {json}`, a blank line, and `data: [DONE]` at the end);
-- `tinyllm.loadgen.percentile`: the p-th percentile of the latencies a run measured.
+- `tinyllm.serving.loadgen.percentile`: the p-th percentile of the latencies a run measured.
 
 Check your work with `make check EX=10` (or `check_exercise("10")` in notebook 10). The tests
 plug your functions into the server (and the load generator), stream answers through the
@@ -19,8 +19,8 @@ official `openai` client, and compare every answer with solo generate().
 import math
 
 from tinyllm.requests import Event
-from tinyllm.server import APIError, Ticket, sse_event, usage
-from tinyllm.textstream import REPLACEMENT
+from tinyllm.serving.server import APIError, Ticket, sse_event, usage
+from tinyllm.serving.textstream import REPLACEMENT
 
 
 def next_piece(text: str, sent: int, stops: list[str], final: bool = False) -> tuple[str, bool]:

@@ -9,16 +9,17 @@ import pytest
 
 matplotlib.use("Agg")
 
-from tinyllm import bench, viz  # noqa: E402
+from tinyllm import workloads  # noqa: E402
+from tinyllm.course import bench, viz  # noqa: E402
 from tinyllm.cuda_graph import SlotGraphDecoder  # noqa: E402
 from tinyllm.engine import Request, Trace, run_continuous, run_static  # noqa: E402
 from tests.conftest import make_tiny  # noqa: E402
 
 
-@pytest.mark.parametrize("name", bench.WORKLOADS)
+@pytest.mark.parametrize("name", workloads.WORKLOADS)
 def test_workloads_are_well_formed(bundled, name):
     model, tok = bundled
-    reqs, arrivals = bench.workload(name, tok, n=20, seed=1)
+    reqs, arrivals = workloads.workload(name, tok, n=20, seed=1)
     assert len(reqs) == len(arrivals) == 20
     assert all(0 < len(r.prompt) and all(0 <= t < tok.vocab_size for t in r.prompt) for r in reqs)
     assert all(len(r.prompt) + r.max_new_tokens <= model.cfg.max_seq_len for r in reqs)
@@ -32,7 +33,7 @@ def test_workloads_are_well_formed(bundled, name):
     if name == "longtail":
         lens = sorted(r.max_new_tokens for r in reqs)
         assert lens[-1] > 3 * lens[len(lens) // 2], f"not long-tailed: {lens}"
-    assert bench.workload(name, tok, n=20, seed=1)[0] == reqs, "a workload is fixed by its seed"
+    assert workloads.workload(name, tok, n=20, seed=1)[0] == reqs, "a workload is fixed by its seed"
 
 
 def test_bench_json_compares_engines_on_the_same_work(bundled, capsys, monkeypatch):
@@ -58,7 +59,7 @@ def test_bench_table_and_bad_names(bundled, capsys, monkeypatch):
     with pytest.raises(ValueError, match="unknown engine"):
         bench.run(model, tok, "uniform", "vllm", 2, n=2)
     with pytest.raises(ValueError, match="unknown workload"):
-        bench.workload("bursty", tok)
+        workloads.workload("bursty", tok)
     for bad, why in [("static+chunked", "static batching has no token budget"),
                      ("continuous+prefix", "use paged\\+prefix"), ("paged+fast", "unknown engine")]:
         with pytest.raises(ValueError, match=why):

@@ -2,7 +2,7 @@
 
 import json
 
-from tinyllm.checkpoint import DEFAULT
+from tinyllm.checkpoints.checkpoint import DEFAULT
 from tinyllm.generate import generate
 
 

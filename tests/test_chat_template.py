@@ -12,8 +12,8 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 import tinyllm
-from tinyllm.checkpoint import DEFAULT, CheckpointError, save
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.checkpoints.checkpoint import DEFAULT, CheckpointError, save
+from tinyllm.checkpoints.tokenizer import Tokenizer
 from tests.conftest import make_tiny
 
 transformers = pytest.importorskip("transformers")

@@ -1,6 +1,6 @@
 """Course tooling - the oracle's messages and the exercise checker a notebook calls."""
 
-from tinyllm.check import check_exercise, divergence
+from tinyllm.course.check import check_exercise, divergence
 
 
 def test_divergence_names_request_token_and_values():
@@ -31,7 +31,7 @@ def test_check_exercise_never_raises(capsys):
 def test_near_tie_excuses_only_a_close_second_choice():
     """bf16 paths may part from solo at a near-tie, and only there."""
     import torch
-    from tinyllm.check import near_tie
+    from tinyllm.course.check import near_tie
     from tinyllm.generate import generate
     from tests.conftest import make_tiny
     model = make_tiny(seed=4, dtype=torch.float32)

@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tinyllm
-from tinyllm.checkpoint import DEFAULT, CheckpointError, resolve, save
-from tinyllm.tokenizer import Tokenizer
-from tinyllm.train import train_tokenizer
+from tinyllm.checkpoints.checkpoint import DEFAULT, CheckpointError, resolve, save
+from tinyllm.checkpoints.tokenizer import Tokenizer
+from tinyllm.checkpoints.train import train_tokenizer
 from tests.conftest import make_tiny
 
 TEXT = ["Ham.\nTo be, or not to be, that is the question.",
@@ -194,7 +194,7 @@ def test_default_is_the_bundled_checkpoint(bundled):
 def test_weights_load_in_the_asked_dtype_without_a_float32_model(monkeypatch):
     """The model is built on the meta device (no storage) and each tensor goes straight to the
     asked dtype: no float32 copy of the weights on the way. Tied weights stay tied."""
-    from tinyllm import checkpoint
+    from tinyllm.checkpoints import checkpoint
     built_on = []
 
     class Watched(checkpoint.Transformer):
@@ -276,7 +276,8 @@ def test_config_value_of_wrong_type_is_named(ckpt, change, words):
 def test_the_command_line_names_a_missing_model_and_the_fix(tmp_path, capsys, monkeypatch):
     """`python -m tinyllm serve --model <a file not there>` says what is missing and how to
     fetch the real model, without a traceback; "smollm2" names the fetched file."""
-    from tinyllm import __main__ as cli, smollm2
+    from tinyllm import __main__ as cli
+    from tinyllm.checkpoints import smollm2
     missing = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", "--model", str(missing)])

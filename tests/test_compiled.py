@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinyllm.check import divergence, near_tie
+from tinyllm.course.check import divergence, near_tie
 from tinyllm.compiled import CompiledDecoder
 from tinyllm.engine import ContinuousEngine, Request, run_continuous
 from tinyllm.generate import generate

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import tinyllm
-from tinyllm.bench import workload
-from tinyllm.check import near_tie
+from tinyllm.workloads import workload
+from tinyllm.course.check import near_tie
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.engine import ContinuousEngine, Request, run_continuous
 from tinyllm.generate import generate

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinyllm.check import divergence
+from tinyllm.course.check import divergence
 from tinyllm.engine import (ContinuousEngine, EngineConfig, Request, Sampling, Trace,
                             prefill_padded, run_continuous, run_static)
 from tinyllm.generate import generate

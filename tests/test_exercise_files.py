@@ -1,5 +1,5 @@
 """Exercises - every stub keeps its solution's contract, and fails loudly until it is written;
-the seams table (tinyllm/seams.py) names every seam, and no module imports one by name."""
+the seams table (tinyllm/course/seams.py) names every seam, and no module imports one by name."""
 
 import ast
 import importlib
@@ -7,8 +7,8 @@ import inspect
 
 import pytest
 
-from tinyllm.check import FUNCTIONS, ROOT, exercise_files, is_untouched, public_functions as defined
-from tinyllm.seams import SEAMS, reference, seam_names
+from tinyllm.course.check import FUNCTIONS, ROOT, exercise_files, is_untouched, public_functions as defined
+from tinyllm.course.seams import SEAMS, reference, seam_names
 
 FILES = exercise_files()
 

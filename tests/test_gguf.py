@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import tinyllm
-from tinyllm import peers, smollm2
-from tinyllm.checkpoint import DEFAULT, CheckpointError
+from tinyllm.course import peers
+from tinyllm.checkpoints import smollm2
+from tinyllm.checkpoints.checkpoint import DEFAULT, CheckpointError
 from tinyllm.generate import generate
 
 gguf = pytest.importorskip("gguf")
@@ -354,7 +355,7 @@ def test_a_dequantised_copy_holds_the_same_values(tmp_path):
     """write_dequantized (llama.cpp's peer file on tinyllm's values): the F32 copy of a file of
     quantised tensors loads to the same weights and tokenizer; the BF16 copy to the weights
     rounded to bf16, norms kept in F32; the metadata is carried over."""
-    from tinyllm.gguf_file import write_dequantized
+    from tinyllm.checkpoints.gguf_file import write_dequantized
     rng = np.random.default_rng(1)
     peer = tiny_peer("llama", hidden_size=256, intermediate_size=512)
     floats = gguf_tensors(peer, "llama")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tinyllm
-from tinyllm.checkpoint import DEFAULT
+from tinyllm.checkpoints.checkpoint import DEFAULT
 from tinyllm.engine import Request, run_continuous, run_static
 from tinyllm.generate import generate
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tinyllm.checkpoint import DEFAULT
+from tinyllm.checkpoints.checkpoint import DEFAULT
 from tinyllm.generate import generate
 
 transformers = pytest.importorskip("transformers")
@@ -44,8 +44,8 @@ def test_peer_benchmark_agrees_with_solo(bundled, monkeypatch):
     row gets the graph decoder's eager bucketed step in place of a compiled one: what is tested
     here is the row (a decoder built before the clock, its compile_s reported); the compiled
     step's tokens are test_compiled's, on tiny shapes, where compiling is quick."""
-    from tinyllm import peers
-    from tinyllm.bench import workload
+    from tinyllm.course import peers
+    from tinyllm.workloads import workload
     from tinyllm.continuous import ContinuousEngine
     model, tok = bundled
 

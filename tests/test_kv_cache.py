@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyllm.check import divergence
+from tinyllm.course.check import divergence
 from tinyllm.generate import generate, generate_uncached
 from tinyllm.kv_cache import KVCache, attention_mask
 from tests.conftest import make_tiny

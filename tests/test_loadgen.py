@@ -15,8 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tinyllm import loadgen
-from tinyllm.checkpoint import resolve
+from tinyllm.serving import loadgen
+from tinyllm.checkpoints.checkpoint import resolve
 from tinyllm.continuous import ContinuousEngine
 from tests.test_server import Running
 

@@ -13,10 +13,10 @@ import openai
 import pytest
 import torch
 
-from tinyllm import server
+from tinyllm.serving import server
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import generate
-from tinyllm.textstream import REPLACEMENT, TextStream, next_piece
+from tinyllm.serving.textstream import REPLACEMENT, TextStream, next_piece
 
 NAME = "tinyllm-test"
 PROMPTS = ["Ham.\nTo be, or not", "Rom.\nBut soft", "Lear.\nBlow, winds", "Jul.\nO Romeo",

@@ -8,9 +8,9 @@ import os
 # tinyllm ...` and a notebook that imports tinyllm first behave the same inside and outside make.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tinyllm.loading import load
+from tinyllm.checkpoints.loading import load
 from tinyllm.generate import generate, sample_next
 from tinyllm.model import ModelConfig, Transformer
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.checkpoints.tokenizer import Tokenizer
 
 __all__ = ["load", "generate", "sample_next", "ModelConfig", "Transformer", "Tokenizer"]

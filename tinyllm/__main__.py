@@ -44,8 +44,8 @@ def main(argv=None) -> None:
     try:
         run(args.command, rest)
     except Exception as e:
-        from tinyllm.checkpoint import CheckpointError
-        from tinyllm.smollm2 import FetchError
+        from tinyllm.checkpoints.checkpoint import CheckpointError
+        from tinyllm.checkpoints.smollm2 import FetchError
         if isinstance(e, (CheckpointError, FetchError)):    # a model missing, or not fetched:
             sys.exit(f"python -m tinyllm {args.command}: {e}")  # its message says what to do
         raise
@@ -53,22 +53,22 @@ def main(argv=None) -> None:
 
 def run(command: str, rest: list[str]) -> None:
     if command == "bench":
-        from tinyllm import bench
+        from tinyllm.course import bench
         bench.main(rest)
     elif command == "train":
-        from tinyllm import train
+        from tinyllm.checkpoints import train
         train.main(rest)
     elif command == "serve":
-        from tinyllm import server
+        from tinyllm.serving import server
         server.serve_main(rest)
     elif command == "loadgen":
-        from tinyllm import loadgen
+        from tinyllm.serving import loadgen
         loadgen.main(rest)
     elif command == "fetch":
-        from tinyllm import smollm2
+        from tinyllm.checkpoints import smollm2
         smollm2.main(rest)
     else:
-        from tinyllm import check
+        from tinyllm.course import check
         check.main(rest)
 
 

@@ -1,13 +1,13 @@
 """One switch picks whose code the exercise tests run: `--impl solutions` (the default, so the
 suite is green) or `--impl exercises` (a learner's work, or the untouched stubs). A test
 module names its exercise file in EXERCISE; the `impl` fixture imports it from there, and
-`plug` puts its functions in place of the exercise's seams (tinyllm/seams.py)."""
+`plug` puts its functions in place of the exercise's seams (tinyllm/course/seams.py)."""
 
 import importlib
 
 import pytest
 
-from tinyllm import seams
+from tinyllm.course import seams
 
 
 @pytest.fixture(scope="module")

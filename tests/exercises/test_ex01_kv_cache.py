@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tinyllm.check import divergence, explained
+from tinyllm.course.check import divergence, explained
 from tinyllm.generate import generate, generate_uncached
 from tinyllm.kv_cache import KVCache
 from tests.conftest import make_tiny

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from tinyllm.check import divergence, explained
+from tinyllm.course.check import divergence, explained
 from tinyllm.generate import generate
 from tinyllm.padded import prefill_padded
 from tinyllm.requests import Request

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from tinyllm import seams
-from tinyllm.check import divergence, explained
+from tinyllm.course import seams
+from tinyllm.course.check import divergence, explained
 from tinyllm.generate import generate
 from tinyllm.requests import Request, Result
 from tinyllm.sampling import sample_next

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyllm.check import divergence, explained, leaks
+from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.continuous import ContinuousEngine, run_continuous
 from tinyllm.generate import generate
 from tinyllm.paged_kv import PagedKVCache

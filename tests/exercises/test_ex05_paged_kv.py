@@ -7,7 +7,7 @@ from collections import deque
 import pytest
 import torch
 
-from tinyllm.check import divergence, explained, leaks
+from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.continuous import ContinuousEngine, run_continuous
 from tinyllm.generate import generate
 from tinyllm.requests import Request, Sequence

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from tinyllm.check import divergence, explained
+from tinyllm.course.check import divergence, explained
 from tinyllm.continuous import run_continuous
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import generate

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tinyllm.check import divergence, explained, leaks
+from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import generate
 from tinyllm.requests import Request, Sequence

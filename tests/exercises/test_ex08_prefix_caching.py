@@ -7,8 +7,10 @@ import random
 import pytest
 import torch
 
-from tinyllm import prefix_cache, seams
-from tinyllm.check import divergence, explained, leaks
+from tinyllm import prefix_cache
+
+from tinyllm.course import seams
+from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import generate
 from tinyllm.paged_kv import BlockAllocator

@@ -12,12 +12,12 @@ import numpy as np
 import openai
 import pytest
 
-from tinyllm import loadgen
-from tinyllm.check import explained
+from tinyllm.serving import loadgen
+from tinyllm.course.check import explained
 from tinyllm.generate import generate
 from tinyllm.requests import Event
-from tinyllm.server import APIError, Ticket
-from tinyllm.textstream import REPLACEMENT, TextStream
+from tinyllm.serving.server import APIError, Ticket
+from tinyllm.serving.textstream import REPLACEMENT, TextStream
 from tests.test_server import NAME, PROMPTS, Running, solo_text
 
 EXERCISE = "ex10_serving"

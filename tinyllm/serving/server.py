@@ -32,11 +32,11 @@ import torch.multiprocessing
 
 from jinja2.exceptions import TemplateError
 
-from tinyllm.check import leaks
+from tinyllm.course.check import leaks
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.requests import Event, Request
 from tinyllm.sampling import Sampling
-from tinyllm.textstream import TextStream
+from tinyllm.serving.textstream import TextStream
 
 
 class APIError(Exception):
@@ -608,7 +608,7 @@ def serve_main(argv=None) -> None:
     import uvicorn
 
     import tinyllm
-    from tinyllm.checkpoint import resolve
+    from tinyllm.checkpoints.checkpoint import resolve
 
     ap = argparse.ArgumentParser(prog="python -m tinyllm serve", description=(
         "Serve a checkpoint over the OpenAI API (completions and chat completions, streamed or "

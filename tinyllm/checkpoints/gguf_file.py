@@ -25,10 +25,10 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from tinyllm.checkpoint import (CheckpointError, is_int, load_state, pick_device_dtype,
+from tinyllm.checkpoints.checkpoint import (CheckpointError, is_int, load_state, pick_device_dtype,
                                 positions_to_serve)
 from tinyllm.model import ModelConfig, Transformer, llama3_frequencies
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.checkpoints.tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama", "qwen2")     # general.architecture values tinyllm reads
 READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",

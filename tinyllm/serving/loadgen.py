@@ -167,13 +167,13 @@ async def run_load(url: str, prompts: list[tuple[str, int]], rate: float | None 
 
 
 def prompts_of(workload: str, n: int, seed: int = 0) -> list[tuple[str, int]]:
-    """(prompt text, max_tokens) of a named workload of bench.py, as text (any server's
+    """(prompt text, max_tokens) of a named workload (workloads.py), as text (any server's
     tokenizer reads it): its requests decoded with the bundled tokenizer."""
-    from tinyllm import bench
-    from tinyllm.checkpoint import resolve
-    from tinyllm.tokenizer import Tokenizer
+    from tinyllm import workloads
+    from tinyllm.checkpoints.checkpoint import resolve
+    from tinyllm.checkpoints.tokenizer import Tokenizer
     tok = Tokenizer.from_file(resolve("default") / "tokenizer.json")
-    reqs, _ = bench.workload(workload, tok, n, seed)
+    reqs, _ = workloads.workload(workload, tok, n, seed)
     return [(tok.decode(r.prompt), r.max_new_tokens) for r in reqs]
 
 

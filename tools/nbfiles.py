@@ -1,4 +1,4 @@
-"""Course tooling - notebooks saved in exactly the form JupyterLab writes, so that opening one
+"""Repository tooling (not part of the package) - notebooks saved in exactly the form JupyterLab writes, so that opening one
 leaves the committed file unmodified.
 
 Opening a notebook in JupyterLab starts its kernel; JupyterLab then writes the kernel's spec into
@@ -13,8 +13,8 @@ It also writes the course's address into every notebook's Colab cell (the `REPO 
 from its one place, pyproject.toml's `[project.urls] Repository`: whoever publishes the course
 (or a fork) sets it there and runs this, and no learner edits a notebook to open it in Colab.
 
-    python -m tinyllm.nbfiles notebooks/*.ipynb            # normalise in place
-    python -m tinyllm.nbfiles --check notebooks/*.ipynb    # exit 1 if any would change
+    python tools/nbfiles.py notebooks/*.ipynb            # normalise in place
+    python tools/nbfiles.py --check notebooks/*.ipynb    # exit 1 if any would change
 
 What it cannot pin: metadata.language_info, which the kernel reports (its Python version).
 """

@@ -17,9 +17,9 @@ import xml.etree.ElementTree as ET
 from contextlib import contextmanager
 from pathlib import Path
 
-from tinyllm.seams import SEAMS, seam_names
+from tinyllm.course.seams import SEAMS, seam_names
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)     # a seam may be an async generator (10)
 
 

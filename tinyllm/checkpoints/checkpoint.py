@@ -19,9 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tinyllm.model import ModelConfig, Transformer, gpu_dtype
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.checkpoints.tokenizer import Tokenizer
 
-DEFAULT = Path(__file__).parent / "weights" / "shakespeare"
+DEFAULT = Path(__file__).parents[1] / "weights" / "shakespeare"
 
 
 class CheckpointError(ValueError):
@@ -40,7 +40,7 @@ def resolve(path: str | Path) -> Path:
     if str(path) == "default":
         return DEFAULT
     if str(path) == "smollm2":
-        from tinyllm import smollm2
+        from tinyllm.checkpoints import smollm2
         return smollm2.gguf_path()
     return Path(path)
 

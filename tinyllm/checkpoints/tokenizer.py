@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from tinyllm.chat_template import render
+from tinyllm.checkpoints.chat_template import render
 
 
 class Tokenizer:

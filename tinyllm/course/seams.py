@@ -3,7 +3,7 @@
 A seam is a function that the package calls through its own module's namespace, so that a test
 can put a learner's function in its place (pytest's monkeypatch) and run the whole engine end
 to end against solo generation. This table is the one place that says which seams exist: the
-exercise tests plug them with `plug`, `tinyllm.check` and its proof that every test fails on
+exercise tests plug them with `plug`, `tinyllm.course.check` and its proof that every test fails on
 the untouched stubs read it, and a test checks that no module imports a seam by name (the
 patch would then miss that module's copy).
 """
@@ -26,8 +26,8 @@ SEAMS: dict[str, tuple[tuple[str, str], ...]] = {
     "08": (("tinyllm.prefix_cache", "block_hashes"), ("tinyllm.prefix_cache", "match_prefix"),
            ("tinyllm.prefix_cache", "take_blocks"), ("tinyllm.prefix_cache", "share_blocks"),
            ("tinyllm.prefix_cache", "release_blocks")),
-    "10": (("tinyllm.textstream", "next_piece"), ("tinyllm.server", "dispatch"),
-           ("tinyllm.server", "sse_events"), ("tinyllm.loadgen", "percentile")),
+    "10": (("tinyllm.serving.textstream", "next_piece"), ("tinyllm.serving.server", "dispatch"),
+           ("tinyllm.serving.server", "sse_events"), ("tinyllm.serving.loadgen", "percentile")),
 }
 
 

@@ -28,7 +28,7 @@ import torch
 
 from tinyllm.continuous import compiled_decoder, run_continuous
 from tinyllm.generate import generate
-from tinyllm.gguf_file import reader_class
+from tinyllm.checkpoints.gguf_file import reader_class
 from tinyllm.requests import Request, eos_ids, is_done, is_eos, longest
 from tinyllm.static import run_static
 
@@ -198,8 +198,8 @@ def llamacpp_batched(gguf: str | Path, reqs: list[Request], batch: int) -> list[
 def same_values(gguf: str | Path, kind: str = "F32") -> Path:
     """The GGUF file de-quantised to kind (F32, BF16) in the cache directory, written once:
     llama.cpp on the values tinyllm loads."""
-    from tinyllm.gguf_file import write_dequantized
-    from tinyllm.smollm2 import cache_dir
+    from tinyllm.checkpoints.gguf_file import write_dequantized
+    from tinyllm.checkpoints.smollm2 import cache_dir
     gguf = Path(gguf)
     dst = cache_dir() / f"{gguf.stem}.{kind}.gguf"
     if not dst.exists() or dst.stat().st_mtime < gguf.stat().st_mtime:
