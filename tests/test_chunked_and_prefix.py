@@ -66,9 +66,9 @@ def test_plan_step_decodes_first_then_chunks_first_come_first_served():
 def test_next_chunk_samples_only_at_the_end_of_the_context():
     seq = Sequence(0, Request([10, 11, 12, 13, 14], 4), 0.0, Sampling(), None)
     assert next_chunk(seq, 2) == ([10, 11], False)
-    seq.computed = 2
+    seq.num_computed_tokens = 2
     assert next_chunk(seq, 3) == ([12, 13, 14], True)
-    seq.tokens, seq.computed = [20], 5                  # decoding: the token it last sampled
+    seq.tokens, seq.num_computed_tokens = [20], 5                  # decoding: the token it last sampled
     assert next_chunk(seq, 1) == ([20], True)
 
 
@@ -114,7 +114,7 @@ def test_chunked_engine_online_with_preemption_aborts_and_sampling(requests, n_s
 def test_chunked_engine_with_the_graph_decoder(requests, n_slots, extra):
     """The graph decoder's step (eager bucketed on a CPU) writes every slot, a slot halfway
     through its prefill too; that slot's next chunk overwrites the stray key: solo tokens."""
-    results, _ = run_continuous(TINY, requests, n_slots, cuda_graph=True,
+    results, _ = run_continuous(TINY, requests, n_slots, decoder="graphs",
                                 max_step_tokens=n_slots + extra)
     assert_oracle(requests, results)
 

@@ -61,7 +61,7 @@ def test_graphs_are_captured_and_replayed(gpu):
     decoder = SlotGraphDecoder(model, slots, buckets=(32, 64, 128))
     assert decoder.capture and sorted(decoder.graphs) == [32, 64, 128]
     reqs = requests(tok)
-    graphed, _ = run_continuous(model, reqs, 8, cuda_graph=decoder)
+    graphed, _ = run_continuous(model, reqs, 8, decoder=decoder)
     eager, _ = run_continuous(model, reqs, 8)
     assert_solo_up_to_ties(model, reqs, graphed, "graphed")
     same = sum(g.tokens == e.tokens for g, e in zip(graphed, eager))
@@ -70,7 +70,7 @@ def test_graphs_are_captured_and_replayed(gpu):
 
 def test_graphed_engine_serves_arrivals(gpu):
     model, tok = gpu
-    eng = ContinuousEngine(model, 4, cuda_graph=True)
+    eng = ContinuousEngine(model, 4, decoder="graphs")
     reqs = requests(tok, 8)
     rids = []
     while len(rids) < len(reqs) or eng.has_work():

@@ -114,7 +114,7 @@ def test_online_engine_with_arrivals_aborts_and_mixed_sampling(requests, n_slots
                 aborted.add(rid_of[rid])
         for ev in eng.step():
             streamed.setdefault(ev.rid, []).append(ev.token)
-    assert not any(eng.cache.active) and eng.load() == (0, 0)
+    assert not any(eng.cache.active) and eng.request_counts() == (0, 0)
     for rid, i in rid_of.items():
         if i in aborted:
             assert rid not in eng.results
@@ -151,7 +151,7 @@ def test_bad_requests_are_rejected_and_others_still_served(req, words):
     rid = eng.add_request(good)
     with pytest.raises(ValueError, match=words):
         eng.add_request(req)
-    assert eng.load() == (1, 0), "a rejected request leaves the engine as it was"
+    assert eng.request_counts() == (1, 0), "a rejected request leaves the engine as it was"
     while eng.has_work():
         eng.step()
     assert eng.results[rid].tokens == solo(good)
@@ -201,8 +201,8 @@ def test_the_kv_cache_stays_within_its_budget():
     for kw in (dict(max_len=41), dict(kv="paged", block_size=8, kv_blocks=21)):
         with pytest.raises(ValueError, match=r"needs [\d.]+ MiB, over kv_mib=[\d.e-]+ \(160 positions"):
             ContinuousEngine(TINY, 4, kv_mib=mib, **kw)
-    for bad in (0, -1.0, "64", True):
-        with pytest.raises(ValueError, match="kv_mib must be a number of MiB > 0"):
+    for bad in (0, -1.0, "64", True, float("inf"), float("nan")):    # inf was an OverflowError
+        with pytest.raises(ValueError, match="kv_mib must be a finite number of MiB > 0"):
             ContinuousEngine(TINY, 4, kv_mib=bad)
     results, summary = run_continuous(TINY, [Request([1, 2], 4)], 4, kv_mib=mib)
     assert summary["kv_reserved_mib"] == pytest.approx(160 * per_token / 2**20)
@@ -218,13 +218,13 @@ def test_abort_unknown_or_finished_returns_false():
     queued = eng.add_request(Request([1, 2], 2))
     assert eng.abort(queued) is True and eng.abort(queued) is False
     assert not eng.has_work()
-    assert eng.step() == [] and eng.load() == (0, 0), "an idle step does nothing"
+    assert eng.step() == [] and eng.request_counts() == (0, 0), "an idle step does nothing"
 
 
 def test_step_of_an_engine_that_never_had_a_request():
     """step() of a new, idle engine returns no events, as it does once requests have come and gone."""
     eng = ContinuousEngine(TINY, 2)
-    assert eng.step() == [] and eng.load() == (0, 0)
+    assert eng.step() == [] and eng.request_counts() == (0, 0)
 
 
 def test_trace_records_who_holds_each_slot():
@@ -252,13 +252,13 @@ def test_static_trace_shows_the_wasted_rows():
 # ---- bad input, and odd input that is fine -----------------------------------------------------
 
 ENGINE_KINDS = {"slots": dict(), "paged": dict(kv="paged", block_size=4, kv_blocks=12),
-                "graph": dict(cuda_graph=True)}
+                "graph": dict(decoder="graphs")}
 
 
 def assert_idle(eng: ContinuousEngine) -> None:
     """Nothing waits or runs, no slot is busy, no token or block is held."""
     cache = eng.cache
-    assert eng.load() == (0, 0) and not any(cache.active) and cache.used_tokens() == 0
+    assert eng.request_counts() == (0, 0) and not any(cache.active) and cache.used_tokens() == 0
     assert eng.holders() == [None] * eng.config.n_slots
     if isinstance(cache, PagedKVCache):
         assert cache.allocated_tokens() == 0 and cache.allocator.n_free() == cache.n_blocks
@@ -273,11 +273,11 @@ def assert_refused_without_trace(kind: str, bad_call, exc, words: str) -> None:
     rids = [eng.add_request(good[0])]
     eng.step()
     rids.append(eng.add_request(good[1]))
-    before = (eng.load(), eng.holders(), list(eng.cache.lens), eng.cache.allocated_tokens())
+    before = (eng.request_counts(), eng.holders(), list(eng.cache.lens), eng.cache.allocated_tokens())
     assert before[0] == (1, 1)
     with pytest.raises(exc, match=words):
         bad_call(eng)
-    assert (eng.load(), eng.holders(), list(eng.cache.lens), eng.cache.allocated_tokens()) == before
+    assert (eng.request_counts(), eng.holders(), list(eng.cache.lens), eng.cache.allocated_tokens()) == before
     good.append(Request([9], 6))
     rids.append(eng.add_request(good[2]))
     assert rids == [0, 1, 2], "a refused request takes no id"
@@ -490,7 +490,7 @@ def test_a_long_lived_engines_stats_stay_the_same_size(kind):
     before = shape()
     reqs, rids, n = {}, [], 0
     for step in range(200):
-        while eng.load()[0] < 2:
+        while eng.request_counts()[0] < 2:
             req = Request([1 + n % (V - 1), 1 + (7 * n) % (V - 1)], 1 + n % 9)
             reqs[eng.add_request(req)] = req
             n += 1

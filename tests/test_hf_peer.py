@@ -49,8 +49,8 @@ def test_peer_benchmark_agrees_with_solo(bundled, monkeypatch):
     from tinyllm.continuous import ContinuousEngine
     model, tok = bundled
 
-    def eager_stand_in(m, n_slots, compile_mode, **settings):
-        decoder = ContinuousEngine(m, n_slots, decoder="graphs", **settings).decoder
+    def eager_stand_in(m, config):
+        decoder = ContinuousEngine(m, config, decoder="graphs", compile_mode="default").decoder
         decoder.compile_s = {W: 0.5 for W in decoder.buckets}
         return decoder
     monkeypatch.setattr(peers, "compiled_decoder", eager_stand_in)

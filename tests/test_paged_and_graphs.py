@@ -61,7 +61,7 @@ def drive(eng: ContinuousEngine, reqs: list[Request], data=None, abort_odds: int
         eng.step()
         if isinstance(eng.cache, PagedKVCache):
             check(eng.cache)
-    assert not any(eng.cache.active) and eng.load() == (0, 0)
+    assert not any(eng.cache.active) and eng.request_counts() == (0, 0)
     done = {i: eng.results.pop(rid).tokens for rid, i in rid_of.items() if i not in aborted}
     return done, aborted
 
@@ -145,7 +145,7 @@ def test_a_request_larger_than_the_pool_is_refused_at_once():
     rid = eng.add_request(good)
     with pytest.raises(ValueError, match="needs 6 blocks of 4, but the whole KV pool has 5"):
         eng.add_request(Request([1] * 4, 20))      # 24 positions: 6 blocks
-    assert eng.load() == (1, 0), "the refused request left no trace"
+    assert eng.request_counts() == (1, 0), "the refused request left no trace"
     while eng.has_work():
         eng.step()
     assert eng.results[rid].tokens == solo(good)
@@ -189,7 +189,7 @@ def test_eager_bucketed_decoder_matches_the_plain_decoder(requests, n_slots, buc
     """Every slot decoded at a bucketed window from static buffers: the same tokens as the
     plain decode step, and so as solo generate()."""
     plain, _ = run_continuous(TINY, requests, n_slots)
-    graphed, summary = run_continuous(TINY, requests, n_slots, cuda_graph=True, buckets=buckets)
+    graphed, summary = run_continuous(TINY, requests, n_slots, decoder="graphs", buckets=buckets)
     assert [r.tokens for r in graphed] == [r.tokens for r in plain]
     assert_oracle(requests, graphed)
     assert summary["occupancy"] == summary["row_util"], "the graph computes every slot"
@@ -202,26 +202,29 @@ def test_graph_decoder_settings_are_checked():
     with pytest.raises(ValueError, match="buckets must lie in 1..32"):
         SlotGraphDecoder(TINY, slots, buckets=(16, 64))
     with pytest.raises(ValueError, match="kv='slots'"):
-        ContinuousEngine(TINY, 2, kv="paged", cuda_graph=True)
-    with pytest.raises(ValueError, match="cuda_graph must be"):
-        ContinuousEngine(TINY, 2, cuda_graph="yes")
+        ContinuousEngine(TINY, 2, kv="paged", decoder="graphs")
+    for bad in [(8.5,), (0, 16), ()]:              # named when made, not at the first step
+        with pytest.raises(ValueError, match="bucket"):
+            ContinuousEngine(TINY, 2, decoder="graphs", buckets=bad)
+        with pytest.raises(ValueError, match="buckets must"):
+            SlotGraphDecoder(TINY, slots, buckets=bad)
     assert default_buckets(512) == [32, 64, 128, 256, 512] and default_buckets(96) == [32, 64, 96]
     assert choose_bucket([4, 8], 9) is None, "above the largest bucket: the eager fallback"
 
 
 def test_a_decoder_is_reused_by_a_second_engine():
-    eng = ContinuousEngine(TINY, 3, cuda_graph=True)
+    eng = ContinuousEngine(TINY, 3, decoder="graphs")
     reqs = [Request([1, 2, 3], 9), Request([4], 14)]
-    first, _ = run_continuous(TINY, reqs, 3, cuda_graph=eng.decoder)
-    second, _ = run_continuous(TINY, reqs, 3, cuda_graph=eng.decoder)
+    first, _ = run_continuous(TINY, reqs, 3, decoder=eng.decoder)
+    second, _ = run_continuous(TINY, reqs, 3, decoder=eng.decoder)
     assert [r.tokens for r in first] == [r.tokens for r in second] == [solo(r) for r in reqs]
-    busy = ContinuousEngine(TINY, 3, cuda_graph=eng.decoder)
+    busy = ContinuousEngine(TINY, 3, decoder=eng.decoder)
     busy.add_request(Request([1], 5))
     busy.step()
     with pytest.raises(ValueError, match="idle slots"):
-        ContinuousEngine(TINY, 3, cuda_graph=eng.decoder)
+        ContinuousEngine(TINY, 3, decoder=eng.decoder)
     with pytest.raises(ValueError, match="idle slots"):
-        ContinuousEngine(TINY, 4, cuda_graph=SlotGraphDecoder(TINY, SlotKVCache(2, 2, 2, 16, 96, torch.float64)))
+        ContinuousEngine(TINY, 4, decoder=SlotGraphDecoder(TINY, SlotKVCache(2, 2, 2, 16, 96, torch.float64)))
 
 
 @pytest.mark.parametrize("kind", ["slots", "paged", "graph"])

@@ -52,22 +52,22 @@ class Running:
         self.uv.should_exit = True
         self.thread.join(10)
 
-    def load(self) -> tuple[int, int]:
+    def request_counts(self) -> tuple[int, int]:
         """The engine's (waiting, running), as its process last reported them."""
-        return self.served.loop.load()
+        return self.served.loop.request_counts()
 
     def wait_idle(self, timeout=10.0) -> tuple[int, int]:
         """The load once the engine is idle (or timeout s have passed); an idle engine that
         still holds a slot or a block, or a request the HTTP side still holds, fails the test."""
         t0 = time.time()
-        while self.load() != (0, 0) and time.time() - t0 < timeout:
+        while self.request_counts() != (0, 0) and time.time() - t0 < timeout:
             time.sleep(0.01)
         loop = self.served.loop
-        assert self.load() != (0, 0) or loop.leaked is None, loop.leaked
-        assert self.load() != (0, 0) or not loop.tickets, \
+        assert self.request_counts() != (0, 0) or loop.leaked is None, loop.leaked
+        assert self.request_counts() != (0, 0) or not loop.tickets, \
             f"the engine is idle, yet the HTTP side still holds requests {sorted(loop.tickets)}: " \
             f"a finished or refused request leaves EngineLoop.tickets"
-        return self.load()
+        return self.request_counts()
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_a_client_that_goes_away_frees_its_slot_at_once(running):
             chunks += line.startswith("data:")
             if chunks == 3:
                 break
-        assert running.load() == (0, 1), "the request still runs while its client reads"
+        assert running.request_counts() == (0, 1), "the request still runs while its client reads"
     assert running.wait_idle(timeout=2) == (0, 0), "the closed stream's request was not aborted"
 
 
@@ -181,7 +181,7 @@ def test_bad_requests_get_a_400_naming_the_field(running, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         running.client().completions.create(**kw)
     assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
-    assert running.load() == (0, 0)
+    assert running.request_counts() == (0, 0)
 
 
 def test_bad_json_an_unknown_model_and_bad_messages(running):

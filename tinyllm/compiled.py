@@ -33,12 +33,10 @@ import time
 import torch
 from torch import Tensor
 
+from tinyllm.config import COMPILE_MODES
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.model import Transformer
 from tinyllm.slot_cache import SlotKVCache
-
-MODES = ("default", "max-autotune")
-
 
 def compile_settings(mode: str, device: torch.device,
                      dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
@@ -50,8 +48,8 @@ def compile_settings(mode: str, device: torch.device,
     float64 keeps the library's GEMM). Those are set around the compiling call rather than
     passed as torch.compile's options, because the tracer must see `freezing` too: it is what
     keeps the weights as constants of the graph instead of inputs."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, COMPILE_MODES))}, got {mode!r}")
     if device.type == "cuda":
         return {"mode": "reduce-overhead" if mode == "default" else "max-autotune"}, {}
     if mode == "default":

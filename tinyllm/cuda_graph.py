@@ -142,6 +142,10 @@ class SlotGraphDecoder:
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; on a CPU use capture=False")
+        if buckets is not None and (not buckets or any(
+                isinstance(b, bool) or not isinstance(b, int) for b in buckets)):
+            raise ValueError(f"buckets must be window sizes, whole numbers of positions, got "
+                             f"{buckets!r}")
         buckets = sorted(set(buckets or default_buckets(slots.max_len)))
         if buckets[0] < 1 or buckets[-1] > slots.max_len:
             raise ValueError(f"buckets must lie in 1..{slots.max_len} (the slots' max_len), got {buckets}")

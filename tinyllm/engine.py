@@ -2,10 +2,11 @@
 
 A re-export module and nothing else; nothing inside the package imports it. Each name lives in
 the module of its idea: requests.py (Request, Result, Event), sampling.py (Sampling),
-stats.py (Stats, Trace), padded.py (02), static.py (03), continuous.py (04-06).
+stats.py (Stats, Trace), padded.py (02), static.py (03), config.py (EngineConfig), continuous.py (04-08).
 """
 
-from tinyllm.continuous import ContinuousEngine, EngineConfig, run_continuous
+from tinyllm.config import EngineConfig
+from tinyllm.continuous import ContinuousEngine, run_continuous
 from tinyllm.padded import prefill_padded
 from tinyllm.requests import Event, Request, Result
 from tinyllm.sampling import Sampling

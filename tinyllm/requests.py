@@ -139,30 +139,26 @@ def check_request(req: Request, vocab_size: int, max_len: int) -> Request:
 class Sequence:
     """One request inside the continuous engine, from add_request to its Result.
 
-    rid: its id, in order of arrival (a lower id arrived earlier); request: the checked
-    Request; arrival: the engine clock when it came; sampling: its settings (the request's or
-    the engine's); generator: its own when seeded, else None; tokens: generated so far (kept
-    through a preemption, when they become part of the context to recompute); ttft: the clock
-    at its first token; itl: the gaps between its tokens; slot: the slot holding it, None
-    while it waits; computed: how many tokens of its context the slot holds (0 at admission,
-    or what a prefix cache already held, 08). The tokens from `computed` on are still to be
-    computed: the whole context after admission, a chunk of it at a time under a token budget
-    (07), then one token per step, the one it last sampled (decode). prefilled and cached: the
-    context tokens its admissions left to compute, and those a prefix cache served (summed over
-    its admissions: a preempted request is admitted again).
+    Its context (the prompt, and after a preemption the tokens it had made) is computed into
+    its slot from num_computed_tokens on: the whole context after admission, a chunk at a time
+    under a token budget (07), then one token per step, the one it last sampled (decode).
     """
 
     def __init__(self, rid: int, request: Request, arrival: float, sampling: Sampling,
                  generator: torch.Generator | None):
-        self.rid, self.request, self.arrival = rid, request, arrival
-        self.sampling, self.generator = sampling, generator
-        self.tokens: list[int] = []
-        self.ttft: float | None = None
-        self.itl: list[float] = []
-        self._last: float | None = None
-        self.slot: int | None = None
-        self.computed = 0
-        self.prefilled = self.cached = 0
+        self.rid = rid                                  # its id, in arrival order (lower: earlier)
+        self.request = request                          # the checked Request
+        self.arrival = arrival                          # the engine clock when it came
+        self.sampling = sampling                        # the request's sampling, or the engine's
+        self.generator = generator                      # its own when seeded, else None
+        self.tokens: list[int] = []                     # made so far (kept if preempted)
+        self.ttft: float | None = None                  # the clock at its first token
+        self.itl: list[float] = []                      # the gaps between its tokens
+        self._last: float | None = None                 # the clock at its last token
+        self.slot: int | None = None                    # the slot holding it; None while it waits
+        self.num_computed_tokens = 0                    # context tokens its slot holds
+        self.num_prefilled_tokens = 0                   # context tokens it had to compute
+        self.num_cached_tokens = 0                      # context tokens a prefix cache served (08)
 
     def context(self) -> list[int]:
         """The tokens to prefill: the prompt, and after a preemption the tokens made so far."""
@@ -174,7 +170,7 @@ class Sequence:
     def left(self) -> int:
         """Tokens of the context still to compute before the next token can be sampled: 1
         while it decodes, more while its context is prefilled."""
-        return self.context_len() - self.computed
+        return self.context_len() - self.num_computed_tokens
 
     def append(self, token: int, now: float) -> bool:
         """Record a new token made at engine time now; True when the request is done."""
@@ -192,4 +188,4 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence(rid={self.rid}, slot={self.slot}, tokens={len(self.tokens)}, "
-                f"computed={self.computed})")
+                f"num_computed_tokens={self.num_computed_tokens})")

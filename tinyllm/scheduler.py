@@ -130,7 +130,7 @@ class Scheduler:
     # ---- 2) admit, and plan the step ---------------------------------------------------------
     def admit(self) -> list[Sequence]:
         """Waiting sequences that enter free slots now, each given a slot and memory for its
-        context, and what the cache already holds of it (seq.computed: a prefix cache's
+        context, and what the cache already holds of it (seq.num_computed_tokens: a prefix cache's
         blocks, 08): the engine computes the rest."""
         admitted = admit_waiting(self.waiting, self.running, self.cache)
         for seq in admitted:                            # an admission that is not one is named
@@ -149,20 +149,27 @@ class Scheduler:
                                  f"a preemption the tokens it had made) and its next token needs "
                                  f"one more")
         for seq in admitted:
-            seq.computed = self.cache.reuse_prefix(seq.slot, seq.context())
-            seq.prefilled += seq.left()
-            seq.cached += seq.computed
+            seq.num_computed_tokens = self.cache.reuse_prefix(seq.slot, seq.context())
+            seq.num_prefilled_tokens += seq.left()
+            seq.num_cached_tokens += seq.num_computed_tokens
         return admitted
 
     def plan(self, max_tokens: int | None) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """This step's work within a budget of max_tokens (None: no limit; 07): a token for
         every decoding sequence, then the contexts being computed, newcomers admitted only if
         the budget has room for them (chunked_prefill.plan_step). Returns the decodes and the
-        chunks (sequence, tokens it computes); a plan that breaks the rules is named."""
+        chunks (sequence, tokens it computes); a plan that breaks the rules, or
+        computes nothing while requests wait, is named."""
         running = self.in_slot_order()
         decoding = [s for s in running if s.left() == 1]
         decodes, chunks = chunked_prefill.plan_step(running, max_tokens, self.admit)
         check_plan(decoding, decodes, chunks, max_tokens, self.running)
+        if not decodes and not chunks:                  # unreachable with the reference seams
+            raise RuntimeError(
+                f"a step with nothing to compute: {len(self.waiting)} requests wait, the running "
+                f"ones have {[s.left() for s in running]} tokens left, and the cache's free "
+                f"slots are {self.cache.free_slots()} of {self.cache.n_slots} (a finished "
+                f"request that never released its slot, or a plan that gave no tokens?)")
         return decodes, chunks
 
     # ---- 4) retire --------------------------------------------------------------------------

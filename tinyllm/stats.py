@@ -54,6 +54,15 @@ class Stats:
             self.kv_alloc_sum += kv_alloc
             self.kv_alloc_steps += 1
 
+    def record_finished(self, seq) -> None:
+        """A request finished (a Sequence, 04): its tokens, and the prompt work it took."""
+        self.useful_tokens += len(seq.tokens)
+        self.prompt_tokens += len(seq.request.prompt)
+        self.prefill_tokens += seq.num_prefilled_tokens
+        self.cached_prompt_tokens += seq.num_cached_tokens
+        self.recomputed_tokens += (seq.num_prefilled_tokens + seq.num_cached_tokens
+                                   - len(seq.request.prompt))
+
     def summary(self, results: list[Result]) -> dict:
         """The figures of a run, from its Results and the engine's counts. Counts of steps and
         tokens do not depend on the machine; the seconds do (its speed, and what else runs).

@@ -247,7 +247,7 @@ def test_your_admission_fills_the_free_slots_in_order(plug):
         eng.step()
     assert sorted(eng.holders()) == [rids[0], rids[1]], \
         f"2 free slots, 4 queued: requests 0 and 1 take the two slots, the slots hold {eng.holders()}"
-    assert eng.load() == (2, 2), f"2 waiting and 2 running after the first step, got {eng.load()}"
+    assert eng.request_counts() == (2, 2), f"2 waiting and 2 running after the first step, got {eng.request_counts()}"
     run_engine(eng, [])
     check_results(eng, rids, solo(TINY, reqs))
 

@@ -145,7 +145,7 @@ def test_graph_decoder_with_your_functions_matches_solo(plug):
     expected = None
     for n_slots, buckets in ((3, (8, 16, 32)), (5, None)):
         with explained(f"the graph decoder with your functions ({n_slots} slots, buckets {buckets})"):
-            results, summary = run_continuous(TINY, reqs, n_slots, cuda_graph=True, buckets=buckets)
+            results, summary = run_continuous(TINY, reqs, n_slots, decoder="graphs", buckets=buckets)
         expected = expected or [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
         for i, (e, r) in enumerate(zip(expected, results)):
             msg = divergence(f"request {i} ({n_slots} slots, buckets {buckets})", e, r.tokens)
@@ -161,7 +161,7 @@ def test_bundled_model_with_your_decoder(plug, bundled64):
     reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
     plug()                          # solo generate calls no seam of this exercise
     with explained("the graph decoder with your functions"):
-        results, _ = run_continuous(model, reqs, 3, cuda_graph=True, buckets=(8, 16, 32, 64))
+        results, _ = run_continuous(model, reqs, 3, decoder="graphs", buckets=(8, 16, 32, 64))
     expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
     assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
     for i, (e, r) in enumerate(zip(expected, results)):

@@ -133,20 +133,20 @@ def test_plan_step_spreads_the_budget_in_arrival_order(impl, lefts, budget, want
 def sequence(prompt, made=(), computed=0) -> Sequence:
     """A Sequence whose context is prompt + made, `computed` of it in its slot."""
     seq = Sequence(0, Request(list(prompt), 8), 0.0, Sampling(), None)
-    seq.tokens, seq.computed = list(made), computed
+    seq.tokens, seq.num_computed_tokens = list(made), computed
     return seq
 
 
 def chunk(impl, seq, n):
-    before = (seq.computed, list(seq.tokens), list(seq.request.prompt))
+    before = (seq.num_computed_tokens, list(seq.tokens), list(seq.request.prompt))
     got = impl.next_chunk(seq, n)
     assert isinstance(got, tuple) and len(got) == 2, \
         f"next_chunk returns (the chunk's tokens, whether they end the context), got {got!r}"
     toks, done = got
     assert isinstance(toks, list), f"the chunk's tokens are a list of token ids, got {toks!r}"
-    assert (seq.computed, seq.tokens, seq.request.prompt) == before, \
-        (f"next_chunk only reads the sequence: computed went from {before[0]} to {seq.computed} "
-         f"(the engine moves seq.computed after the step)")
+    assert (seq.num_computed_tokens, seq.tokens, seq.request.prompt) == before, \
+        (f"next_chunk only reads the sequence: computed went from {before[0]} to {seq.num_computed_tokens} "
+         f"(the engine moves seq.num_computed_tokens after the step)")
     return toks, done
 
 
@@ -191,7 +191,7 @@ def test_next_chunk_of_a_preempted_sequence_includes_its_tokens(impl):
         (f"prompt [5, 6, 7, 8], made [40, 41, 42] (preempted), computed 2: the context is the "
          f"prompt and the made tokens (seq.context()), its next 3 tokens [7, 8, 40], not its end: "
          f"expected ([7, 8, 40], False), got ({toks}, {done!r})")
-    seq.computed = 5
+    seq.num_computed_tokens = 5
     toks, done = chunk(impl, seq, 2)
     assert (toks, done) == ([41, 42], True), \
         f"the same context, computed 5: the last 2 tokens end it: expected ([41, 42], True), got ({toks}, {done!r})"

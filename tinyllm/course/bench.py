@@ -29,7 +29,9 @@ import torch
 
 from tinyllm import cuda_graph
 from tinyllm.checkpoints.checkpoint import resolve
-from tinyllm.compiled import MODES, CompiledDecoder
+from tinyllm.compiled import CompiledDecoder
+from tinyllm.config import COMPILE_MODES as MODES
+from tinyllm.config import EngineConfig
 from tinyllm.continuous import compiled_decoder, run_continuous
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
@@ -106,7 +108,7 @@ def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, se
                   kv_blocks=kv_blocks or batch * -(-max_len // block_size))
     if kw.get("decoder") != "compiled":
         return run_continuous(model, reqs, slots, arrivals, progress=progress, **kw)[1]
-    kw["decoder"] = decoder = compiled_decoder(model, slots, **kw)
+    kw["decoder"] = decoder = compiled_decoder(model, EngineConfig(slots, **kw))
     summary = run_continuous(model, reqs, slots, arrivals, progress=progress, **kw)[1]
     return {**summary, "compile_s": sum(decoder.compile_s.values())}
 

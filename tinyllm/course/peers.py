@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from tinyllm.config import EngineConfig
 from tinyllm.continuous import compiled_decoder, run_continuous
 from tinyllm.generate import generate
 from tinyllm.checkpoints.gguf_file import reader_class
@@ -235,8 +236,9 @@ def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0,
 
     def compile_for(name, m):
         """A compiled decoder of `batch` slots, its one bucket compiled now (not timed)."""
-        decoders[name] = compiled_decoder(m, batch, max_len=max_len, buckets=(max_len,),
-                                          compile_mode=compile_mode)
+        config = EngineConfig(batch, max_len=max_len, decoder="compiled", buckets=(max_len,),
+                              compile_mode=compile_mode)
+        decoders[name] = compiled_decoder(m, config)
         compile_s[name] = sum(decoders[name].compile_s.values())
 
     engines = {

@@ -262,7 +262,7 @@ class SlotStepper:
             self._show()
 
     def text(self) -> str:
-        waiting, active = self.engine.load()
+        waiting, active = self.engine.request_counts()
         lines = [f"step {self.steps}: {waiting} waiting, {active} of {self.engine.config.n_slots} "
                  f"slots decoding, {len(self.finished)} finished"]
         for s, rid in enumerate(self.engine.holders()):  # the request each slot holds (None: free)

@@ -114,7 +114,7 @@ class EngineLoop:
         if self.process.is_alive():
             self.process.terminate()
 
-    def load(self) -> tuple[int, int]:
+    def request_counts(self) -> tuple[int, int]:
         """(requests waiting, counting those not yet in the engine; requests running), as of
         the engine's last message."""
         waiting, running = self.reported
@@ -123,7 +123,7 @@ class EngineLoop:
     def submit(self, ticket: Ticket) -> None:
         if self.failed:
             raise APIError(500, f"the engine failed: {self.failed}", kind="server_error")
-        if self.load()[0] >= self.max_waiting:
+        if self.request_counts()[0] >= self.max_waiting:
             raise APIError(429, f"the server is full: {self.max_waiting} requests already wait "
                                 f"for a slot; retry later", kind="rate_limit_error")
         ticket.key, self.next_key = self.next_key, self.next_key + 1
@@ -233,7 +233,7 @@ def engine_process(engine: ContinuousEngine, conn, n_threads: int) -> None:
                 del key_of[ev.rid], rid_of[key]
                 engine.results.pop(ev.rid, None)
         idle = not engine.has_work()
-        conn.send(("step", (tokens, refused, taken, engine.load(), engine.kv_used_frac(),
+        conn.send(("step", (tokens, refused, taken, engine.request_counts(), engine.kv_used_frac(),
                             leaks(engine) if idle else None)))
 
 
@@ -382,7 +382,7 @@ class Metrics:
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        waiting, running = self.loop.load()
+        waiting, running = self.loop.request_counts()
         self.waiting.set(waiting)
         self.running.set(running)
         self.kv_used.set(self.loop.kv_used)

@@ -1,0 +1,151 @@
+"""Steps 04-08 - the engine's settings: one EngineConfig, from the command line to the scheduler.
+
+Every setting of the continuous engine has one name and one type on its whole way in: a flag of
+`python -m tinyllm bench` or `serve` (`EngineConfig.add_arguments`) becomes a field of the same
+name (`EngineConfig.from_args`), a benchmark's engine name (`paged+prefix+chunked`) changes
+fields with `dataclasses.replace`, and the engine, its scheduler and its cache read the fields.
+The config is checked when it is made, so a bad setting is named before any memory is taken.
+"""
+
+import math
+from dataclasses import dataclass, fields
+
+from tinyllm.requests import check_positive_int
+from tinyllm.sampling import Sampling
+
+DEFAULT_KV_MIB = 512     # the KV cache's memory when none is given (vLLM's CPU default: 4 GiB)
+KV_KINDS = ("slots", "paged")
+DECODERS = ("eager", "graphs", "compiled")
+COMPILE_MODES = ("default", "max-autotune")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """A continuous engine's settings, checked when made.
+
+    The KV budget (kv_mib) bounds the defaults: a slot cache's max_len (n_slots slots of
+    max_len positions each) and the paged pool (the memory of n_slots such slots); settings
+    given explicitly that need more than the budget are refused. Size it to the work: max_len
+    as long as the longest request.
+    """
+    n_slots: int                            # requests decoded together, one slot each
+    max_len: int | None = None              # positions per request, prompt included (None: the model's)
+    temperature: float = 0.0                # the default sampling; a request's own overrides it
+    top_k: int | None = None
+    top_p: float | None = None
+    kv: str = "slots"                       # the KV cache: "slots" (04) or "paged" (05)
+    block_size: int = 16                    # positions per block of the paged pool (05)
+    kv_blocks: int | None = None            # the paged pool's blocks (None: the memory of the slots)
+    decoder: str = "eager"                  # the decode step (06): "eager", "graphs" or "compiled"
+    compile_mode: str = "default"           # the compiled step's torch.compile mode (06)
+    buckets: tuple[int, ...] | None = None  # the bucketed decoders' windows (None: powers of two)
+    max_step_tokens: int | None = None      # tokens computed per step at most (07; None: no budget)
+    prefix_cache: bool = False              # share the blocks of common prefixes (08, kv="paged")
+    kv_mib: float | None = None             # the KV cache's memory, MiB (None: DEFAULT_KV_MIB)
+
+    def __post_init__(self):
+        check_positive_int("n_slots", self.n_slots)
+        for name in ("max_len", "kv_blocks"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        check_positive_int("block_size", self.block_size)
+        for name, allowed in (("kv", KV_KINDS), ("decoder", DECODERS),
+                              ("compile_mode", COMPILE_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.decoder != "eager" and self.kv != "slots":
+            raise ValueError(f"the {self.decoder} decoder decodes a slot cache: use kv='slots'")
+        if self.compile_mode != "default" and self.decoder != "compiled":
+            raise ValueError(f"compile_mode is the compiled decoder's: use decoder='compiled' "
+                             f"(got decoder={self.decoder!r})")
+        self._check_buckets()
+        if self.max_step_tokens is not None:
+            check_positive_int("max_step_tokens", self.max_step_tokens)
+            if self.max_step_tokens < self.n_slots:
+                raise ValueError(f"max_step_tokens {self.max_step_tokens} is less than n_slots "
+                                 f"{self.n_slots}: every running request decodes one token a step")
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        if self.prefix_cache and self.kv != "paged":
+            raise ValueError("prefix_cache shares blocks of a paged cache: use kv='paged'")
+        if self.kv_mib is not None and (isinstance(self.kv_mib, bool) or
+                                        not isinstance(self.kv_mib, (int, float)) or
+                                        not 0 < self.kv_mib < math.inf):
+            raise ValueError(f"kv_mib must be a finite number of MiB > 0, got {self.kv_mib!r}")
+        self.sampling                                   # checks temperature, top_k, top_p
+
+    def _check_buckets(self) -> None:
+        if self.buckets is None:
+            return
+        if not isinstance(self.buckets, (tuple, list)) or not self.buckets:
+            raise ValueError(f"buckets must be a non-empty tuple of window sizes, got "
+                             f"{self.buckets!r}")
+        for b in self.buckets:
+            check_positive_int("each bucket", b)
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_k, self.top_p)
+
+    def kv_sizes(self, model_max_len: int, bytes_per_token: int) -> tuple[int, int | None]:
+        """(max_len, the paged pool's blocks or None) within the KV budget: the settings given,
+        or the defaults cut to the budget. Raises naming what does not fit."""
+        mib = DEFAULT_KV_MIB if self.kv_mib is None else self.kv_mib
+        budget = int(mib * 2**20) // bytes_per_token            # positions the budget holds
+        max_len = model_max_len if self.max_len is None else self.max_len
+        if max_len > model_max_len:
+            raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {model_max_len}")
+        if self.kv == "slots":
+            if self.max_len is None:
+                max_len = min(max_len, budget // self.n_slots)
+            need = self.n_slots * max_len
+            what = f"{self.n_slots} slots of {max(max_len, 1)} positions"
+            n_blocks = None
+        else:
+            n_blocks = self.kv_blocks or min(self.n_slots * math.ceil(max_len / self.block_size),
+                                             budget // self.block_size)
+            need, what = n_blocks * self.block_size, f"{n_blocks} blocks of {self.block_size}"
+        if max_len < 1 or (n_blocks is not None and n_blocks < 1) or need > budget:
+            raise ValueError(f"the KV cache of {what} needs {need * bytes_per_token / 2**20:.1f} "
+                             f"MiB, over kv_mib={mib:g} ({budget} positions of "
+                             f"{bytes_per_token} bytes): raise kv_mib, or ask for fewer slots "
+                             f"or a shorter max_len")
+        return max_len, n_blocks
+
+    # ---- the command line: one flag per field, of the field's name --------------------------
+    @staticmethod
+    def add_arguments(parser, n_slots: int = 16) -> None:
+        """The engine's flags, shared by `bench` and `serve`: each sets the field of its name
+        (--max-step-tokens sets max_step_tokens), and from_args reads them back."""
+        g = parser.add_argument_group("the engine (EngineConfig)")
+        g.add_argument("--slots", dest="n_slots", type=int, default=n_slots, metavar="N",
+                       help=f"requests decoded together (default: {n_slots})")
+        g.add_argument("--kv", choices=KV_KINDS, default="slots",
+                       help="the KV cache: slots (step 04) or a paged pool (05) (default: slots)")
+        g.add_argument("--block-size", type=int, default=16, metavar="N",
+                       help="positions per block of the paged pool (default: 16)")
+        g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                       help="the paged pool's blocks (default: the memory of the slots)")
+        g.add_argument("--kv-mib", type=float, default=None, metavar="MIB",
+                       help=f"the KV cache's memory budget (default: {DEFAULT_KV_MIB}); it bounds "
+                            f"the positions a request may use on slots")
+        g.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
+                       help="at most N tokens computed a step, prompts in chunks (step 07)")
+        g.add_argument("--prefix-cache", action="store_true",
+                       help="requests share the blocks of common prefixes (step 08, paged)")
+        g.add_argument("--decoder", choices=DECODERS, default="eager",
+                       help="the decode step (step 06): eager, CUDA graphs (their eager "
+                            "bucketed twin on a CPU) or compiled by torch.compile (default: eager)")
+        g.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                       help="the compiled step's mode: max-autotune generates GEMM kernels for "
+                            "the step's batch, a faster step for a longer compilation "
+                            "(default: default)")
+
+    @classmethod
+    def from_args(cls, args, **changes) -> "EngineConfig":
+        """The config of parsed flags (add_arguments'), with `changes` on top; raises
+        ValueError naming a bad setting."""
+        names = {f.name for f in fields(cls)}
+        given = {k: v for k, v in vars(args).items() if k in names}
+        return cls(**{**given, **changes})
