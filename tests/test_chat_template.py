@@ -186,8 +186,39 @@ def test_a_bad_template_field_is_named(ckpt):
         tinyllm.load(ckpt, device="cpu")
 
 
+@pytest.mark.parametrize("template, words", [
+    ("{% for %}", r"tokenizer_config\.json: chat_template is not a valid Jinja template \(line 1: "
+                  r"Expected an expression"),
+    ("{{ messages | nosuchfilter }}", r"chat_template is not a valid Jinja template .*"
+                                      r"No filter named 'nosuchfilter'"),
+    ([5], r"tokenizer_config\.json: chat_template\[0\] must be \{\"name\": \.\.\., "
+          r"\"template\": \.\.\.\} with strings, got 5"),
+    ([{"name": "default"}], r"chat_template\[0\] must be .* got \{'name': 'default'\}"),
+    ([{"name": "default", "template": "{{ x"}],
+     r"tokenizer_config\.json: chat_template 'default' is not a valid Jinja template"),
+])
+def test_a_broken_template_is_refused_at_load(ckpt, template, words):
+    """A template that cannot compile, or named templates that are not {"name", "template"},
+    fail at load with the file and the field, not at the first chat."""
+    edit_json(ckpt / "tokenizer_config.json", chat_template=template)
+    with pytest.raises(CheckpointError, match=words):
+        tinyllm.load(ckpt, device="cpu")
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"{% for %}", r"chat_template\.jinja: not a valid Jinja template \(line 1: Expected"),
+    (b"{% if x %}\nhi\n{% endfor %}", r"chat_template\.jinja: not a valid Jinja template "
+                                     r"\(line 3: Encountered unknown tag 'endfor'"),
+    (b"\xff\xfe{{ messages }}", r"chat_template\.jinja: not UTF-8 text"),
+])
+def test_a_broken_template_file_is_refused_at_load(ckpt, data, words):
+    (ckpt / "chat_template.jinja").write_bytes(data)
+    with pytest.raises(CheckpointError, match=words):
+        tinyllm.load(ckpt, device="cpu")
+
+
 @pytest.mark.parametrize("config_eos, generation_eos, want", [
-    (128001, [128001, 128008, 128009], (128001, 128008, 128009)),     # Llama 3.1 Instruct
+    (1001, [1001, 1008, 1009], (1001, 1008, 1009)),     # as Llama 3.1 Instruct lists them
     ([2, 7], 7, (2, 7)),
     (5, None, (5,)),
     (None, [9, 4], (9, 4)),
@@ -205,4 +236,9 @@ def test_every_eos_id_is_collected_in_order(ckpt, config_eos, generation_eos, wa
 def test_a_bad_generation_config_eos_is_named(ckpt):
     edit_json(ckpt / "generation_config.json", eos_token_id=["2"])
     with pytest.raises(CheckpointError, match=r"generation_config\.json: eos_token_id must be"):
+        tinyllm.load(ckpt, device="cpu")
+    edit_json(ckpt / "generation_config.json", eos_token_id=[2, 128009])
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: eos_token_id 128009 "
+                                              r"is not a token of the model \(its vocab_size "
+                                              r"is 2048\)"):
         tinyllm.load(ckpt, device="cpu")

@@ -88,8 +88,14 @@ def test_missing_files_are_named(ckpt):
 
 def test_missing_tokenizer_is_named(ckpt):
     (ckpt[0] / "tokenizer.json").unlink()
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        tinyllm.load(ckpt[0], device="cpu")
+    expect_error(ckpt[0], "tokenizer.json: missing", "needs tokenizer.json")
+
+
+@pytest.mark.parametrize("text", ["{ not json", "[]", '{"model": 5}'])
+def test_bad_tokenizer_json_is_named(ckpt, text):
+    """A tokenizer.json the tokenizers library cannot read is a CheckpointError naming it."""
+    (ckpt[0] / "tokenizer.json").write_text(text)
+    expect_error(ckpt[0], "tokenizer.json: not a valid tokenizer.json")
 
 
 def test_corrupt_safetensors_is_named(ckpt):
@@ -151,6 +157,17 @@ def test_missing_and_unexpected_tensors_are_named(ckpt, tmp_path):
     good["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2)
     save_file(good, path / "model.safetensors")
     expect_error(path, "unexpected tensor", "model.layers.9")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.float8_e4m3fn])
+def test_weights_that_are_not_floats_are_named(ckpt, dtype):
+    """A tensor stored as ints, bools or float8 is refused with its name and dtype."""
+    path, _ = ckpt
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(dtype)
+    save_file(tensors, path / "model.safetensors")
+    expect_error(path, "'model.norm.weight'", f"has dtype {str(dtype).removeprefix('torch.')}",
+                 "float32, float64, bfloat16, float16")
 
 
 def test_non_finite_weights_are_named(ckpt):
@@ -219,7 +236,8 @@ def test_a_hub_id_needs_download_true():
 def test_max_seq_len_caps_the_positions_served(tmp_path):
     model, _ = tinyllm.load(device="cpu", max_seq_len=128)
     assert model.cfg.max_seq_len == 128 and model.rope_cos.shape[0] == 128
-    with pytest.raises(CheckpointError, match="exceeds the checkpoint's max_position_embeddings 512"):
+    with pytest.raises(CheckpointError,
+                       match="exceeds the checkpoint's max_position_embeddings 512"):
         tinyllm.load(device="cpu", max_seq_len=1024)
 
 
@@ -228,6 +246,36 @@ def test_max_seq_len_must_be_a_positive_int(ckpt, bad):
     """0, a negative, a fraction, a bool or a string is refused, not read as the default."""
     with pytest.raises(ValueError, match=r"max_seq_len must be an int >= 1, got"):
         tinyllm.load(ckpt[0], device="cpu", max_seq_len=bad)
+
+
+@pytest.mark.parametrize("bad", [torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn,
+                                 "float32", 5])
+def test_dtype_must_be_a_float_dtype(bad):
+    """A dtype other than float32, float64, bfloat16 or float16 is refused by name before any
+    file is read (here the path does not even exist)."""
+    with pytest.raises(ValueError, match=r"dtype must be one of torch\.float32, torch\.float64, "
+                                         r"torch\.bfloat16, torch\.float16 or None") as e:
+        tinyllm.load("nowhere", device="cpu", dtype=bad)
+    assert f"got {bad!r}" in str(e.value)
+    if isinstance(bad, str):
+        assert "pass torch.float32" in str(e.value)
+
+
+@pytest.mark.parametrize("device, words", [
+    ("gpu", r"device must be 'cpu', 'cuda', 'cuda:N' or None, got 'gpu'"),
+    ("cuda:99", r"device 'cuda:99': this machine has"),
+])
+def test_device_must_be_one_torch_can_use(device, words):
+    """A device torch does not know, or a GPU the machine does not have, is refused by name
+    before any file is read."""
+    with pytest.raises(ValueError, match=words):
+        tinyllm.load("nowhere", device=device)
+
+
+@pytest.mark.parametrize("bad", [5, None, ["default"]])
+def test_path_must_be_a_str_or_path(bad):
+    with pytest.raises(TypeError, match=r"path must be a str or a Path .*, got"):
+        tinyllm.load(bad, device="cpu")
 
 
 @pytest.mark.parametrize("text", ["[]", "null", '"llama"', "7"])
@@ -250,6 +298,10 @@ def test_bad_safetensors_index_is_named(ckpt, index, words):
         tinyllm.load(ckpt[0], device="cpu")
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
 @pytest.mark.parametrize("change, words", [
     (dict(hidden_size="64"), r"hidden_size must be an int >= 1, got '64'"),
     (dict(num_attention_heads=0), r"num_attention_heads must be an int >= 1, got 0"),
@@ -263,6 +315,23 @@ def test_bad_safetensors_index_is_named(ckpt, index, words):
                             r"list of them, got \[\]"),
     (dict(eos_token_id=[2, "3"]), r"eos_token_id must be a token id .*, got \[2, '3'\]"),
     (dict(bos_token_id="0"), r"bos_token_id must be a token id \(an int >= 0\), got '0'"),
+    (dict(bos_token_id=300), r"bos_token_id 300 is not a token of the model \(its vocab_size "
+                             r"is 300\)"),
+    (dict(eos_token_id=[0, 5000]), r"eos_token_id 5000 is not a token of the model"),
+    (dict(tie_word_embeddings="false"), r"tie_word_embeddings must be true or false, got 'false'"),
+    (dict(attention_bias="false"), r"attention_bias must be true or false, got 'false'"),
+    (dict(mlp_bias="false"), r"mlp_bias must be true or false, got 'false'"),
+    (dict(num_key_value_heads=3), r"num_attention_heads 4 is not a multiple of "
+                                  r"num_key_value_heads 3"),
+    (dict(head_dim=15), r"head_dim 15 is odd"),
+    (dict(rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": "1e4"}),
+     r"rope_parameters' rope_theta must be a number > 0, got '1e4'"),
+    (dict(rope_scaling={**LLAMA3, "factor": "8"}),
+     r"llama3 RoPE scaling's factor must be a number > 0, got '8'"),
+    (dict(rope_scaling={**LLAMA3, "original_max_position_embeddings": -1}),
+     r"llama3 RoPE scaling's original_max_position_embeddings must be a number > 0, got -1"),
+    (dict(rope_scaling={**LLAMA3, "low_freq_factor": 4.0}),
+     r"llama3 RoPE scaling's low_freq_factor 4\.0 must be below its high_freq_factor 4\.0"),
 ])
 def test_config_value_of_wrong_type_is_named(ckpt, change, words):
     """A config.json value of the wrong type or range is refused with its field and value."""

@@ -134,6 +134,8 @@ def write_gguf(path, arch: str, meta: dict, tensors: dict) -> None:
             w.add_float32(key, value)
         elif isinstance(value, str):
             w.add_string(key, value)
+        elif isinstance(value, bytes):                  # a string's raw bytes, UTF-8 or not
+            w.add_key_value(key, value, gguf.GGUFValueType.STRING)
         else:
             w.add_array(key, value)
     for name, t in tensors.items():
@@ -363,9 +365,10 @@ def test_a_dequantised_copy_holds_the_same_values(tmp_path):
     write_gguf(tmp_path / "q.gguf", "llama", {**arch_metadata("llama", peer.config),
                                               **bundled_vocabulary()}, {**floats, **quantised})
     model, tok = tinyllm.load(tmp_path / "q.gguf", device="cpu")
-    f32, _ = tinyllm.load(write_dequantized(tmp_path / "q.gguf", tmp_path / "f32.gguf"), device="cpu")
-    bf16, tok16 = tinyllm.load(write_dequantized(tmp_path / "q.gguf", tmp_path / "bf16.gguf", "BF16"),
-                               device="cpu")
+    f32, _ = tinyllm.load(write_dequantized(tmp_path / "q.gguf", tmp_path / "f32.gguf"),
+                          device="cpu")
+    bf16, tok16 = tinyllm.load(write_dequantized(tmp_path / "q.gguf", tmp_path / "bf16.gguf",
+                                                 "BF16"), device="cpu")
     assert f32.cfg == bf16.cfg == model.cfg and tok16.encode("Ham.\nO") == tok.encode("Ham.\nO")
     for (name, w), w32, w16 in zip(model.state_dict().items(), f32.state_dict().values(),
                                    bf16.state_dict().values()):
@@ -397,12 +400,47 @@ def iq4_blocks(rows: int, cols: int) -> np.ndarray:
      ["unexpected tensor", "'blk.0.attn_qkv.weight'"]),
     ({"llama.block_count": 0}, {}, ["llama.block_count must be an int >= 1, got 0"]),
     ({"tokenizer.ggml.eos_token_id": 5000}, {}, ["tokenizer.ggml.eos_token_id", "5000"]),
+    ({"llama.attention.head_count_kv": 3}, {},
+     ["llama.attention.head_count 4 is not a multiple of llama.attention.head_count_kv 3"]),
+    ({"general.name": b"\xff\xfetiny"}, {}, ["metadata key 'general.name'", "not UTF-8"]),
 ])
 def test_what_tinyllm_cannot_read_is_named(tmp_path, meta, tensors, words):
     write_tiny(tmp_path / "bad.gguf", "llama", meta, tensors)
     with pytest.raises(CheckpointError) as e:
         tinyllm.load(tmp_path / "bad.gguf", device="cpu")
     for w in ["bad.gguf"] + words:
+        assert w in str(e.value), f"{w!r} not in: {e.value}"
+
+
+@pytest.mark.parametrize("meta, words", [
+    ({"tokenizer.ggml.tokens": list(range(2048))},
+     ["tokenizer.ggml.tokens must be a list of strings, but entry 0 is 0"]),
+    ({"tokenizer.ggml.tokens": "Ham."}, ["tokenizer.ggml.tokens must be a list of strings, got"]),
+    ({"tokenizer.ggml.merges": ["Ġt", "h e"]},
+     ["tokenizer.ggml.merges must be a list of strings 'a b'", "entry 0 is 'Ġt'"]),
+    ({"tokenizer.ggml.merges": ["zzq qqz"]},
+     ["tokenizer.ggml.merges do not fit tokenizer.ggml.tokens", "zzq"]),
+    ({"tokenizer.ggml.token_type": [3]},
+     ["tokenizer.ggml.token_type holds 1 token types for 2048 tokens"]),
+    ({"tokenizer.ggml.token_type": ["control"] * 2048},
+     ["tokenizer.ggml.token_type must be a list of token types", "entry 0 is 'control'"]),
+    ({"tokenizer.ggml.pre": ["gpt-2"]}, ["unsupported pre-tokenizer", "['gpt-2']"]),
+    ({"tokenizer.ggml.add_bos_token": 1}, ["tokenizer.ggml.add_bos_token must be true or false"]),
+    ({"tokenizer.ggml.bos_token_id": 2048}, ["tokenizer.ggml.bos_token_id must be a token id "
+                                             "below 2048, got 2048"]),
+    ({"tokenizer.chat_template": 5}, ["tokenizer.chat_template must be a string"]),
+    ({"tokenizer.chat_template": ["{{ messages }}"]}, ["tokenizer.chat_template must be a string"]),
+    ({"tokenizer.chat_template": "{% for %}"},
+     ["tokenizer.chat_template is not a valid Jinja template (line 1: Expected an expression"]),
+])
+def test_a_garbage_tokenizer_entry_is_named(tmp_path, meta, words):
+    """Tokenizer metadata of the wrong type, length or content is a CheckpointError naming the
+    file and the key, at load (never the tokenizers library's own error, nor a template that
+    breaks only when a chat is first rendered)."""
+    write_tiny(tmp_path / "bad.gguf", "llama", meta)
+    with pytest.raises(CheckpointError) as e:
+        tinyllm.load(tmp_path / "bad.gguf", device="cpu")
+    for w in ["bad.gguf: "] + words:
         assert w in str(e.value), f"{w!r} not in: {e.value}"
 
 

