@@ -10,12 +10,13 @@ Five seams of the reference package, all in `tinyllm.prefix_cache`:
   shared: how many block tables hold each block, and which blocks nobody holds but still hold
   a prefix (evictable, the least recently released first).
 
-The paged cache calls them: it names every block that fills up (`cache_blocks`), matches a
-newcomer's context right after admission (`reuse_prefix`), and takes and gives back blocks
-through its `PrefixCache`, whose fields your functions read and write: `refs` (a count per
-block), `cached` (name -> block), `hash_of` (block -> name), `evictable` (an OrderedDict of
-blocks, the least recently released first), `allocator` (the pool's free list:
-`allocate(n)`, `free(blocks)`, `n_free()`) and `n_free()` (free and evictable blocks).
+The paged cache calls them: it names every block that fills up (`cache_blocks`), looks a
+newcomer's context up as it admits it (`admit(slot, n_tokens, context)`: the matched blocks
+first, fresh blocks only for the rest), and takes and gives back blocks through its
+`PrefixCache`, whose fields your functions read and write: `refs` (a count per block),
+`cached` (name -> block), `hash_of` (block -> name), `evictable` (an OrderedDict of blocks,
+the least recently released first), `allocator` (the pool's free list: `allocate(n)`,
+`free(blocks)`, `n_free()`) and `n_free()` (free and evictable blocks).
 
 Check your work with `make check EX=08` (or `check_exercise("08")` in notebook 08). The tests
 plug your functions into `ContinuousEngine(kv="paged", prefix_cache=True)`, under pools small

@@ -12,9 +12,11 @@ Three seams of the reference package:
   token, in the same kind of step.
 
 A request inside the engine is a `tinyllm.requests.Sequence`: `seq.rid` (its arrival number),
-`seq.slot` (None while it waits), `seq.context_len()` (its prompt and the tokens it has made).
-The cache (`tinyllm.slot_cache.SlotCache`) answers `free_slots()`, `can_admit([n_tokens])`,
-and takes `admit(slot, n_tokens)` and `release(slot)`.
+`seq.slot` (None while it waits), `seq.context()` (its prompt and the tokens it has made) and
+`seq.context_len()` (their number).
+The cache (`tinyllm.slot_cache.SlotCache`) answers `free_slots()` and `can_admit([n_tokens],
+[context])`, and takes `admit(slot, n_tokens, context)` and `release(slot)`; given the context
+(`seq.context()`), a prefix cache (08) counts and gives only what it does not hold already.
 
 Check your work with `make check EX=04` (or `check_exercise("04")` in notebook 04). The tests
 plug your functions into the engine and compare every request's tokens with solo generate().
@@ -34,20 +36,26 @@ def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Seque
     in the order they entered.
 
     A sequence enters when there is a free slot and the cache has room for its whole context
-    (seq.context_len(): its prompt, and after a preemption the tokens it had made, which it
-    computes again). The first that cannot enter stops admission: nobody overtakes it.
+    (seq.context(), seq.context_len() tokens: its prompt, and after a preemption the tokens it
+    had made, which it computes again), less what a prefix cache (08) holds of it already: ask
+    cache.can_admit([n], [context]) and admit with cache.admit(slot, n, context), passing the
+    context both times. The first that cannot enter stops admission: nobody overtakes it.
     Afterwards each admitted sequence has left `waiting`, holds a slot (seq.slot, and
     running[seq.slot] is seq), and the cache has admitted it there, with memory for its
     context. Any free slot will do.
-    Example: three free slots, a pool with room for 3 blocks of 4, waiting r0 (5 tokens, 2
-    blocks with its next token), r1 (9 tokens, 3 blocks), r2 (2 tokens): r0 enters; r1 does
-    not fit, so r1 and r2 wait, in that order."""
+    Example: three free slots, 3 free blocks of 4, waiting r0 (5 tokens, 2 blocks with its next
+    token), r1 (9 tokens, 3 blocks), r2 (2 tokens): r0 enters; r1 does not fit, so r1 and r2
+    wait, in that order. Were r1's first 8 tokens cached in 2 blocks a running request holds,
+    r1 would need 1 fresh block: it enters too (cache.lens[r1.slot] is 8), and r2 waits."""
     admitted = []
     for slot in cache.free_slots():
-        if not waiting or not cache.can_admit([waiting[0].context_len()]):
+        if not waiting:
             break
-        seq = waiting.popleft()
-        cache.admit(slot, seq.context_len())
+        seq, context = waiting[0], waiting[0].context()
+        if not cache.can_admit([len(context)], [context]):
+            break
+        cache.admit(slot, len(context), context)
+        waiting.popleft()
         seq.slot, running[slot] = slot, seq
         admitted.append(seq)
     return admitted

@@ -3,9 +3,11 @@ give each request exactly its solo generate() tokens, keep to the budget, and le
 referenced; the prefix cache's books always balance."""
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tinyllm import chunked_prefill, prefix_cache
 from tinyllm.chunked_prefill import next_chunk, plan_step
 from tinyllm.engine import ContinuousEngine, EngineConfig, Request, Sampling, Trace, run_continuous
 from tinyllm.paged_kv import BlockAllocator, PagedKVCache
@@ -18,7 +20,10 @@ from tests.test_paged_and_graphs import drive, need_blocks
 def check_prefix_pool(cache: PagedKVCache) -> None:
     """The books of a pool with a prefix cache, between steps: each block's count is the number
     of tables holding it; every block is held, free, or cached and held by nobody (exactly one
-    of these); the hash map and its reverse agree; only full blocks are named."""
+    of these); the hash map and its reverse agree; only full blocks are named; and the cache's
+    own check_integrity finds them sound."""
+    why = cache.check_integrity()
+    assert why is None, why
     pc = cache.prefix
     held = [b for table in cache.tables for b in table]
     for b in range(cache.n_blocks):
@@ -233,14 +238,221 @@ def test_later_requests_reuse_the_system_prompt_and_a_whole_conversation():
     assert sum(eng.cache.prefix.refs) == 0
 
 
-def test_requests_admitted_together_compute_their_prefix_each():
-    """Blocks are named when full and written, after the step: two newcomers of one step both
-    compute a shared prefix (a block is never shared while it is being written)."""
-    system = list(range(1, 17))
-    reqs = [Request(system + [20 + i], 3) for i in range(2)]
-    results, summary = run_continuous(TINY, reqs, 2, kv="paged", block_size=4, prefix_cache=True)
+SYSTEM = [(3 * j) % (V - 1) + 1 for j in range(12)]       # a system prompt of 3 blocks of 4
+
+
+def test_newcomers_of_one_step_share_a_prefix_without_a_budget():
+    """Without a budget each newcomer's context is computed whole in its admission step, so
+    its blocks are named as it is admitted and the next newcomer of the step shares them: two
+    requests with a 3-block system prompt, added together, both done after ONE step, the
+    second served 12 prompt tokens from the cache; and both get their solo tokens."""
+    reqs = [Request(SYSTEM + [20 + i, 30 + i], 1) for i in range(2)]
+    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
+    rids = [eng.add_request(r) for r in reqs]
+    eng.step()
+    assert not eng.has_work(), "both prefilled and sampled in one step"
+    summary = eng.stats.summary([])
+    assert summary["cached_prompt_tokens"] == 12, summary["cached_prompt_tokens"]
+    assert summary["prefill_tokens"] == 2 * 14 - 12
+    assert eng.cache.check_integrity(idle=True) is None
+    assert_oracle(reqs, [eng.results[r] for r in rids])
+    reqs = [Request(SYSTEM + [20 + i] * (i + 1), 9) for i in range(3)]      # longer answers
+    trace = Trace()
+    results, summary = run_continuous(TINY, reqs, 3, kv="paged", block_size=4, prefix_cache=True,
+                                      trace=trace)
     assert_oracle(reqs, results)
-    assert summary["cached_prompt_tokens"] == 0 and summary["prefill_tokens"] == 34
+    assert trace.computed[0] == [13, 2, 3], "all three admitted in the first step"
+    assert summary["cached_prompt_tokens"] == 2 * 12
+
+
+def test_under_a_budget_newcomers_of_one_step_compute_their_prefix_each():
+    """Under a token budget a block is named only after the step that writes it (a later chunk
+    could be read before it is computed): two newcomers admitted in one step both compute the
+    shared prefix, and one admitted a step later shares it; solo tokens throughout."""
+    reqs = [Request(SYSTEM + [20 + i], 3) for i in range(3)]
+    trace = Trace()
+    eng = ContinuousEngine(TINY, 3, kv="paged", block_size=4, prefix_cache=True,
+                           max_step_tokens=40, trace=trace)
+    rids = [eng.add_request(r) for r in reqs[:2]]
+    eng.step()
+    assert trace.computed[0] == [13, 13, 0], "both admitted in the first step, and computed whole"
+    rids.append(eng.add_request(reqs[2]))
+    while eng.has_work():
+        eng.step()
+        check_prefix_pool(eng.cache)
+    summary = eng.stats.summary([])
+    assert summary["cached_prompt_tokens"] == 12, "only the third, a step later, shares"
+    assert_oracle(reqs, [eng.results[r] for r in rids])
+    chunked, _ = run_continuous(TINY, reqs, 3, kv="paged", block_size=4, prefix_cache=True,
+                                max_step_tokens=5)
+    assert_oracle(reqs, chunked)
+
+
+def test_with_no_budget_a_plan_computes_every_context_whole(monkeypatch):
+    """With no budget a newcomer's blocks are named as it is admitted, for the step's forward
+    pass to write: a plan that leaves part of a context, or a whole newcomer, for later is
+    refused by name."""
+    def planned(change):
+        monkeypatch.setattr(chunked_prefill, "plan_step",
+                            lambda running, budget, admit: change(*plan_step(running, budget,
+                                                                             admit)))
+        eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
+        for i in range(2):
+            eng.add_request(Request(SYSTEM + [20 + i], 3))
+        eng.step()
+    with pytest.raises(ValueError, match="a chunk of 6 tokens with no budget; it has 13 left"):
+        planned(lambda decodes, chunks: (decodes, [(s, n // 2) for s, n in chunks]))
+    with pytest.raises(ValueError, match=r"plan_step left requests \[1\] out with no budget"):
+        planned(lambda decodes, chunks: (decodes, chunks[:1]))
+
+
+# ---- 08: admission looks the prefix up first ---------------------------------------------------
+
+def prefix_pool(n_blocks: int, n_slots: int = 2, **kw) -> PagedKVCache:
+    cfg = TINY.cfg
+    return PagedKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, n_blocks, 4, 32,
+                        torch.float64, prefix_cache=True, **kw)
+
+
+def prefill(cache: PagedKVCache, slot: int, context: list[int]) -> None:
+    """Compute the rest of a slot's context into it (one ragged step), then name its blocks."""
+    cache.plan_step([slot], [len(context) - cache.lens[slot]])
+    with torch.no_grad():
+        TINY(torch.tensor([context[cache.lens[slot]:]]), cache=cache)
+    cache.cache_blocks(slot, context)
+
+
+def books(cache: PagedKVCache) -> tuple:
+    pc = cache.prefix
+    return ([list(t) for t in cache.tables], list(cache.lens), list(cache.active), list(pc.refs),
+            list(pc.evictable), list(pc.allocator.free_list), dict(pc.cached))
+
+
+def test_admission_takes_fresh_blocks_only_for_what_the_cache_lacks():
+    """A newcomer given its context starts with the cached blocks of its prefix that a
+    running request holds: can_admit counts only its fresh blocks, and afterwards its slot
+    holds the cached tokens (lens)."""
+    cache = prefix_pool(4)
+    a, b = SYSTEM[:8] + [50], SYSTEM[:8] + [60]       # 2 shared blocks, 3 blocks each
+    assert cache.can_admit([9], [a])
+    cache.admit(0, 9, a)
+    assert cache.lens[0] == 0 and len(cache.tables[0]) == 3, "nothing cached yet"
+    prefill(cache, 0, a)
+    assert not cache.can_admit([9]), "without its context: 3 blocks, and 1 is free"
+    assert cache.can_admit([9], [b]), "with it: 2 blocks shared, 1 fresh"
+    cache.admit(1, 9, b)
+    assert cache.lens[1] == 8 and cache.tables[1][:2] == cache.tables[0][:2]
+    assert cache.prefix.refs[cache.tables[0][0]] == 2 and cache.n_free() == 0
+    check_prefix_pool(cache)
+    prefill(cache, 1, b)
+    check_prefix_pool(cache)
+
+
+def test_a_matched_block_nobody_holds_counts_as_free_until_shared():
+    """Cached blocks that nobody holds count as free; sharing them takes them out of the free
+    count, so a newcomer needs its fresh blocks plus those. Refused, nothing changes."""
+    cache = prefix_pool(4)
+    a, b = SYSTEM[:8] + [50], SYSTEM[:8] + [60]
+    cache.admit(0, 9, a)
+    prefill(cache, 0, a)
+    cache.release(0)                                  # its 2 named blocks wait, evictable
+    cache.admit(1, 5, [90, 91, 92, 93, 94])           # 2 fresh blocks: the free ones
+    assert cache.n_free() == 2 and len(cache.prefix.evictable) == 2
+    assert not cache.can_admit([9], [b]), "sharing the 2 evictable blocks leaves none for the 3rd"
+    before = books(cache)
+    with pytest.raises(ValueError, match="a context of 9 tokens needs 3 blocks, 2 are free"):
+        cache.admit(0, 9, b)
+    assert books(cache) == before, "a refused admission changes nothing, the eviction order too"
+    cache.release(1)
+    assert cache.can_admit([9], [b])
+    cache.admit(0, 9, b)
+    assert cache.lens[0] == 8 and cache.n_free() == 1 and not cache.prefix.evictable
+    check_prefix_pool(cache)
+
+
+def test_a_bad_match_is_named_at_admission(monkeypatch):
+    """A match_prefix that covers the context's last token, or gives blocks that hold no cached
+    prefix, is refused by name when the newcomer is admitted (and by can_admit)."""
+    cache = prefix_pool(6)
+    a = SYSTEM[:8] + [50]
+    cache.admit(0, 9, a)
+    prefill(cache, 0, a)
+    named, unnamed = cache.tables[0][:2], cache.tables[0][2]
+    monkeypatch.setattr(prefix_cache, "match_prefix", lambda context, bs, cached: named)
+    for ask in (lambda: cache.can_admit([8], [SYSTEM[:8]]), lambda: cache.admit(1, 8, SYSTEM[:8])):
+        with pytest.raises(ValueError, match="for a context of 8 tokens: the last token must be "
+                                             "left to compute"):
+            ask()
+    monkeypatch.setattr(prefix_cache, "match_prefix", lambda context, bs, cached: [unnamed])
+    with pytest.raises(ValueError, match=rf"match_prefix gave blocks \[{unnamed}\], which hold no "
+                                         r"cached prefix"):
+        cache.admit(1, 9, SYSTEM[:8] + [60])
+    assert not cache.active[1] and cache.check_integrity() is None
+
+
+def test_named_at_admission_a_newcomer_of_the_same_step_reads_them_written():
+    """name_at_admission: a newcomer's full blocks are named as it is admitted, and the next
+    newcomer shares them at once; in their one forward pass every layer writes both rows' keys
+    before it reads, so the sharer's logits are its own, whatever the rows' order."""
+    cache = prefix_pool(8, name_at_admission=True)
+    a, b = SYSTEM + [50], SYSTEM + [60, 61]
+    cache.admit(0, 13, a)
+    assert len(cache.hashes[0]) == 3 and len(cache.prefix.cached) == 3, "named at admission"
+    cache.admit(1, 14, b)
+    assert cache.lens == [0, 12] and cache.tables[1][:3] == cache.tables[0][:3]
+    cache.plan_step([1, 0], [2, 13])                 # the sharer's row first
+    with torch.no_grad():
+        logits, _ = TINY(torch.tensor([[60, 61] + [0] * 11, a]), cache=cache)
+        for row, (ctx, last) in enumerate([(b, 1), (a, 12)]):
+            torch.testing.assert_close(logits[row, last], TINY(torch.tensor([ctx]))[0][0, -1],
+                                       rtol=0, atol=1e-10)
+    check_prefix_pool(cache)
+
+
+def test_check_integrity_names_each_broken_book_of_the_prefix_cache():
+    """The books of shared blocks, broken one way at a time: a block in two places (free or
+    evictable, and held), a reference count off, a named block on the free list, an evictable
+    block with no name, the two maps apart, a table's name that is not its block's, a named
+    block not yet written, and a block lost. Each is one sentence; sound books give None."""
+    def broken(how) -> str | None:
+        cache = prefix_pool(6, n_slots=3)
+        a, b = SYSTEM[:8] + [50], SYSTEM[:8] + [60]
+        cache.admit(0, 9, a)
+        prefill(cache, 0, a)                          # blocks 0, 1 named, 2 not
+        cache.admit(1, 9, b)                          # shares 0 and 1, takes 3
+        cache.admit(2, 2, [7, 8])                     # takes 4; block 5 is free
+        cache.release(2)                              # 4 goes back, unnamed
+        assert cache.check_integrity() is None
+        how(cache, cache.prefix)
+        return cache.check_integrity()
+
+    def free_and_held(c, pc):
+        pc.allocator.free_list.append(2)
+        pc.allocator.allocated[2] = False
+    assert "blocks [2] are free, yet a block table holds them" in broken(free_and_held)
+    assert "are evictable, yet block tables hold them" in broken(
+        lambda c, pc: pc.evictable.__setitem__(0, None))
+    assert "block 0 has refs 3, but 2 block tables hold it" in broken(
+        lambda c, pc: pc.refs.__setitem__(0, 3))
+    assert "block 1 has refs 1, but 2 block tables hold it" in broken(
+        lambda c, pc: pc.refs.__setitem__(1, 1))
+    assert "blocks [5] are free but still named" in broken(lambda c, pc: pc.register(5, b"x" * 32))
+    def unnamed_evictable(c, pc):
+        c.tables[1].remove(3)
+        pc.refs[3] = 0
+        pc.evictable[3] = None
+    assert "blocks [3] are evictable but hold no named prefix" in broken(unnamed_evictable)
+    assert "cached (name -> block) and hash_of (block -> name) disagree" in broken(
+        lambda c, pc: pc.cached.__setitem__(b"y" * 32, 2))
+    assert "is cached under another name than the table gives it" in broken(
+        lambda c, pc: c.hashes[1].__setitem__(1, b"z" * 32))
+    assert "slot 1 names 3 blocks, but it holds 8 tokens" in broken(
+        lambda c, pc: c.hashes[1].append(b"w" * 32))
+    def lost(c, pc):
+        c.tables[1].remove(3)
+        pc.refs[3] = 0
+    assert "blocks [3] are allocated, yet no block table holds them and none waits cached: " \
+           "blocks leaked" in broken(lost)
 
 
 def test_prefix_cache_needs_a_paged_cache():

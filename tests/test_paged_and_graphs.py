@@ -8,10 +8,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tinyllm.course.check import leaks
 from tinyllm.cuda_graph import SlotGraphDecoder, WindowCache, choose_bucket, default_buckets
 from tinyllm.engine import ContinuousEngine, Request, Sampling, run_continuous
 from tinyllm.slot_cache import SlotKVCache
 from tinyllm.paged_kv import BlockAllocator, PagedKVCache
+from tinyllm.requests import Sequence
 from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
 
 
@@ -22,7 +24,10 @@ def need_blocks(req: Request, block_size: int) -> int:
 def check_pool(cache: PagedKVCache) -> None:
     """The books of the block pool, between steps: no block held twice, none lost, none held
     by a free slot, the allocator's flags and free list agree, every busy slot's table covers
-    its tokens and never exceeds max_len, and no step is left half done."""
+    its tokens and never exceeds max_len, and no step is left half done; and the cache's own
+    check_integrity finds them sound."""
+    why = cache.check_integrity()
+    assert why is None, why
     held = [b for table in cache.tables for b in table]
     assert len(held) == len(set(held)), "a block is held by two sequences"
     free = cache.allocator.free_list
@@ -62,6 +67,8 @@ def drive(eng: ContinuousEngine, reqs: list[Request], data=None, abort_odds: int
         if isinstance(eng.cache, PagedKVCache):
             check(eng.cache)
     assert not any(eng.cache.active) and eng.request_counts() == (0, 0)
+    why = eng.cache.check_integrity(idle=True)
+    assert why is None, why
     done = {i: eng.results.pop(rid).tokens for rid, i in rid_of.items() if i not in aborted}
     return done, aborted
 
@@ -166,6 +173,69 @@ def test_paged_memory_is_allocated_as_sequences_grow():
     assert paged["kv_alloc_used_mean"] > 0.75 > slots["kv_alloc_used_mean"]
     assert paged["kv_reserved_mib"] == pytest.approx(slots["kv_reserved_mib"], rel=0.05), \
         "by default the pool has the memory of the slot cache"
+
+
+def paged_cache(n_slots: int = 3, n_blocks: int = 6, block_size: int = 4, **kw) -> PagedKVCache:
+    cfg = TINY.cfg
+    return PagedKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, n_blocks, block_size,
+                        32, torch.float64, **kw)
+
+
+def test_check_integrity_names_each_broken_book_of_the_pool():
+    """check_integrity returns None for sound books, and one sentence for each kind of
+    violation: a block in two places, a block lost, flags off the free list, a free slot
+    that holds tokens or blocks, a slot past its room; idle, a busy slot."""
+    def broken(how) -> str | None:
+        cache = paged_cache()
+        cache.admit(0, 5)                               # 2 blocks for 5 tokens and the next
+        cache.admit(1, 2)                               # 1 block
+        assert cache.check_integrity() is None
+        how(cache)
+        return cache.check_integrity()
+
+    def both(c):                                        # held by slot 0 and free as well
+        c.allocator.free_list.append(c.tables[0][0])
+        c.allocator.allocated[c.tables[0][0]] = False
+    assert "are free, yet a block table holds them" in broken(both)
+    assert "in two block tables at once" in broken(lambda c: c.tables[1].append(c.tables[0][0]))
+    assert "blocks leaked" in broken(lambda c: c.tables[0].pop())
+    assert "on the free list twice" in broken(lambda c: c.allocator.free_list.append(
+        c.allocator.free_list[0]))
+    assert "flagged allocated" in broken(lambda c: c.allocator.allocated.__setitem__(
+        c.allocator.free_list[0], True))
+    assert "slot 2 is free but holds 3 tokens" in broken(lambda c: c.lens.__setitem__(2, 3))
+    assert "slot 0 holds 9 tokens, but it has room for 8" in broken(
+        lambda c: c.lens.__setitem__(0, 9))
+    assert "slot 2 is free but its block table holds blocks [3]" in broken(
+        lambda c: c.tables[2].append(c.allocator.allocate(1)[0]))
+    assert "not blocks 0..5" in broken(lambda c: c.tables[1].append(9))
+    cache = paged_cache()
+    cache.admit(1, 3)
+    why = cache.check_integrity(idle=True)
+    assert why == "slots [1] are still busy after every request finished: nobody released them"
+    cache.release(1)
+    assert cache.check_integrity(idle=True) is None
+
+
+def test_leaks_names_what_an_idle_engine_still_holds():
+    """check.leaks asks the scheduler and the cache's check_integrity(idle=True): None once
+    every request gave everything back, else a sentence naming what is held."""
+    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, kv_blocks=8)
+    eng.add_request(Request([1, 2, 3], 4))
+    while eng.has_work():
+        eng.step()
+    assert leaks(eng) is None
+    lost = eng.cache.allocator.allocate(1)              # a block nobody will give back
+    assert leaks(eng) == (f"blocks {lost} are allocated, yet no block table holds them: "
+                          f"blocks leaked")
+    eng.cache.allocator.free(lost)
+    eng.cache.admit(1, 3)                               # a slot nobody releases
+    assert leaks(eng) == ("slots [1] are still busy after every request finished: nobody "
+                          "released them")
+    eng.cache.release(1)
+    eng.scheduler.add(Sequence(9, Request([1], 2), 0.0, Sampling(), None))
+    assert leaks(eng) == ("the scheduler still holds 0 running and 1 waiting requests after "
+                          "every request finished")
 
 
 def test_allocator_refuses_what_it_cannot_give():

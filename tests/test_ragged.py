@@ -275,7 +275,8 @@ def test_paged_step_past_the_blocks_needs_a_reserve():
 
 
 def test_admit_starts_empty_and_refuses_what_cannot_fit():
-    """admit claims a free slot at length 0; a busy slot, an empty or too long context is refused."""
+    """admit claims a free slot at length 0; a busy slot, an empty or too long context, or a
+    context of another length than n_tokens, is refused."""
     cache = make_cache("slots", None, 2)
     cache.admit(1, 5)
     assert cache.active == [False, True] and cache.lens == [0, 0]
@@ -284,6 +285,12 @@ def test_admit_starts_empty_and_refuses_what_cannot_fit():
     for n in (0, MAX_LEN):
         with pytest.raises(ValueError, match=f"a context of {n} tokens does not fit a slot of {MAX_LEN}"):
             cache.admit(0, n)
+    with pytest.raises(ValueError, match=r"admit\(slot, 3, context\) was given a context of 2 "
+                                         r"tokens"):
+        cache.admit(0, 3, [1, 2])
+    with pytest.raises(ValueError, match="can_admit takes a context per length: 2 lengths, 1"):
+        cache.can_admit([3, 4], [[1, 2, 3]])
+    assert cache.can_admit([3], [[1, 2, 3]]), "a slot cache looks only at the lengths"
     paged = make_cache("paged", 4, 2, n_blocks=2)
     with pytest.raises(ValueError, match="a context of 8 tokens needs 3 blocks, 2 are free"):
         paged.admit(0, 8)

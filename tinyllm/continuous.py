@@ -42,14 +42,18 @@ DECODERS = {"graphs": SlotGraphDecoder, "compiled": CompiledDecoder}     # the b
 def make_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks: int | None,
                device) -> SlotCache:
     """The engine's cache: config.n_slots slots of max_len positions, or (kv="paged") a pool
-    of n_blocks blocks shared by them, in the model's dtype (a GPU's compute dtype on CUDA)."""
+    of n_blocks blocks shared by them, in the model's dtype (a GPU's compute dtype on CUDA).
+    With a prefix cache and no token budget every admitted context is computed whole in its
+    admission step, so its blocks are named at admission (a newcomer of the same step shares
+    them); under a budget a block is named after the step that writes it (_computed)."""
     cfg = model.cfg
     dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
     if config.kv == "slots":
         return SlotKVCache(cfg.n_layers, config.n_slots, cfg.n_kv_heads, cfg.head_dim,
                            max_len, dtype, device)
     return PagedKVCache(cfg.n_layers, config.n_slots, cfg.n_kv_heads, cfg.head_dim, n_blocks,
-                        config.block_size, max_len, dtype, device, config.prefix_cache)
+                        config.block_size, max_len, dtype, device, config.prefix_cache,
+                        name_at_admission=config.max_step_tokens is None)
 
 
 def _settings(config: EngineConfig | int, settings: dict):
@@ -264,8 +268,9 @@ class ContinuousEngine:
 
     def _computed(self, seqs: list[Sequence], n: list[int]) -> None:
         """The step wrote these tokens: each sequence holds more of its context, and a prefix
-        cache (08) names the blocks that are full now (only when a block filled up: building
-        the context every step would cost more than the step's own bookkeeping)."""
+        cache (08) names the blocks that are full now and not named yet (only when a block
+        filled up: building the context every step would cost more than the step's own
+        bookkeeping). With no budget a newcomer's context was named at its admission already."""
         bs = self.config.block_size
         for seq, k in zip(seqs, n):
             filled = (seq.num_computed_tokens + k) // bs > seq.num_computed_tokens // bs

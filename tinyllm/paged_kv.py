@@ -13,9 +13,20 @@ scheduler preempts a request (scheduler.py) and recomputes it later.
 
 `PagedKVCache` has the interface of `SlotKVCache` (both are `SlotCache`s), plus block tables.
 With `prefix_cache=True` (08, prefix_cache.py) its full blocks are named by the prefix they
-hold and shared between the tables of requests that start alike. Its seams are exercise 05: the block allocator (`allocate_blocks`, `free_blocks`), a block
-table's growth (`grow_table`: how many blocks a sequence needs, and taking them) and the
-block-table lookup (`slot_mapping`).
+hold and shared between the tables of requests that start alike. Its seams are exercise 05: the
+block allocator (`allocate_blocks`, `free_blocks`), a block table's growth (`grow_table`: how
+many blocks a sequence needs, and taking them) and the block-table lookup (`slot_mapping`).
+
+A newcomer's context is looked up before it takes fresh blocks: its table starts with the
+cached blocks of its longest cached prefix, and admission takes blocks only for the rest (as
+nano-vllm's BlockManager does). A block is named, and so may be shared, only when nobody can
+read it before it is written: after the step that fills it, or, with `name_at_admission`, as
+its newcomer is admitted. That is for an engine that computes every admitted context whole in
+its admission step (no token budget, 07): a later newcomer of the step may share those blocks,
+since both rows are in one forward pass, whose every layer writes all the rows' new keys before
+it reads any, and nothing aborts or preempts a request between its admission and that pass.
+Under a budget a later chunk could be read before it is computed, so a block is named only
+after its step.
 """
 
 import math
@@ -25,7 +36,7 @@ from torch import Tensor
 
 from tinyllm import prefix_cache
 from tinyllm.prefix_cache import PrefixCache
-from tinyllm.slot_cache import SlotCache
+from tinyllm.slot_cache import SlotCache, check_admission
 
 
 class BlockAllocator:
@@ -45,6 +56,38 @@ class BlockAllocator:
 
     def free(self, blocks: list[int]) -> None:
         free_blocks(self.free_list, self.allocated, blocks)
+
+    def check_integrity(self, counts: list[int], evictable=None) -> str | None:
+        """None when the free list agrees with counts (counts[b]: the block tables holding
+        block b), else what is wrong: the free list holds a block once at most, a block is
+        flagged allocated exactly when it is off the free list, and every block is exactly one
+        of free, held by tables, or evictable (a prefix cache's named blocks that nobody holds,
+        08). Without a prefix cache (evictable None) no two tables hold one block."""
+        free = set(self.free_list)
+        if not free <= set(range(self.n_blocks)):
+            return f"the free list holds {sorted(free - set(range(self.n_blocks)))}: not blocks"
+        if len(free) != len(self.free_list):
+            twice = sorted({b for b in self.free_list if self.free_list.count(b) > 1})
+            return f"blocks {twice} are on the free list twice: each would go to two sequences"
+        flags = [b for b in range(self.n_blocks) if self.allocated[b] == (b in free)]
+        if flags:
+            return (f"blocks {flags} are flagged allocated while free, or free while flagged "
+                    f"allocated: a block is allocated exactly when it is off the free list")
+        kept = set(evictable or ())
+        both = sorted(b for b in free if counts[b] or b in kept)
+        if both:
+            return (f"blocks {both} are free, yet a block table holds them or they wait cached: "
+                    f"the next allocation would hand them out twice")
+        lost = [b for b in range(self.n_blocks)
+                if not counts[b] and b not in free and b not in kept]
+        if lost:
+            return (f"blocks {lost} are allocated, yet no block table holds them"
+                    f"{'' if evictable is None else ' and none waits cached'}: blocks leaked")
+        shared = [b for b in range(self.n_blocks) if counts[b] > 1]
+        if evictable is None and shared:
+            return (f"blocks {shared} are in two block tables at once: two sequences would "
+                    f"write the same positions")
+        return None
 
 
 def allocate_blocks(free_list: list[int], allocated: list[bool], n: int) -> list[int] | None:
@@ -105,6 +148,49 @@ def slot_mapping(tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
     return blocks * block_size + positions % block_size                 # (B, W)
 
 
+def held_counts(tables: list[list[int]], n_blocks: int) -> list[int]:
+    """How many of these block tables hold each of the pool's n_blocks blocks."""
+    counts = [0] * n_blocks
+    for table in tables:
+        for b in table:
+            counts[b] += 1
+    return counts
+
+
+def table_tensor(tables: list[list[int]], device) -> Tensor:
+    """Block tables as (B, n_table) long, each padded with block 0 (read only at masked
+    positions)."""
+    n = max(1, max(len(t) for t in tables))
+    return torch.tensor([t + [0] * (n - len(t)) for t in tables], dtype=torch.long, device=device)
+
+
+def tables_problem(cache: "PagedKVCache") -> str | None:
+    """What is wrong with a paged cache's block tables and their names, between steps, or
+    None: a free slot's table is empty, a table holds blocks of the pool and no more than
+    max_len needs, its names (hashes[s]) cover full blocks it has written, and each named block
+    it holds is named as its table says."""
+    hash_of = {} if cache.prefix is None else cache.prefix.hash_of
+    for s, (table, names) in enumerate(zip(cache.tables, cache.hashes)):
+        if not cache.active[s] and (table or names):
+            return (f"slot {s} is free but its block table holds blocks {table}: release gives "
+                    f"them back")
+        wrong = [b for b in table if isinstance(b, bool) or not isinstance(b, int)
+                 or not 0 <= b < cache.n_blocks]
+        if wrong:
+            return f"slot {s}'s block table holds {wrong}: not blocks 0..{cache.n_blocks - 1}"
+        if len(table) > cache.blocks_for(cache.max_len):
+            return (f"slot {s}'s block table holds {len(table)} blocks, more than a sequence of "
+                    f"{cache.max_len} tokens needs")
+        if len(names) * cache.block_size > cache.lens[s] or len(names) > len(table):
+            return (f"slot {s} names {len(names)} blocks, but it holds {cache.lens[s]} tokens "
+                    f"in {len(table)} blocks: only full blocks, written, are named")
+        for i, b in enumerate(table):
+            if b in hash_of and (i >= len(names) or hash_of[b] != names[i]):
+                return (f"block {b}, block {i} of slot {s}'s table, is cached under another name "
+                        f"than the table gives it: it would serve another prefix")
+    return None
+
+
 class PagedKVCache(SlotCache):
     """Keys/values of n_slots sequences in a shared pool of n_blocks blocks of block_size.
 
@@ -112,69 +198,85 @@ class PagedKVCache(SlotCache):
     offset i of block b. tables[s] is slot s's block table. reserved_tokens() is the pool,
     allocated_tokens() what the block tables hold, used_tokens() the positions written. A step
     writes each new token through its row's block table and gathers the first W positions of
-    every row (`slot_mapping`), indices built once for every layer.
+    every row (`slot_mapping`), indices built once for every layer. `pool` hands blocks out and
+    takes them back: the BlockAllocator (`allocator`), or the PrefixCache (`prefix`).
 
-    prefix_cache (08): blocks are counted by the tables that hold them (`prefix`, a
-    PrefixCache), hashes[s] names slot s's full blocks in order, a newcomer's table starts with
-    the cached blocks of its context's prefix (`reuse_prefix`), and each block that fills up is
-    named for the next (`cache_blocks`).
+    prefix_cache (08): blocks are counted by the tables holding them, hashes[s] names slot s's
+    full blocks in order, a newcomer admitted with its context starts with the cached blocks of
+    its longest cached prefix, and a block is named once written (`cache_blocks`), or with
+    name_at_admission as its newcomer is admitted (see `admit`).
     """
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int,
                  n_blocks: int, block_size: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device=None, prefix_cache: bool = False):
+                 dtype: torch.dtype = torch.float32, device=None, prefix_cache: bool = False,
+                 name_at_admission: bool = False):
         if n_blocks < 1 or block_size < 1:
-            raise ValueError(f"need n_blocks >= 1 and block_size >= 1, got {n_blocks}, {block_size}")
+            raise ValueError(f"need n_blocks >= 1 and block_size >= 1, got {n_blocks}, "
+                             f"{block_size}")
         super().__init__(n_layers, n_slots, max_len, device)
         self.n_blocks, self.block_size = n_blocks, block_size
         shape = (n_blocks * block_size, n_kv_heads, head_dim)           # (N * bs, n_kv, hd)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.allocator = BlockAllocator(n_blocks)
-        self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.prefix = PrefixCache(self.allocator, block_size) if prefix_cache else None
+        self.pool = self.allocator if self.prefix is None else self.prefix
+        self.name_at_admission = name_at_admission and prefix_cache
+        self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.hashes: list[list[bytes]] = [[] for _ in range(n_slots)]
 
     def blocks_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block_size)
 
-    # ---- the pool: the allocator's, or shared through the prefix cache (08) ----------------
     def n_free(self) -> int:
         """Blocks a table could take now (with a prefix cache: cached blocks nobody holds too)."""
-        return self.allocator.n_free() if self.prefix is None else self.prefix.n_free()
+        return self.pool.n_free()
 
-    def _allocate(self, n: int) -> list[int] | None:
-        return self.allocator.allocate(n) if self.prefix is None else self.prefix.allocate(n)
+    # ---- memory: blocks on demand, less a newcomer's cached prefix (08) ---------------------
+    def can_admit(self, lens: list[int], contexts: list[list[int]] | None = None) -> bool:
+        if not super().can_admit(lens, contexts):
+            return False
+        contexts = [None] * len(lens) if contexts is None else contexts
+        return sum(self._need(n, c)[0] for n, c in zip(lens, contexts)) <= self.n_free()
 
-    def _free(self, blocks: list[int]) -> None:
-        if self.prefix is None:
-            self.allocator.free(blocks)
-        else:
-            self.prefix.free(blocks)
+    def _need(self, n_tokens: int, context: list[int] | None) -> tuple[int, list[int]]:
+        """The free blocks that admitting a context of n_tokens takes, and the cached blocks
+        it shares (none without a prefix cache or the context): fresh blocks for the rest and
+        the next token, and each shared block nobody held (it counted as free)."""
+        shared = [] if self.prefix is None or context is None else self.prefix.match(context)
+        fresh = self.blocks_for(n_tokens + 1) - len(shared)
+        return fresh + sum(self.prefix.refs[b] == 0 for b in shared), shared
 
-    # ---- memory: blocks on demand ----------------------------------------------------------
-    def can_admit(self, lens: list[int]) -> bool:
-        return (super().can_admit(lens)
-                and sum(self.blocks_for(n + 1) for n in lens) <= self.n_free())
-
-    def admit(self, slot: int, n_tokens: int) -> None:
-        need = self.blocks_for(n_tokens + 1)
+    def admit(self, slot: int, n_tokens: int, context: list[int] | None = None) -> None:
+        """As SlotCache.admit, with blocks for the context and its next token. Given the
+        context, a prefix cache looks it up first: the table starts with the shared blocks,
+        lens[slot] counts their tokens, and fresh blocks hold the rest. name_at_admission
+        names the context's full blocks at once (the module's docstring says when it may)."""
+        check_admission(self, slot, n_tokens, context)
+        need, shared = self._need(n_tokens, context)
         if need > self.n_free():
             raise ValueError(f"a context of {n_tokens} tokens needs {need} blocks, "
                              f"{self.n_free()} are free")
-        super().admit(slot, n_tokens)
-        self.tables[slot], self.hashes[slot] = [], []   # room for the context and its next token
-        grow_table(self.tables[slot], n_tokens + 1, self.block_size, self._allocate)
+        super().admit(slot, n_tokens, context)
+        if shared:                                      # out of the eviction order, then fresh
+            self.prefix.share(shared)
+        self.tables[slot], self.lens[slot] = list(shared), len(shared) * self.block_size
+        self.hashes[slot] = [self.prefix.hash_of[b] for b in shared]
+        grow_table(self.tables[slot], n_tokens + 1, self.block_size, self.pool.allocate)
+        if self.name_at_admission and context is not None:
+            self.prefix.name_blocks(self.tables[slot], self.hashes[slot], context, n_tokens)
 
     def reserve(self, slot: int, n: int = 1) -> bool:
         """Blocks for n more tokens in slot, taken from the pool as needed; False (and nothing
         taken) when the pool has too few."""
         if self.lens[slot] + n > self.max_len:
             return False
-        return grow_table(self.tables[slot], self.lens[slot] + n, self.block_size, self._allocate)
+        return grow_table(self.tables[slot], self.lens[slot] + n, self.block_size,
+                          self.pool.allocate)
 
     def release(self, slot: int) -> None:
-        self._free(self.tables[slot])
+        self.pool.free(self.tables[slot])
         self.tables[slot], self.hashes[slot] = [], []
         super().release(slot)
 
@@ -187,50 +289,22 @@ class PagedKVCache(SlotCache):
                              f"{len(self.hashes[slot])} blocks are in the prefix cache")
         super().rollback(slot, n)
         keep = self.blocks_for(self.lens[slot])
-        self._free(self.tables[slot][keep:])
+        self.pool.free(self.tables[slot][keep:])
         del self.tables[slot][keep:]
-
-    # ---- the prefix cache (08) -------------------------------------------------------------
-    def reuse_prefix(self, slot: int, context: list[int]) -> int:
-        """A newcomer's table starts with the cached blocks of its context's longest cached
-        prefix (match_prefix) in place of the fresh blocks admit gave it, which go back.
-        Returns the tokens it need not compute: the slot now holds them. (The lookup follows
-        the step's admissions, so in a pool so full that a newcomer's fresh blocks evicted a
-        cached block, that block's prefix is computed again; vLLM looks up first.)"""
-        if self.prefix is None or self.lens[slot] != 0:
-            return 0
-        blocks = prefix_cache.match_prefix(context, self.block_size, self.prefix.cached)
-        if not blocks:
-            return 0
-        m = len(blocks)
-        if m * self.block_size >= len(context):
-            raise ValueError(f"match_prefix gave {m} blocks ({m * self.block_size} tokens) for a "
-                             f"context of {len(context)} tokens: the last token must be left to "
-                             f"compute, for the logits of the request's next token")
-        unknown = [b for b in blocks if b not in self.prefix.hash_of]
-        if unknown:
-            raise ValueError(f"match_prefix gave blocks {unknown}, which hold no cached prefix: "
-                             f"it returns blocks of `cached`, the values of its names")
-        self.prefix.share(blocks)
-        fresh, self.tables[slot][:m] = self.tables[slot][:m], blocks
-        self._free(fresh)
-        self.hashes[slot] = [self.prefix.hash_of[b] for b in blocks]
-        self.lens[slot] = m * self.block_size
-        return m * self.block_size
 
     def cache_blocks(self, slot: int, context: list[int]) -> None:
         """Name the slot's blocks that are full now (their tokens are context's, in order),
         so that later requests can share them."""
-        if self.prefix is None:
-            return
-        named, full = self.hashes[slot], self.lens[slot] // self.block_size
-        if full > len(named):
-            bs = self.block_size
-            new = prefix_cache.block_hashes(context[len(named) * bs:full * bs], bs,
-                                            named[-1] if named else b"")
-            for b, h in zip(self.tables[slot][len(named):full], new):
-                self.prefix.register(b, h)
-            named += new
+        if self.prefix is not None:
+            self.prefix.name_blocks(self.tables[slot], self.hashes[slot], context,
+                                    self.lens[slot])
+
+    def check_integrity(self, idle: bool = False) -> str | None:
+        """As SlotCache.check_integrity, then the tables (tables_problem) and the pool's books
+        (its check_integrity): every block is exactly one of free, held by tables (counted as
+        often as tables hold it), or cached and held by nobody. idle: no table holds a block."""
+        why = super().check_integrity(idle) or tables_problem(self)
+        return why or self.pool.check_integrity(held_counts(self.tables, self.n_blocks))
 
     def never_fits(self, n_tokens: int) -> str | None:
         need = self.blocks_for(n_tokens)
@@ -249,16 +323,9 @@ class PagedKVCache(SlotCache):
         return min(self.max_len, len(self.tables[slot]) * self.block_size)
 
     # ---- the step: write and read through the block tables ---------------------------------
-    def _table_tensor(self, slots: list[int]) -> Tensor:
-        """Block tables of these slots as (B, n_table), padded with block 0 (read only at
-        masked positions)."""
-        n = max(1, max(len(self.tables[s]) for s in slots))
-        rows = [self.tables[s] + [0] * (n - len(self.tables[s])) for s in slots]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
-
     def _index(self, rows: list[int], positions: Tensor) -> None:
         B, W = len(rows), self._mask.size(-1)                           # keys any row may see
-        tables = self._table_tensor(rows)                               # (B, n_table)
+        tables = table_tensor([self.tables[s] for s in rows], self.device)   # (B, n_table)
         keys = torch.arange(W, device=self.device).expand(B, W)         # (B, W)
         self._write = self.new_columns(slot_mapping(tables, positions, self.block_size))  # (N,)
         self._read = slot_mapping(tables, keys, self.block_size)        # (B, W)

@@ -14,9 +14,10 @@ to sample its first token from.
 `PrefixCache` keeps the pool's books once blocks are shared: a reference count per block (how
 many block tables hold it), the hash of each full block, and the blocks nobody holds but that
 still hold a prefix. Those stay cached until the pool needs them, and then the least recently
-used goes first. Only full blocks, whose every position has been written, are ever named, so a
-block is never shared while it is still being written, and no shared block is written again:
-copy-on-write is not needed.
+used goes first. Only full blocks are ever named: once every position is written, or, when the
+engine computes a newcomer's whole context in its admission step, as the newcomer is admitted
+(the step's one forward pass writes those positions before any row reads them). So no block is
+shared before it is written, and no shared block is written again: copy-on-write is not needed.
 
 Seams (exercise 08): `block_hashes` and `match_prefix`, the names and the lookup; `take_blocks`,
 `share_blocks` and `release_blocks`, the reference counts and the least-recently-used eviction
@@ -154,3 +155,63 @@ class PrefixCache:
         this one stays unnamed (both hold the same keys; the first keeps serving)."""
         if h not in self.cached:
             self.cached[h], self.hash_of[block] = block, h
+
+    def match(self, context: list[int]) -> list[int]:
+        """The cached blocks a newcomer's context shares (match_prefix), checked: ValueError
+        names blocks that cover its last token or hold no cached prefix."""
+        blocks = match_prefix(context, self.block_size, self.cached)
+        m, n = len(blocks), len(context)
+        if m * self.block_size >= n:
+            raise ValueError(f"match_prefix gave {m} blocks ({m * self.block_size} tokens) for a "
+                             f"context of {n} tokens: the last token must be left to compute, "
+                             f"for the logits of the request's next token")
+        unknown = [b for b in blocks if b not in self.hash_of]
+        if unknown:
+            raise ValueError(f"match_prefix gave blocks {unknown}, which hold no cached prefix: "
+                             f"it returns blocks of `cached`, the values of its names")
+        return blocks
+
+    def name_blocks(self, table: list[int], names: list[bytes], context: list[int],
+                    n_tokens: int) -> None:
+        """The full blocks among a table's first n_tokens positions, which hold context's
+        first n_tokens, are named: names (the table's, in order) grows by those not named yet
+        (block_hashes, chained from the last name), and each is registered."""
+        bs, done = self.block_size, len(names)
+        full = n_tokens // bs
+        if full > done:
+            new = block_hashes(context[done * bs:full * bs], bs, names[-1] if names else b"")
+            for b, h in zip(table[done:full], new):
+                self.register(b, h)
+            names += new
+
+    def check_integrity(self, counts: list[int]) -> str | None:
+        """None when the books of shared blocks agree with counts (counts[b]: the block tables
+        holding block b), else what is wrong, in one sentence: refs[b] is counts[b]; an
+        evictable block is held by nobody; the allocator's books hold (every block is exactly
+        one of free, held, or evictable); an evictable block is named, a free one is not; and
+        cached and hash_of hold the same pairs."""
+        off = [b for b, n in enumerate(counts) if self.refs[b] != n]
+        if off:
+            b = off[0]
+            return (f"block {b} has refs {self.refs[b]}, but {counts[b]} block tables hold it: "
+                    f"a block's count is the number of tables holding it")
+        held = [b for b in self.evictable if counts[b]]
+        if held:
+            return (f"blocks {held} are evictable, yet block tables hold them: a shared block "
+                    f"leaves the eviction order (share_blocks)")
+        why = self.allocator.check_integrity(counts, self.evictable)
+        if why is not None:
+            return why
+        unnamed = [b for b in self.evictable if b not in self.hash_of]
+        if unnamed:
+            return (f"blocks {unnamed} are evictable but hold no named prefix: a block nobody "
+                    f"holds without a name goes back to the allocator")
+        named = [b for b in self.allocator.free_list if b in self.hash_of]
+        if named:
+            return (f"blocks {named} are free but still named: a block handed out again would "
+                    f"serve its old prefix (a named block nobody holds stays evictable)")
+        if len(self.cached) != len(self.hash_of) or \
+                any(self.hash_of.get(b) != h for h, b in self.cached.items()):
+            return ("cached (name -> block) and hash_of (block -> name) disagree: they hold "
+                    "the same pairs, one each way")
+        return None

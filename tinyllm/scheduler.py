@@ -10,8 +10,9 @@ served (`admit_waiting`, 04); a sequence that finishes or is aborted leaves its 
 (`leave_slot`, 04). Last it plans the step (`plan`): one token for each decoding sequence, and
 the contexts of the others, whole or in chunks within a token budget (`plan_step`,
 chunked_prefill.py, 07).
-It asks the cache questions (`can_admit`, `reserve`, `reuse_prefix`) and never asks which kind
-of cache it holds.
+It asks the cache questions (`can_admit`, `reserve`) and gives it each newcomer's context to
+admit, so that a prefix cache (08) starts the newcomer with what it holds already; it never
+asks which kind of cache it holds.
 
 Seams: `admit_waiting` and `leave_slot` (exercise 04), `reserve_or_preempt` (exercise 05).
 """
@@ -28,20 +29,26 @@ def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Seque
     in the order they entered.
 
     A sequence enters when there is a free slot and the cache has room for its whole context
-    (seq.context_len(): its prompt, and after a preemption the tokens it had made, which it
-    computes again). The first that cannot enter stops admission: nobody overtakes it.
+    (seq.context(), seq.context_len() tokens: its prompt, and after a preemption the tokens it
+    had made, which it computes again), less what a prefix cache (08) holds of it already: ask
+    cache.can_admit([n], [context]) and admit with cache.admit(slot, n, context), passing the
+    context both times. The first that cannot enter stops admission: nobody overtakes it.
     Afterwards each admitted sequence has left `waiting`, holds a slot (seq.slot, and
     running[seq.slot] is seq), and the cache has admitted it there, with memory for its
     context. Any free slot will do.
-    Example: three free slots, a pool with room for 3 blocks of 4, waiting r0 (5 tokens, 2
-    blocks with its next token), r1 (9 tokens, 3 blocks), r2 (2 tokens): r0 enters; r1 does
-    not fit, so r1 and r2 wait, in that order."""
+    Example: three free slots, 3 free blocks of 4, waiting r0 (5 tokens, 2 blocks with its next
+    token), r1 (9 tokens, 3 blocks), r2 (2 tokens): r0 enters; r1 does not fit, so r1 and r2
+    wait, in that order. Were r1's first 8 tokens cached in 2 blocks a running request holds,
+    r1 would need 1 fresh block: it enters too (cache.lens[r1.slot] is 8), and r2 waits."""
     admitted = []
     for slot in cache.free_slots():
-        if not waiting or not cache.can_admit([waiting[0].context_len()]):
+        if not waiting:
             break
-        seq = waiting.popleft()
-        cache.admit(slot, seq.context_len())
+        seq, context = waiting[0], waiting[0].context()
+        if not cache.can_admit([len(context)], [context]):
+            break
+        cache.admit(slot, len(context), context)
+        waiting.popleft()
         seq.slot, running[slot] = slot, seq
         admitted.append(seq)
     return admitted
@@ -84,7 +91,9 @@ def reserve_or_preempt(running: dict, waiting: deque, cache: SlotCache) -> list[
 def check_plan(decoding: list[Sequence], decodes: list[Sequence],
                chunks: list[tuple[Sequence, int]], budget: int | None, running: dict) -> None:
     """Raise ValueError naming what a step's plan gets wrong: a decode left out or added, a
-    sequence twice, a chunk of no token or of more than is left, a plan over the budget."""
+    sequence twice, a chunk of no token or of more than is left, a plan over the budget; with
+    no budget, a sequence that does not compute all it has left (a prefix cache names a
+    newcomer's blocks as it is admitted, for the step's one forward pass to write)."""
     if sorted(s.rid for s in decodes) != sorted(s.rid for s in decoding):
         raise ValueError(f"plan_step's decodes are requests {[s.rid for s in decodes]}; the "
                          f"decoding sequences (one token left) are {[s.rid for s in decoding]}, "
@@ -97,6 +106,14 @@ def check_plan(decoding: list[Sequence], decodes: list[Sequence],
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= seq.left():
             raise ValueError(f"plan_step gave request {seq.rid} a chunk of {n!r} tokens; it has "
                              f"{seq.left()} left, and a chunk holds 1 to that many")
+        if budget is None and n != seq.left():
+            raise ValueError(f"plan_step gave request {seq.rid} a chunk of {n} tokens with no "
+                             f"budget; it has {seq.left()} left, and with no budget each "
+                             f"sequence computes all it has left")
+    unplanned = [s.rid for s in running.values() if s.rid not in seen]
+    if budget is None and unplanned:
+        raise ValueError(f"plan_step left requests {unplanned} out with no budget: then every "
+                         f"request in a slot computes all it has left, newcomers too")
     total = len(decodes) + sum(n for _, n in chunks)
     if budget is not None and total > budget:
         raise ValueError(f"plan_step planned {total} tokens ({len(decodes)} decodes and chunks "
@@ -130,8 +147,8 @@ class Scheduler:
     # ---- 2) admit, and plan the step ---------------------------------------------------------
     def admit(self) -> list[Sequence]:
         """Waiting sequences that enter free slots now, each given a slot and memory for its
-        context, and what the cache already holds of it (seq.num_computed_tokens: a prefix cache's
-        blocks, 08): the engine computes the rest."""
+        context, and what the cache already holds of it (seq.num_computed_tokens, the slot's
+        length after admission: a prefix cache's blocks, 08): the engine computes the rest."""
         admitted = admit_waiting(self.waiting, self.running, self.cache)
         for seq in admitted:                            # an admission that is not one is named
             if seq.slot is None or self.running.get(seq.slot) is not seq \
@@ -149,9 +166,9 @@ class Scheduler:
                                  f"a preemption the tokens it had made) and its next token needs "
                                  f"one more")
         for seq in admitted:
-            seq.num_computed_tokens = self.cache.reuse_prefix(seq.slot, seq.context())
-            seq.num_prefilled_tokens += seq.left()
+            seq.num_computed_tokens = self.cache.lens[seq.slot]
             seq.num_cached_tokens += seq.num_computed_tokens
+            seq.num_prefilled_tokens += seq.left()
         return admitted
 
     def plan(self, max_tokens: int | None) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:

@@ -9,8 +9,9 @@ keeps the same interface with its memory in blocks.
 
 `SlotCache` is what both slot caches share: the slots' bookkeeping, the engine-facing half of
 the interface (free slots, admit, reserve, release, roll back, plan a step, tokens used,
-allocated and reserved) and the step's positions and mask. A subclass decides where keys and
-values live. `SlotKVCache` reserves max_len positions per slot up front.
+allocated and reserved, whether its books are sound) and the step's positions and mask. A
+subclass decides where keys and values live. `SlotKVCache` reserves max_len positions per slot
+up front.
 
 One step, in three moves: the engine plans it (`plan_step(rows, q_lens)`: which slots, how many
 new tokens each), the model's forward pass begins it (`begin_step`: positions, mask, where to
@@ -43,6 +44,38 @@ def ragged_mask(lens: list[int], q_lens: list[int], device) -> tuple[Tensor, Ten
     return positions, mask[:, None]                                     # (B, T), (B, 1, T, W)
 
 
+def check_admission(cache: "SlotCache", slot: int, n_tokens: int,
+                    context: list[int] | None) -> None:
+    """Raise ValueError naming why slot cannot be given to a context of n_tokens: not a slot
+    of the cache, busy, a context that cannot fit a slot, or a context of another length."""
+    cache._check_slot(slot)
+    if cache.active[slot]:
+        raise ValueError(f"slot {slot} is already serving a request")
+    if not 0 < n_tokens < cache.max_len:
+        raise ValueError(f"a context of {n_tokens} tokens does not fit a slot of "
+                         f"{cache.max_len}")
+    if context is not None and len(context) != n_tokens:
+        raise ValueError(f"admit(slot, {n_tokens}, context) was given a context of "
+                         f"{len(context)} tokens: pass the sequence's whole context")
+
+
+def slots_problem(cache: "SlotCache", idle: bool) -> str | None:
+    """What is wrong with a slot cache's books between steps, or None: a free slot holds no
+    token, no slot holds more than its room (capacity), and no step is left half done; idle,
+    no slot is busy."""
+    busy = cache.live_slots()
+    if idle and busy:
+        return f"slots {busy} are still busy after every request finished: nobody released them"
+    for s in range(cache.n_slots):
+        if not cache.active[s] and cache.lens[s]:
+            return f"slot {s} is free but holds {cache.lens[s]} tokens: a released slot holds none"
+        if not 0 <= cache.lens[s] <= cache.capacity(s):
+            return f"slot {s} holds {cache.lens[s]} tokens, but it has room for {cache.capacity(s)}"
+    if cache._plan is not None:
+        return "a step was planned (plan_step) and no forward pass ended it"
+    return None
+
+
 class SlotCache:
     """The bookkeeping of n_slots slots, each holding at most max_len tokens: `active[s]`,
     `lens[s]` (tokens stored), and the step in progress. Subclasses store the keys and values
@@ -62,19 +95,21 @@ class SlotCache:
         """The busy slots, in slot order."""
         return [s for s in range(self.n_slots) if self.active[s]]
 
-    def can_admit(self, lens: list[int]) -> bool:
+    def can_admit(self, lens: list[int], contexts: list[list[int]] | None = None) -> bool:
         """Room for sequences whose contexts hold these numbers of tokens: a free slot each,
-        and memory for each context plus its next token."""
+        and memory for each context plus its next token. Given the contexts themselves, a
+        prefix cache (08) counts only the memory of what it does not hold already."""
+        if contexts is not None and len(contexts) != len(lens):
+            raise ValueError(f"can_admit takes a context per length: {len(lens)} lengths, "
+                             f"{len(contexts)} contexts")
         return len(lens) <= len(self.free_slots()) and all(0 < n < self.max_len for n in lens)
 
-    def admit(self, slot: int, n_tokens: int) -> None:
-        """Give a free slot to a sequence whose context of n_tokens is about to be prefilled
-        (its length starts at 0), with memory for the context and its next token."""
-        self._check_slot(slot)
-        if self.active[slot]:
-            raise ValueError(f"slot {slot} is already serving a request")
-        if not 0 < n_tokens < self.max_len:
-            raise ValueError(f"a context of {n_tokens} tokens does not fit a slot of {self.max_len}")
+    def admit(self, slot: int, n_tokens: int, context: list[int] | None = None) -> None:
+        """Give a free slot to a sequence whose context of n_tokens is about to be computed,
+        with memory for the context and its next token. Afterwards lens[slot] is the tokens
+        the slot holds already: none here; given the context (n_tokens of them), a prefix
+        cache (08) starts the slot with the cached blocks of its longest cached prefix."""
+        check_admission(self, slot, n_tokens, context)
         self.active[slot], self.lens[slot] = True, 0
 
     def reserve(self, slot: int, n: int = 1) -> bool:
@@ -89,13 +124,9 @@ class SlotCache:
         """Forget the slot's last n tokens (speculative decoding drops the guesses that were
         wrong); their positions are written again by the next tokens."""
         if not self.active[slot] or not 0 <= n <= self.lens[slot]:
-            raise ValueError(f"cannot roll slot {slot} back by {n}: it holds {self.lens[slot]} tokens")
+            raise ValueError(f"cannot roll slot {slot} back by {n}: it holds {self.lens[slot]} "
+                             f"tokens")
         self.lens[slot] -= n
-
-    def reuse_prefix(self, slot: int, context: list[int]) -> int:
-        """Right after admission: how many leading tokens of the slot's context the cache
-        already holds, now the slot's (a prefix cache shares them, 08; a slot has none)."""
-        return 0
 
     def cache_blocks(self, slot: int, context: list[int]) -> None:
         """After a step: the slot's stored tokens (context's first lens[slot]) may serve later
@@ -120,6 +151,12 @@ class SlotCache:
         """Tokens the slot can hold with the memory it has now."""
         return self.max_len
 
+    def check_integrity(self, idle: bool = False) -> str | None:
+        """None when the slots' books are sound, else what is wrong, in one sentence
+        (slots_problem). idle (every request has finished): no slot is busy either. Call it
+        between steps."""
+        return slots_problem(self, idle)
+
     def _check_slot(self, slot) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_slots:
             raise ValueError(f"slot {slot!r} is not one of the cache's slots 0..{self.n_slots - 1}")
@@ -129,7 +166,8 @@ class SlotCache:
         """The next forward pass runs these busy slots, in this order (batch row i is slot
         rows[i]), and row i brings q_lens[i] >= 1 new tokens."""
         if not rows or len(rows) != len(q_lens) or len(set(rows)) != len(rows):
-            raise ValueError(f"a step needs distinct slots and one q_len each, got {rows}, {q_lens}")
+            raise ValueError(f"a step needs distinct slots and one q_len each, got {rows}, "
+                             f"{q_lens}")
         for s, q in zip(rows, q_lens):
             self._check_slot(s)
             if not self.active[s]:
@@ -143,7 +181,8 @@ class SlotCache:
 
     def _planned(self) -> tuple[list[int], list[int]]:
         if self._plan is None:
-            raise ValueError("no step planned: call plan_step(rows, q_lens) before the forward pass")
+            raise ValueError("no step planned: call plan_step(rows, q_lens) before the forward "
+                             "pass")
         return self._plan
 
     def begin_step(self, T: int) -> Tensor:

@@ -377,6 +377,29 @@ def test_the_cache_serves_exactly_the_shared_full_blocks(plug):
     assert msg is None, msg
 
 
+def test_newcomers_of_one_step_share_their_prefix(plug):
+    """Two requests with a 12-token system prompt (3 blocks of 4), added together, no token
+    budget: each context is computed whole in its admission step, so the first's blocks are
+    named as it is admitted and the second shares them in the same step. After that one step
+    both are done, the second was served 12 prompt tokens, and both match solo."""
+    plug()
+    system = [(5 * j) % 96 + 1 for j in range(12)]
+    reqs = [Request(system + [40 + i, 50 + i], 1) for i in range(2)]
+    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
+    with explained("the prefix-cached engine with your functions"):
+        rids = [eng.add_request(r) for r in reqs]
+        eng.step()
+    assert not eng.has_work(), "one step prefills both and samples their one token"
+    for i, (r, rid) in enumerate(zip(reqs, rids)):
+        msg = divergence(f"request {i}", solo(TINY, r), eng.results[rid].tokens)
+        assert msg is None, msg
+    cached = eng.stats.summary([])["cached_prompt_tokens"]
+    assert cached == 12, (f"the second newcomer finds the first's 3 blocks, named at its "
+                          f"admission: 12 tokens; the cache served {cached}")
+    msg = leaks(eng)
+    assert msg is None, msg
+
+
 def test_a_match_ends_at_an_evicted_block(plug):
     """Request A caches a 12-token system prompt (3 blocks of 4); then the pool takes back A's
     block 0 (evicted, as a dry pool does). Blocks 1 and 2 are still cached, but their keys

@@ -78,29 +78,13 @@ def explained(what: str):
 
 def leaks(engine) -> str | None:
     """What an idle ContinuousEngine still holds (a slot, a running or waiting request, a
-    block of the pool), in words; None when every request has given everything back."""
+    block of the pool), in words; None when every request has given everything back. The
+    cache's books are the cache's to check (check_integrity(idle=True))."""
     cache, sched = engine.cache, engine.scheduler
-    if any(cache.active):
-        busy = [s for s, a in enumerate(cache.active) if a]
-        return f"slots {busy} are still busy after every request finished: nobody released them"
-    if sched.running or sched.waiting:
+    if (sched.running or sched.waiting) and not cache.live_slots():
         return (f"the scheduler still holds {len(sched.running)} running and "
                 f"{len(sched.waiting)} waiting requests after every request finished")
-    prefix = getattr(cache, "prefix", None)
-    if prefix is not None:                              # a prefix cache (08) keeps named blocks
-        held = [b for b, r in enumerate(prefix.refs) if r]
-        if held or prefix.n_free() != cache.n_blocks:
-            return (f"blocks {held} are still referenced and {prefix.n_free()} of "
-                    f"{cache.n_blocks} are free or cached after every request finished: "
-                    f"blocks leaked")
-        return None
-    allocator = getattr(cache, "allocator", None)
-    if allocator is not None:
-        held = [b for b, a in enumerate(allocator.allocated) if a]
-        if held or allocator.n_free() != allocator.n_blocks:
-            return (f"blocks {held} are still allocated and {allocator.n_free()} of "
-                    f"{allocator.n_blocks} are free after every request finished: blocks leaked")
-    return None
+    return cache.check_integrity(idle=True)
 
 
 def exercise_files() -> dict[str, Path]:
