@@ -1,9 +1,11 @@
 """Step 10 - the OpenAI-compatible server, through the official `openai` client: every answer,
 streamed or not, equals the decoded solo generate() tokens; a client that goes away frees its
-slot; bad requests get a 400 naming the field, a full server a 429; the text stream never
-splits a character or sends a stop string."""
+slot; bad requests get a 400 naming the field, a full server a 429; /health and /metrics say
+whether the KV cache's books are sound; the text stream never splits a character or sends a
+stop string."""
 
 import asyncio
+import pickle
 import socket
 import threading
 import time
@@ -58,12 +60,13 @@ class Running:
 
     def wait_idle(self, timeout=10.0) -> tuple[int, int]:
         """The load once the engine is idle (or timeout s have passed); an idle engine that
-        still holds a slot or a block, or a request the HTTP side still holds, fails the test."""
+        still holds a slot or a block (its cache's check_integrity says so), or a request the
+        HTTP side still holds, fails the test."""
         t0 = time.time()
         while self.request_counts() != (0, 0) and time.time() - t0 < timeout:
             time.sleep(0.01)
         loop = self.served.loop
-        assert self.request_counts() != (0, 0) or loop.leaked is None, loop.leaked
+        assert self.request_counts() != (0, 0) or loop.integrity is None, loop.integrity
         assert self.request_counts() != (0, 0) or not loop.tickets, \
             f"the engine is idle, yet the HTTP side still holds requests {sorted(loop.tickets)}: " \
             f"a finished or refused request leaves EngineLoop.tickets"
@@ -225,13 +228,69 @@ def test_a_full_server_answers_429_and_serves_the_rest(bundled64):
 
 def test_models_health_and_metrics(running):
     assert running.client().models.list().data[0].id == NAME
-    assert httpx.get(running.url[:-3] + "/health").json() == {"status": "ok"}
     running.client().completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=5, temperature=0)
+    running.wait_idle()
+    health = httpx.get(running.url[:-3] + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok", "kv_cache": "ok"}
     text = httpx.get(running.url[:-3] + "/metrics").text
     for name in ("tinyllm_requests_running 0.0", "tinyllm_requests_waiting 0.0",
                  "tinyllm_generation_tokens_total", "tinyllm_time_to_first_token_seconds_bucket",
-                 "tinyllm_inter_token_latency_seconds_count", "tinyllm_kv_cache_usage_ratio"):
+                 "tinyllm_inter_token_latency_seconds_count", "tinyllm_kv_cache_usage_ratio",
+                 "tinyllm_kv_cache_integrity_ok 1.0"):
         assert name in text, name
+
+
+BOOKS_GONE_WRONG = "blocks [3] are still referenced after every request finished: blocks leaked"
+
+
+def books_gone_wrong(idle: bool = False) -> str:
+    """A cache's check_integrity that finds its books wrong (module-level: it goes to the engine
+    process pickled, with the cache it replaces the method of)."""
+    return BOOKS_GONE_WRONG
+
+
+def test_kv_cache_books_gone_wrong_show_in_health_and_metrics(bundled64, monkeypatch):
+    """The engine asks its cache for its books when idle; a problem makes /health 'degraded'
+    (the server still serves) with the cache's sentence, and the integrity gauge 0."""
+    model, tok = bundled64
+    engine = ContinuousEngine(model, 2, kv="paged")
+    monkeypatch.setattr(engine.cache, "check_integrity", books_gone_wrong)
+    srv = Running(engine, tok)
+    try:
+        r = srv.client().completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=5,
+                                            temperature=0)
+        assert r.choices[0].text == solo_text(srv, PROMPTS[0], 5), "the server still serves"
+        t0 = time.time()
+        while srv.served.loop.integrity is None and time.time() - t0 < 10:
+            time.sleep(0.01)
+        health = httpx.get(srv.url[:-3] + "/health")
+        assert health.status_code == 200
+        assert health.json() == {"status": "degraded", "kv_cache": BOOKS_GONE_WRONG}
+        assert "tinyllm_kv_cache_integrity_ok 0.0" in httpx.get(srv.url[:-3] + "/metrics").text
+    finally:
+        srv.stop()
+
+
+def test_the_pipes_messages_pickle():
+    """Every message between the server and its engine process survives the pipe's pickling."""
+    from tinyllm.requests import Request
+    from tinyllm.serving import messages as m
+    for message in (m.Ready(), m.Add(3, Request([1, 2], 4)), m.Abort(3), m.Stop(),
+                    m.StepReport([(3, 11, None), (4, 12, "stop")], [(5, "too long")], 2, (0, 1),
+                                 0.25, None), m.Failed("RuntimeError: out of memory")):
+        assert pickle.loads(pickle.dumps(message)) == message, message
+
+
+def test_serve_takes_the_engines_flags_from_engine_config():
+    """`serve` parses EngineConfig's flags; a bad setting is named before any model loads."""
+    from tinyllm.config import EngineConfig
+    args = server.serve_parser().parse_args(["--port", "9", "--slots", "4", "--kv", "paged",
+                                             "--prefix-cache", "--max-waiting", "3"])
+    assert (args.port, args.max_waiting) == (9, 3)
+    assert EngineConfig.from_args(args) == EngineConfig(4, kv="paged", prefix_cache=True)
+    with pytest.raises(SystemExit) as e:
+        server.serve_main(["--prefix-cache"])           # on slots: refused
+    assert e.value.code == 2
 
 
 # ---- the text stream (no server) ------------------------------------------------------------------
@@ -274,5 +333,8 @@ def test_an_engine_that_fails_gives_a_500_that_says_why(bundled64):
             assert "the engine failed: RuntimeError: the model ran out of memory" in \
                 e.value.body["message"], e.value.body
         assert srv.client().models.list().data[0].id == NAME, "the HTTP side still answers"
+        health = httpx.get(srv.url[:-3] + "/health")
+        assert health.status_code == 503 and health.json() == {
+            "status": "failed", "engine": "RuntimeError: the model ran out of memory"}
     finally:
         srv.stop()

@@ -6,15 +6,18 @@
 JSON body), `GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus), on FastAPI and
 uvicorn, as vLLM and SGLang serve.
 
-Two processes, as in vLLM. The engine runs in one of its own (`engine_process`): it takes new
-requests and aborts from a pipe, steps while there is work, and sends each step's tokens back.
-The HTTP side (uvicorn's event loop) reads them and hands each to the queue of the request it
-belongs to (`EngineLoop`). Each HTTP request is one coroutine: it checks the body (a 400
-naming the field), submits one `Request` (a 429 when max_waiting requests already wait), then
-reads its queue, turning tokens into text a settled piece at a time (textstream.py), and
-streams them as server-sent events (`sse_events`). A client that goes away aborts its
-request: its slot and blocks are free before the next step, and nothing else in flight
-notices.
+Two processes, as in vLLM. The engine runs in one of its own (`engine_process`), and one pipe
+joins it to the HTTP side, in the typed messages of messages.py: `Add(key, request)` and
+`Abort(key)` go in; after each step one `StepReport` comes back, with the step's tokens, the
+requests refused, the engine's load, its KV use and its cache's verdict on its books
+(`check_integrity`, asked whenever the engine is idle). The HTTP side (uvicorn's event loop)
+reads the reports and hands each token to the queue of the request it belongs to
+(`EngineLoop`). Each HTTP request is one coroutine: it checks the body (a 400 naming the
+field), submits one `Request` (a 429 when max_waiting requests already wait), then reads its
+queue, turning tokens into text a settled piece at a time (textstream.py), and streams them as
+server-sent events (`sse_events`). A client that goes away aborts its request: its slot and
+blocks are free before the next step, and nothing else in flight notices. `/health` says
+whether the engine runs and its KV cache's books are sound.
 
 Seams: `dispatch` (each step's tokens to their requests) and `sse_events` (exercise 10).
 """
@@ -32,10 +35,11 @@ import torch.multiprocessing
 
 from jinja2.exceptions import TemplateError
 
-from tinyllm.course.check import leaks
+from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.requests import Event, Request
 from tinyllm.sampling import Sampling
+from tinyllm.serving.messages import Abort, Add, Failed, Ready, StepReport, Stop
 from tinyllm.serving.textstream import TextStream
 
 
@@ -68,24 +72,26 @@ class EngineLoop:
 
     The engine is not thread-safe, and stepping it is Python work that would hold the
     interpreter's lock against the HTTP side's: so, as vLLM's engine core does, it runs in a
-    process of its own (`engine_process`). Two pipes join them: adds and aborts go in; one
-    message per step comes out, with every token of the step and the engine's load. The HTTP
-    side reads that pipe on its event loop and puts each token in its request's queue. At most
-    max_waiting requests wait for a slot at once; more are refused with a 429."""
+    process of its own (`engine_process`). A pipe joins them, in the messages of messages.py:
+    an `Add` or an `Abort` goes in per request; one `StepReport` per step comes out, with
+    every token of the step, the engine's load and its KV cache's integrity (None when its
+    books are sound, else the sentence that says what is wrong). The HTTP side reads the
+    pipe on its event loop and puts each token in its request's queue. At most max_waiting
+    requests wait for a slot at once; more are refused with a 429."""
 
     def __init__(self, engine: ContinuousEngine, max_waiting: int = 64):
         self.engine, self.max_waiting = engine, max_waiting
         self.tickets: dict[int, Ticket] = {}            # key -> ticket, while it runs
         self.next_key = 0
         self.submitted = 0                              # adds sent, not yet taken by the engine
-        self.reported = (0, 0)                          # the engine's (waiting, running) at its last step
+        self.reported = (0, 0)                          # the engine's (waiting, running), last step
         self.kv_used = 0.0
-        self.leaked: str | None = None                  # what the idle engine still held, if anything
+        self.integrity: str | None = None               # the KV cache's books, last checked idle
         self.failed: str | None = None
         self.process = None
 
     def start(self) -> None:
-        """Start the engine process and wait until it is ready. The engine goes to it pickled:
+        """Start the engine process and wait until it is Ready. The engine goes to it pickled:
         its tensors move to shared memory, so the weights are not copied. A fresh interpreter
         imports torch there: a few seconds."""
         ctx = torch.multiprocessing.get_context("spawn")
@@ -97,11 +103,13 @@ class EngineLoop:
         if not self.conn.poll(120):
             raise RuntimeError("the engine process did not start in 120 s")
         try:
-            self.conn.recv()                            # ("ready", None)
+            message = self.conn.recv()
         except EOFError:
             self.process.join(5)
             raise RuntimeError(f"the engine process failed to start (exit code "
                                f"{self.process.exitcode}); its error is above") from None
+        if not isinstance(message, Ready):
+            raise RuntimeError(f"the engine process said {message!r} before it was Ready")
         self.loop = asyncio.get_running_loop()
         self.loop.add_reader(self.conn.fileno(), self._read)
 
@@ -109,14 +117,14 @@ class EngineLoop:
         if self.process is None or not self.process.is_alive():
             return
         self.loop.remove_reader(self.conn.fileno())
-        self.conn.send(("stop", None))
+        self.conn.send(Stop())
         self.process.join(10)
         if self.process.is_alive():
             self.process.terminate()
 
     def request_counts(self) -> tuple[int, int]:
         """(requests waiting, counting those not yet in the engine; requests running), as of
-        the engine's last message."""
+        the engine's last report."""
         waiting, running = self.reported
         return waiting + self.submitted, running
 
@@ -129,35 +137,43 @@ class EngineLoop:
         ticket.key, self.next_key = self.next_key, self.next_key + 1
         self.tickets[ticket.key] = ticket
         self.submitted += 1
-        self.conn.send(("add", (ticket.key, ticket.request)))
+        self.conn.send(Add(ticket.key, ticket.request))
 
     def abort(self, ticket: Ticket) -> None:
         """The client went away (or a stop string ended it): drop its request wherever it is."""
         if self.tickets.pop(ticket.key, None) is not None and not self.failed:
-            self.conn.send(("abort", ticket.key))
+            self.conn.send(Abort(ticket.key))
 
     def _read(self) -> None:
         """On the event loop, when the engine has written: each step's news to its requests."""
         try:
             while self.conn.poll():
-                what, body = self.conn.recv()
-                if what == "failed":
-                    return self._fail(body)
-                tokens, refused, taken, self.reported, self.kv_used, self.leaked = body
-                self.submitted -= taken
-                try:
-                    dispatch(self.tickets, tokens, refused)
-                except Exception as e:                  # say so, rather than leave them waiting
-                    return self._fail(f"its news could not be dispatched: {type(e).__name__}: {e}")
+                match self.conn.recv():
+                    case StepReport() as report:
+                        self._take(report)
+                    case Failed(why):
+                        return self._fail(why)
+                    case message:
+                        return self._fail(f"it sent {message!r}, which is no report")
         except (EOFError, OSError):
             self._fail(f"its process ended (exit code {self.process.exitcode})")
+        except Exception as e:                          # say so, rather than leave them waiting
+            self._fail(f"its news could not be dispatched: {type(e).__name__}: {e}")
+
+    def _take(self, report: StepReport) -> None:
+        """One step's report: the engine's state as it says, its tokens to their requests."""
+        self.submitted -= report.taken
+        self.reported, self.kv_used = report.request_counts, report.kv_used
+        self.integrity = report.integrity
+        dispatch(self.tickets, report.tokens, report.refused)
 
     def _fail(self, why: str) -> None:
         """The engine process failed: every request in flight gets a 500 that says why."""
         self.failed = why
         self.loop.remove_reader(self.conn.fileno())
         for ticket in self.tickets.values():
-            ticket.events.put_nowait(APIError(500, f"the engine failed: {why}", kind="server_error"))
+            ticket.events.put_nowait(APIError(500, f"the engine failed: {why}",
+                                              kind="server_error"))
         self.tickets.clear()
 
 
@@ -188,53 +204,89 @@ def dispatch(tickets: dict[int, Ticket], tokens: list[tuple[int, int, str | None
 
 
 def engine_process(engine: ContinuousEngine, conn, n_threads: int) -> None:
-    """The engine process: take adds and aborts, step while there is work, and send each step's
-    tokens as (key, token, finish_reason or None), with the requests it refused, the adds it
-    took, its load, its KV use and, once idle, whatever it still holds (check.leaks: None
-    when every request gave everything back). It blocks on the pipe when there is no work."""
+    """The engine process: read the pipe's Adds and Aborts, step while there is work, and send
+    a StepReport after each step: its tokens as (key, token, finish_reason or None), the
+    requests it refused, the Adds it took, its load, its KV use, and the cache's verdict on
+    its books, asked whenever the engine is idle (`cache.check_integrity(idle=True)`: None
+    when every request gave everything back). It blocks on the pipe when there is no work,
+    and ends at a Stop, at the end of the pipe, or with a Failed that says why."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is the server's to handle
     torch.set_num_threads(n_threads)
-    conn.send(("ready", None))
-    rid_of: dict[int, int] = {}                         # key -> engine id, and back
-    key_of: dict[int, int] = {}
+    conn.send(Ready())
+    keys, integrity = Keys(), None
     while True:
         if not engine.has_work():
             conn.poll(None)
-        taken, refused = 0, []
-        while conn.poll():
-            try:
-                what, body = conn.recv()
-            except EOFError:                            # the server is gone: so is its engine
-                return
-            if what == "stop":
-                return
-            if what == "abort":
-                if (rid := rid_of.pop(body, None)) is not None:
-                    engine.abort(rid)
-                    del key_of[rid]
-                continue
-            key, request = body
-            taken += 1
-            try:
-                rid = engine.add_request(request)
-                rid_of[key], key_of[rid] = rid, key
-            except (ValueError, TypeError) as e:
-                refused.append((key, str(e)))
-        tokens = []
         try:
-            events = engine.step() if engine.has_work() else []
+            if (news := read_messages(engine, conn, keys)) is None:
+                return                                  # a Stop, or the server is gone
+            tokens = keys.tokens_of(engine, engine.step() if engine.has_work() else [])
+            if not engine.has_work():
+                integrity = engine.cache.check_integrity(idle=True)
         except Exception as e:                          # the engine cannot go on: say why
-            conn.send(("failed", f"{type(e).__name__}: {e}"))
+            conn.send(Failed(f"{type(e).__name__}: {e}"))
             return
+        taken, refused = news
+        conn.send(StepReport(tokens, refused, taken, engine.request_counts(),
+                             engine.kv_used_frac(), integrity))
+
+
+@dataclass
+class Keys:
+    """The engine process's books: each request in flight by its key (the HTTP side's name
+    for it) and by its engine id, both ways."""
+    rid_of: dict[int, int] = field(default_factory=dict)       # key -> engine id
+    key_of: dict[int, int] = field(default_factory=dict)       # engine id -> key
+
+    def add(self, key: int, rid: int) -> None:
+        self.rid_of[key], self.key_of[rid] = rid, key
+
+    def pop(self, key: int) -> int | None:
+        """The engine id of key, which leaves the books; None if it is not in them."""
+        if (rid := self.rid_of.pop(key, None)) is not None:
+            del self.key_of[rid]
+        return rid
+
+    def tokens_of(self, engine: ContinuousEngine, events) -> list[tuple[int, int, str | None]]:
+        """A step's events as (key, token, finish_reason or None); a finished request leaves
+        the books, and its Result the engine's."""
+        tokens = []
         for ev in events:
-            key = key_of[ev.rid]
+            key = self.key_of[ev.rid]
             tokens.append((key, ev.token, ev.finish_reason if ev.done else None))
             if ev.done:
-                del key_of[ev.rid], rid_of[key]
+                self.pop(key)
                 engine.results.pop(ev.rid, None)
-        idle = not engine.has_work()
-        conn.send(("step", (tokens, refused, taken, engine.request_counts(), engine.kv_used_frac(),
-                            leaks(engine) if idle else None)))
+        return tokens
+
+
+def read_messages(engine: ContinuousEngine, conn,
+                  keys: Keys) -> tuple[int, list[tuple[int, str]]] | None:
+    """Every message waiting in the pipe, acted on: an Add queues its request (or refuses it,
+    with the engine's reason), an Abort drops its request. Returns (the Adds taken, the
+    requests refused as (key, message)), or None at a Stop or the pipe's end."""
+    taken, refused = 0, []
+    while conn.poll():
+        try:
+            message = conn.recv()
+        except EOFError:                                # the server is gone: so is its engine
+            return None
+        match message:
+            case Add(key, request):
+                taken += 1
+                try:
+                    keys.add(key, engine.add_request(request))
+                except (ValueError, TypeError) as e:
+                    refused.append((key, str(e)))
+            case Abort(key):
+                if (rid := keys.pop(key)) is not None:
+                    engine.abort(rid)
+            case Stop():
+                return None
+            case _:
+                raise TypeError(f"the engine process got {message!r}, which is not a message "
+                                f"of messages.py")
+    return taken, refused
 
 
 # ---- the API: bodies checked as the OpenAI API checks them --------------------------------------
@@ -288,7 +340,8 @@ def stops_of(body: dict) -> list[str]:
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise APIError(400, "stop must be a string or a list of at most 4 non-empty strings", "stop")
+        raise APIError(400, "stop must be a string or a list of at most 4 non-empty strings",
+                       "stop")
     return stops
 
 
@@ -341,7 +394,8 @@ def to_request(served: Served, body: dict, kind: str) -> tuple[Request, list[str
     if not ids:
         raise APIError(400, f"{field_name} is empty", field_name)
     if any(not 0 <= t < tok.vocab_size for t in ids):
-        raise APIError(400, f"{field_name} holds a token id outside [0, {tok.vocab_size})", field_name)
+        raise APIError(400, f"{field_name} holds a token id outside [0, {tok.vocab_size})",
+                       field_name)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     if max_tokens is None:                          # OpenAI's defaults: 16, or all that fits
         max_tokens = 16 if kind == "completions" else max(1, served.max_len - len(ids))
@@ -357,8 +411,9 @@ def to_request(served: Served, body: dict, kind: str) -> tuple[Request, list[str
 
 class Metrics:
     """The server's Prometheus metrics, in a registry of its own: requests running and
-    waiting, KV cache use (read at each scrape), prompt and generated tokens, finished requests
-    by finish reason, and histograms of TTFT, inter-token latency and end-to-end latency."""
+    waiting, KV cache use and whether the KV cache's books are sound (read at each scrape),
+    prompt and generated tokens, finished requests by finish reason, and histograms of TTFT,
+    inter-token latency and end-to-end latency."""
 
     def __init__(self, loop: EngineLoop):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -368,6 +423,8 @@ class Metrics:
         self.waiting = Gauge("tinyllm_requests_waiting", "requests waiting for a slot", registry=r)
         self.kv_used = Gauge("tinyllm_kv_cache_usage_ratio",
                              "KV positions in use / reserved", registry=r)
+        self.kv_sound = Gauge("tinyllm_kv_cache_integrity_ok", "1 when the KV cache's books "
+                              "were sound when the engine was last idle, else 0", registry=r)
         self.prompt = Counter("tinyllm_prompt_tokens", "prompt tokens received", registry=r)
         self.generated = Counter("tinyllm_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter("tinyllm_requests_finished", "requests finished",
@@ -386,6 +443,7 @@ class Metrics:
         self.waiting.set(waiting)
         self.running.set(running)
         self.kv_used.set(self.loop.kv_used)
+        self.kv_sound.set(self.loop.integrity is None)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
@@ -518,12 +576,80 @@ async def starting_with(first, rest):
         yield item
 
 
+def health(loop: EngineLoop) -> tuple[int, dict]:
+    """GET /health: (status code, body). 200 while the engine serves: {"status": "ok",
+    "kv_cache": "ok"}, or "degraded" with the sentence that says what is wrong with the KV
+    cache's books when they were last checked (the engine still serves, on fewer blocks than
+    it should); 503 once the engine has failed: {"status": "failed", "engine": why}, as vLLM
+    and SGLang answer when their engine is gone."""
+    if loop.failed:
+        return 503, {"status": "failed", "engine": loop.failed}
+    if loop.integrity is not None:
+        return 200, {"status": "degraded", "kv_cache": loop.integrity}
+    return 200, {"status": "ok", "kv_cache": "ok"}
+
+
+async def json_body(http) -> object:
+    """The HTTP request's body, parsed; a 400 when it is not JSON."""
+    try:
+        return json.loads(await http.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+
+
+async def serve_completion(served: Served, http, kind: str):
+    """POST /v1/completions (kind "completions") or /v1/chat/completions ("chat"): the body
+    checked, its Request submitted, and the answer streamed as server-sent events, or
+    collected into one JSON body."""
+    body = check_body(await json_body(http), kind)
+    req, stops, n_prompt = to_request(served, body, kind)
+    ticket = Ticket(req)
+    served.loop.submit(ticket)
+    head = {"id": ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24],
+            "object": {"completions": "text_completion", "chat": "chat.completion"}[kind],
+            "created": int(time.time()), "model": served.name}
+    pieces = answer(served, ticket, stops, n_prompt)
+    if not body.get("stream"):
+        return await collected(http, pieces, kind, head, n_prompt)
+    from fastapi.responses import StreamingResponse
+    if kind == "chat":
+        head["object"] += ".chunk"
+    usage_too = bool((body.get("stream_options") or {}).get("include_usage"))
+    # the stream starts with its first piece: a refusal before it is still a plain error
+    first = await failing_plainly(pieces.__anext__())
+    events = sse_events(starting_with(first, pieces), kind, head, n_prompt, usage_too)
+    return StreamingResponse(errors_as_events(events), media_type="text/event-stream")
+
+
+async def collected(http, pieces, kind: str, head: dict, n_prompt: int):
+    """A non-streamed answer: its pieces (answer()) joined into one JSON body; a client that
+    goes away meanwhile aborts its request and gets a 499."""
+    from fastapi.responses import Response
+
+    async def collect():
+        text, reason, n_out = "", None, 0
+        async for piece, reason, n_out in pieces:
+            text += piece
+        return text, reason, n_out
+
+    task = asyncio.ensure_future(collect())
+    while not (await asyncio.wait([task], timeout=0.25))[0]:
+        if await http.is_disconnected():                # the client went away: abort
+            task.cancel()
+            return Response(status_code=499)
+    text, reason, n_out = await failing_plainly(task)
+    choice = ({"text": text} if kind == "completions" else
+              {"message": {"role": "assistant", "content": text}})
+    return {**head, "choices": [{"index": 0, **choice, "finish_reason": reason,
+                                 "logprobs": None}], "usage": usage(n_prompt, n_out)}
+
+
 def make_app(served: Served):
     """The FastAPI app serving `served`; its engine loop runs while the app does."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request as HTTPRequest
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
 
     @asynccontextmanager
     async def lifespan(app):
@@ -538,109 +664,76 @@ def make_app(served: Served):
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok"}
+    async def get_health():
+        status, body = health(served.loop)
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
-                                            "owned_by": "tinyllm", "max_model_len": served.max_len}]}
+                                            "owned_by": "tinyllm",
+                                            "max_model_len": served.max_len}]}
 
     @app.get("/metrics")
     async def metrics():
         text, ctype = served.metrics.exposition()
         return PlainTextResponse(text, media_type=ctype)
 
-    async def serve(http: HTTPRequest, kind: str):
-        try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the body is not valid JSON: {e}") from None
-        body = check_body(body, kind)
-        req, stops, n_prompt = to_request(served, body, kind)
-        ticket = Ticket(req, asyncio.get_running_loop())
-        served.loop.submit(ticket)
-        head = {"id": ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24],
-                "object": {"completions": "text_completion", "chat": "chat.completion"}[kind],
-                "created": int(time.time()), "model": served.name}
-        if body.get("stream"):
-            if kind == "chat":
-                head["object"] += ".chunk"
-            usage_too = bool((body.get("stream_options") or {}).get("include_usage"))
-            pieces = answer(served, ticket, stops, n_prompt)
-            # the stream starts with its first piece: a refusal before it is still a plain error
-            first = await failing_plainly(pieces.__anext__())
-            events = sse_events(starting_with(first, pieces), kind, head, n_prompt, usage_too)
-            return StreamingResponse(errors_as_events(events), media_type="text/event-stream")
-
-        async def collect():
-            text, reason, n_out = "", None, 0
-            async for piece, reason, n_out in answer(served, ticket, stops, n_prompt):
-                text += piece
-            return text, reason, n_out
-
-        task = asyncio.ensure_future(collect())
-        while not (await asyncio.wait([task], timeout=0.25))[0]:
-            if await http.is_disconnected():            # the client went away: abort
-                task.cancel()
-                return Response(status_code=499)
-        text, reason, n_out = await failing_plainly(task)
-        choice = ({"text": text} if kind == "completions" else
-                  {"message": {"role": "assistant", "content": text}})
-        return {**head, "choices": [{"index": 0, **choice, "finish_reason": reason,
-                                     "logprobs": None}], "usage": usage(n_prompt, n_out)}
-
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
-        return await serve(http, "completions")
+        return await serve_completion(served, http, "completions")
 
     @app.post("/v1/chat/completions")
     async def chat(http: HTTPRequest):
-        return await serve(http, "chat")
+        return await serve_completion(served, http, "chat")
 
     return app
 
 
-def serve_main(argv=None) -> None:
-    """python -m tinyllm serve: load a checkpoint, start the engine loop and uvicorn."""
+def serve_parser():
+    """The flags of `python -m tinyllm serve`: the server's own, then the engine's
+    (EngineConfig.add_arguments)."""
     import argparse
 
+    ap = argparse.ArgumentParser(prog="python -m tinyllm serve", description=(
+        "Serve a checkpoint over the OpenAI API (completions and chat completions, streamed or "
+        "not) with the continuous engine, in a process of its own; Ctrl-C stops it."))
+    g = ap.add_argument_group("the server")
+    g.add_argument("--model", default="default", metavar="DIR",
+                   help="a checkpoint directory, a .gguf file, or smollm2 (SmolLM2-135M-Instruct, "
+                        "fetched once) (default: the bundled model)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000,
+                   help="the port to listen on (default: 8000)")
+    g.add_argument("--device", default=None,
+                   help="cpu, cuda, ... (default: cuda when there is one)")
+    g.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                   help="requests that may wait for a slot; more get a 429 (default: 64)")
+    EngineConfig.add_arguments(ap)
+    return ap
+
+
+def serve_main(argv=None) -> None:
+    """python -m tinyllm serve: load a checkpoint, start the engine loop and uvicorn."""
     import uvicorn
 
     import tinyllm
     from tinyllm.checkpoints.checkpoint import resolve
 
-    ap = argparse.ArgumentParser(prog="python -m tinyllm serve", description=(
-        "Serve a checkpoint over the OpenAI API (completions and chat completions, streamed or "
-        "not) with the continuous engine; Ctrl-C stops it."))
-    ap.add_argument("--model", default="default", metavar="DIR",
-                    help="a checkpoint directory, a .gguf file, or smollm2 (SmolLM2-135M-Instruct, "
-                         "fetched once) (default: the bundled model)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when there is one)")
-    ap.add_argument("--slots", type=int, default=16, metavar="N", help="requests decoded together (default: 16)")
-    ap.add_argument("--kv", choices=["slots", "paged"], default="slots", help="the KV cache (default: slots)")
-    ap.add_argument("--block-size", type=int, default=16, metavar="N")
-    ap.add_argument("--kv-blocks", type=int, default=None, metavar="N",
-                    help="the paged pool (default: the memory of --slots slots)")
-    ap.add_argument("--kv-mib", type=float, default=None, metavar="MIB",
-                    help="the KV cache's memory budget (default: 512); it bounds the positions "
-                         "a request may use with --kv slots")
-    ap.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
-                    help="a token budget per step (chunked prefill, step 07)")
-    ap.add_argument("--prefix-cache", action="store_true", help="share prefix blocks (step 08, --kv paged)")
-    ap.add_argument("--max-waiting", type=int, default=64, metavar="N",
-                    help="requests that may wait for a slot; more get a 429 (default: 64)")
+    ap = serve_parser()
     args = ap.parse_args(argv)
-    model, tok = tinyllm.load(args.model, device=args.device)
     try:
-        engine = ContinuousEngine(model, args.slots, kv=args.kv, block_size=args.block_size,
-                                  kv_blocks=args.kv_blocks, max_step_tokens=args.max_step_tokens,
-                                  prefix_cache=args.prefix_cache, kv_mib=args.kv_mib)
+        config = EngineConfig.from_args(args)
     except ValueError as e:
         ap.error(str(e))
-    served = build(engine, tok, "tinyllm-" + resolve(args.model).name.removesuffix(".gguf"), args.max_waiting)
+    model, tok = tinyllm.load(args.model, device=args.device)
+    try:
+        engine = ContinuousEngine(model, config)
+    except ValueError as e:
+        ap.error(str(e))
+    name = "tinyllm-" + resolve(args.model).name.removesuffix(".gguf")
+    served = build(engine, tok, name, args.max_waiting)
     uv = uvicorn.Server(uvicorn.Config(make_app(served), host=args.host, port=args.port,
                                        log_level="warning"))
     # uvicorn runs in a thread, so Ctrl-C reaches this one: it asks for a graceful stop
@@ -651,9 +744,9 @@ def serve_main(argv=None) -> None:
     if not thread.is_alive():
         raise SystemExit(f"could not serve on {args.host}:{args.port}")
     kv_mib = engine.stats.kv_reserved_tokens * engine.stats.kv_bytes_per_token / 2**20
-    print(f"serving {served.name} at http://{args.host}:{args.port}/v1 ({args.slots} slots, "
-          f"kv {args.kv}: {kv_mib:.0f} MiB, up to {engine.max_len} positions a request); "
-          f"Ctrl-C stops", flush=True)
+    print(f"serving {served.name} at http://{args.host}:{args.port}/v1 ({config.n_slots} "
+          f"slots, kv {config.kv}: {kv_mib:.0f} MiB, up to {engine.max_len} positions a "
+          f"request); Ctrl-C stops", flush=True)
     try:
         while thread.is_alive():
             thread.join(0.5)
