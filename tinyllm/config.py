@@ -29,13 +29,13 @@ class EngineConfig:
     as long as the longest request.
     """
     n_slots: int                            # requests decoded together, one slot each
-    max_len: int | None = None              # positions per request, prompt included (None: the model's)
+    max_len: int | None = None              # positions a request may use (None: the model's)
     temperature: float = 0.0                # the default sampling; a request's own overrides it
     top_k: int | None = None
     top_p: float | None = None
     kv: str = "slots"                       # the KV cache: "slots" (04) or "paged" (05)
     block_size: int = 16                    # positions per block of the paged pool (05)
-    kv_blocks: int | None = None            # the paged pool's blocks (None: the memory of the slots)
+    kv_blocks: int | None = None            # the paged pool (None: the slots' memory)
     decoder: str = "eager"                  # the decode step (06): "eager", "graphs" or "compiled"
     compile_mode: str = "default"           # the compiled step's torch.compile mode (06)
     buckets: tuple[int, ...] | None = None  # the bucketed decoders' windows (None: powers of two)
@@ -73,7 +73,7 @@ class EngineConfig:
                                         not isinstance(self.kv_mib, (int, float)) or
                                         not 0 < self.kv_mib < math.inf):
             raise ValueError(f"kv_mib must be a finite number of MiB > 0, got {self.kv_mib!r}")
-        self.sampling                                   # checks temperature, top_k, top_p
+        Sampling(self.temperature, self.top_k, self.top_p)     # checks the sampling
 
     def _check_buckets(self) -> None:
         if self.buckets is None:
@@ -115,14 +115,17 @@ class EngineConfig:
 
     # ---- the command line: one flag per field, of the field's name --------------------------
     @staticmethod
-    def add_arguments(parser, n_slots: int = 16) -> None:
+    def add_arguments(parser, n_slots: int = 16, kv: bool = True) -> None:
         """The engine's flags, shared by `bench` and `serve`: each sets the field of its name
-        (--max-step-tokens sets max_step_tokens), and from_args reads them back."""
+        (--max-step-tokens sets max_step_tokens), and from_args reads them back. kv=False
+        leaves out --kv, for a command whose engine names pick the cache (bench's paged)."""
         g = parser.add_argument_group("the engine (EngineConfig)")
         g.add_argument("--slots", dest="n_slots", type=int, default=n_slots, metavar="N",
                        help=f"requests decoded together (default: {n_slots})")
-        g.add_argument("--kv", choices=KV_KINDS, default="slots",
-                       help="the KV cache: slots (step 04) or a paged pool (05) (default: slots)")
+        if kv:
+            g.add_argument("--kv", choices=KV_KINDS, default="slots",
+                           help="the KV cache: slots (step 04) or a paged pool (05) "
+                                "(default: slots)")
         g.add_argument("--block-size", type=int, default=16, metavar="N",
                        help="positions per block of the paged pool (default: 16)")
         g.add_argument("--kv-blocks", type=int, default=None, metavar="N",

@@ -13,8 +13,14 @@ import torch
 from tinyllm import padded
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer
-from tinyllm.requests import (Request, Result, check_positive_int, check_request, finish_reason,
-                              is_done)
+from tinyllm.requests import (
+    Request,
+    Result,
+    check_positive_int,
+    check_request,
+    finish_reason,
+    is_done,
+)
 from tinyllm.sampling import Sampling, check_generator, sample_rows
 from tinyllm.stats import ForwardTimer, Stats, Trace, kv_bytes_per_token
 
@@ -75,6 +81,46 @@ def account_batch(stats: Stats, batch: list[Request], results: list[Result],
             trace.record([ids[j] if held[j] > step else None for j in range(B)], used)
 
 
+def sampled_batch(model: Transformer, batch: list[Request], default: Sampling, generator,
+                  clock) -> list[Result]:
+    """One batch through run_batch, each row sampled with its request's settings (default
+    where it has none) and generator: its Results, with their gaps and finish reasons."""
+    device = next(model.parameters()).device
+    rows = [r.sampling or default for r in batch]
+    gens = [s.generator(device) for s in rows]
+    picked: list[float] = []                            # the clock at each step's tokens
+
+    def pick(logits):
+        picked.append(clock())
+        return sample_rows(logits, rows, gens, generator)
+
+    done = run_batch(model, batch, pick, clock)
+    if not isinstance(done, list) or len(done) != len(batch) or \
+            not all(isinstance(r, Result) for r in done):
+        raise TypeError(f"run_batch returned {done!r} for a batch of {len(batch)} "
+                        f"requests: expected a list of {len(batch)} Results, in order")
+    return [finished(r, req, picked) for r, req in zip(done, batch)]
+
+
+def checked_batches(requests: list[Request], batch_size: int, cfg) -> list[Request]:
+    """The requests, checked (check_request; a bad one is named by its index), once every
+    batch of batch_size fits the model: its padded prompt and its longest answer within
+    max_seq_len."""
+    checked = []
+    for i, r in enumerate(requests):
+        try:
+            checked.append(check_request(r, cfg.vocab_size, cfg.max_seq_len))
+        except ValueError as e:
+            raise ValueError(f"request {i}: {e}") from None
+    for b0 in range(0, len(checked), batch_size):
+        batch = checked[b0:b0 + batch_size]
+        L, new_max = max(len(r.prompt) for r in batch), max(r.max_new_tokens for r in batch)
+        if L + new_max > cfg.max_seq_len:
+            raise ValueError(f"batch {b0 // batch_size}: padded prompt {L} + new {new_max} "
+                             f"exceeds max_seq_len {cfg.max_seq_len}")
+    return checked
+
+
 @torch.no_grad()
 def run_static(model: Transformer, requests: list[Request], batch_size: int,
                temperature: float = 0.0, top_k=None, top_p=None, generator=None,
@@ -89,21 +135,8 @@ def run_static(model: Transformer, requests: list[Request], batch_size: int,
     default = Sampling(temperature, top_k, top_p)                        # validates them
     check_generator(generator)
     model.eval()
-    cfg = model.cfg
     device = next(model.parameters()).device
-    checked = []
-    for i, r in enumerate(requests):
-        try:
-            checked.append(check_request(r, cfg.vocab_size, cfg.max_seq_len))
-        except ValueError as e:
-            raise ValueError(f"request {i}: {e}") from None
-    requests = checked
-    for b0 in range(0, len(requests), batch_size):
-        batch = requests[b0:b0 + batch_size]
-        L, new_max = max(len(r.prompt) for r in batch), max(r.max_new_tokens for r in batch)
-        if L + new_max > cfg.max_seq_len:
-            raise ValueError(f"batch {b0 // batch_size}: padded prompt {L} + new {new_max} "
-                             f"exceeds max_seq_len {cfg.max_seq_len}")
+    requests = checked_batches(requests, batch_size, model.cfg)
     stats = Stats(kv_bytes_per_token=kv_bytes_per_token(model, device))
     t0 = time.perf_counter()
     clock = lambda: time.perf_counter() - t0
@@ -112,20 +145,7 @@ def run_static(model: Transformer, requests: list[Request], batch_size: int,
     try:
         for b0 in range(0, len(requests), batch_size):
             batch = requests[b0:b0 + batch_size]
-            rows = [r.sampling or default for r in batch]
-            gens = [s.generator(device) for s in rows]
-            picked: list[float] = []                    # the clock at each step's tokens
-
-            def pick(logits):
-                picked.append(clock())
-                return sample_rows(logits, rows, gens, generator)
-
-            done = run_batch(model, batch, pick, clock)
-            if not isinstance(done, list) or len(done) != len(batch) or \
-                    not all(isinstance(r, Result) for r in done):
-                raise TypeError(f"run_batch returned {done!r} for a batch of {len(batch)} "
-                                f"requests: expected a list of {len(batch)} Results, in order")
-            done = [finished(r, req, picked) for r, req in zip(done, batch)]
+            done = sampled_batch(model, batch, default, generator, clock)
             # decode time: from the first token (the end of the prefill) to the last
             stats.decode_s += max(r.latency_s for r in done) - min(r.ttft_s for r in done)
             account_batch(stats, batch, done, trace, list(range(b0, b0 + len(batch))))

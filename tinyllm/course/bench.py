@@ -1,36 +1,38 @@
 """Steps 03-08 - the benchmark: named workloads on named engines, Stats.summary() side by side.
 
-    python -m tinyllm bench --workload longtail --engines static,continuous --batch 16
-    python -m tinyllm bench --engines continuous,paged --batch 16 --paged-slots 64
+    python -m tinyllm bench --workload longtail --engines static,continuous --slots 16
+    python -m tinyllm bench --engines continuous,paged --slots 16 --paged-slots 64
     python -m tinyllm bench --decode-steps          # one decode step: eager, graphed, compiled
     python -m tinyllm bench --decoder compiled --dtype bf16
     python -m tinyllm bench --decode-steps --compile-mode max-autotune --batch-sizes 1,8
     python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
     python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix
 
-Engines: static (03), continuous (04, slots), paged (05: the same continuous engine on a pool
-of blocks, by default the memory of --batch slots, shared by --paged-slots slots), graphs
-(06: continuous with the decode step replayed as CUDA graphs; eager bucketed on a CPU) and
-compiled (06: continuous with the decode step compiled by torch.compile, on any device; its
-compilation happens before the clock starts and is reported apart, as compile_s). A
-continuous engine's name may carry the later steps: +chunked (07: at most --max-step-tokens
+The engine's flags are EngineConfig's (EngineConfig.add_arguments, as `serve`'s), and each
+engine's name parses once into the EngineConfig it runs (engine_config). Engines: static (03,
+batches of --slots requests), continuous (04, --slots slots), paged (05: the same continuous
+engine on a pool of blocks, by default the memory of --slots slots, shared by --paged-slots
+slots), graphs (06: continuous with the decode step replayed as CUDA graphs; eager bucketed on
+a CPU) and compiled (06: continuous with the decode step compiled by torch.compile, on any
+device; its compilation happens before the clock starts and is reported apart, as compile_s).
+A continuous engine's name may carry the later steps: +chunked (07: at most --max-step-tokens
 tokens a step) and +prefix (08, paged: a prefix cache).
-Timing lives here and in the notebooks, never in a test. Besides the summary keys of every engine it
-reports where a decode step's time goes: the model's forward pass against the engine's own
-bookkeeping (admission, sampling, slot moves, Python).
+Timing lives here and in the notebooks, never in a test. Besides the summary keys of every
+engine it reports where a decode step's time goes: the model's forward pass against the
+engine's own bookkeeping (admission, sampling, slot moves, Python).
 """
 
 import argparse
 import json
-import random
+import math
 import time
+from dataclasses import replace
 
 import torch
 
 from tinyllm import cuda_graph
 from tinyllm.checkpoints.checkpoint import resolve
 from tinyllm.compiled import CompiledDecoder
-from tinyllm.config import COMPILE_MODES as MODES
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import compiled_decoder, run_continuous
 from tinyllm.cuda_graph import SlotGraphDecoder
@@ -43,139 +45,157 @@ from tinyllm.workloads import WORKLOADS, workload
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
-
-
 ENGINES = ("static", "continuous", "paged", "graphs", "compiled")
 OPTIONS = ("chunked", "prefix")                         # +chunked (07), +prefix (08)
 DEFAULT_STEP_TOKENS = 64                                # a +chunked engine's budget by default
 
 
-def engine_settings(engine: str, max_step_tokens: int | None = None, prefix_cache: bool = False,
-                    budget_for_all: bool = False, decoder: str = "eager",
-                    compile_mode: str = "default") -> tuple[str, dict]:
-    """An engine's name -> its base engine and its ContinuousEngine settings from steps 06-08:
-    'continuous+chunked' -> ('continuous', {'max_step_tokens': 64}). max_step_tokens (the
-    command's flag) is the budget of a +chunked engine, and of every continuous engine when
-    budget_for_all (no +chunked engine was named); prefix_cache gives every paged engine a
-    prefix cache; decoder (eager, graphs, compiled) is the decode step of the continuous
-    engines, which the graphs and compiled engines name themselves, compile_mode the compiled
-    decoder's mode (default, max-autotune)."""
-    base, *opts = engine.split("+")
+def engine_name(name: str) -> tuple[str, list[str]]:
+    """An engine's name -> its base engine and its options: 'paged+prefix' -> ('paged',
+    ['prefix']). Raises ValueError saying what is wrong with the name."""
+    base, *opts = name.split("+")
     if base not in ENGINES or any(o not in OPTIONS for o in opts):
-        raise ValueError(f"unknown engine {engine!r}: {', '.join(ENGINES)}, the continuous "
+        raise ValueError(f"unknown engine {name!r}: {', '.join(ENGINES)}, the continuous "
                          f"ones with +chunked and (paged) +prefix, e.g. paged+prefix")
     if opts and base == "static":
-        raise ValueError(f"{engine}: static batching has no token budget and no prefix cache")
+        raise ValueError(f"{name}: static batching has no token budget and no prefix cache")
     if "prefix" in opts and base != "paged":
-        raise ValueError(f"{engine}: a prefix cache shares blocks: use paged+prefix")
-    kw = {}
-    if "chunked" in opts or (base != "static" and budget_for_all and max_step_tokens is not None):
-        kw["max_step_tokens"] = max_step_tokens or DEFAULT_STEP_TOKENS
-    if base == "paged" and (prefix_cache or "prefix" in opts):
-        kw["prefix_cache"] = True
-    if base in ("graphs", "compiled") or (base == "continuous" and decoder != "eager"):
-        kw["decoder"] = decoder if base == "continuous" else base
-    if kw.get("decoder") == "compiled" and compile_mode != "default":
-        kw["compile_mode"] = compile_mode
-    return base, kw
+        raise ValueError(f"{name}: a prefix cache shares blocks: use paged+prefix")
+    return base, opts
 
 
-def run(model, tok, workload_name: str, engine: str, batch: int, n: int = 64, seed: int = 0,
-        progress=None, paged_slots: int | None = None, block_size: int = 16,
-        kv_blocks: int | None = None, max_step_tokens: int | None = None,
-        prefix_cache: bool = False, budget_for_all: bool = False, decoder: str = "eager",
-        compile_mode: str = "default") -> dict:
-    """One benchmark run -> its Stats.summary(). batch: static's batch size, the slots of the
-    continuous engines; the paged engine gets paged_slots slots (default: batch) and kv_blocks
-    blocks of block_size (default: the memory of `batch` slots). The KV cache is sized to the
-    workload: max_len is its longest request. engine may carry +chunked and +prefix, decoder
-    is the continuous engines' decode step, compile_mode a compiled one's mode
-    (engine_settings). A compiled decoder compiles every bucket before the clock starts: the
-    summary's compile_s."""
-    base, kw = engine_settings(engine, max_step_tokens, prefix_cache, budget_for_all, decoder,
-                               compile_mode)
-    reqs, arrivals = workload(workload_name, tok, n, seed)
+def engine_config(name: str, args, max_len: int | None = None,
+                  budget_for_all: bool = True) -> tuple[str, EngineConfig]:
+    """An engine's name and the command's flags (args, from parser()) -> its base engine and
+    the EngineConfig it runs: the flags' config (EngineConfig.from_args) with the name's
+    changes, e.g. 'paged+prefix' -> ('paged', kv='paged', prefix_cache=True, ...).
+
+    - every engine: max_len (the workload's longest request);
+    - +chunked: a budget of --max-step-tokens, or DEFAULT_STEP_TOKENS; with budget_for_all (no
+      +chunked engine named), --max-step-tokens is every continuous engine's budget;
+    - paged: --paged-slots slots (default: --slots) on a pool of --kv-blocks blocks (default:
+      the memory of --slots slots of max_len); +prefix or --prefix-cache: a prefix cache;
+    - graphs and compiled: that decoder; continuous: --decoder; compiled: --compile-mode;
+    - static: batches of --slots requests; its config holds n_slots alone.
+    The flags name settings of several engines at once (--prefix-cache the paged ones',
+    --compile-mode the compiled ones'), so each name sets every field that it decides.
+    Raises ValueError naming a bad name or setting."""
+    base, opts = engine_name(name)
     if base == "static":
+        return base, EngineConfig(args.n_slots)
+    decoder = {"continuous": args.decoder, "graphs": "graphs", "compiled": "compiled"}.get(
+        base, "eager")                                  # paged keeps the eager step
+    chunked = "chunked" in opts or (budget_for_all and args.max_step_tokens is not None)
+    budget = (args.max_step_tokens or DEFAULT_STEP_TOKENS) if chunked else None
+    changes = dict(max_len=max_len, kv="slots", prefix_cache=False, decoder=decoder,
+                   max_step_tokens=budget,
+                   compile_mode=args.compile_mode if decoder == "compiled" else "default")
+    if base == "paged":
+        pool = args.kv_blocks or (max_len and args.n_slots * math.ceil(max_len / args.block_size))
+        changes.update(kv="paged", n_slots=args.paged_slots or args.n_slots, kv_blocks=pool,
+                       prefix_cache=args.prefix_cache or "prefix" in opts)
+    return base, EngineConfig.from_args(args, **changes)
+
+
+def engine_configs(names: list[str], args,
+                   max_len: int | None = None) -> dict[str, tuple[str, EngineConfig]]:
+    """Each engine's name -> engine_config's (base engine, config); --max-step-tokens is every
+    continuous engine's budget when no +chunked engine is named."""
+    budget_for_all = not any("+chunked" in name for name in names)
+    return {name: engine_config(name, args, max_len, budget_for_all) for name in names}
+
+
+def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed: int = 0,
+        progress=None, static: bool = False) -> dict:
+    """One benchmark run of the workload's n requests (fixed by seed) -> its Stats.summary():
+    static batching (03) of config.n_slots requests at a time when static, else the
+    continuous engine of config (engine_config's), whose max_len, where it is None, is the
+    workload's longest request. A compiled decoder compiles every bucket before the clock
+    starts: the summary's compile_s. progress: a tqdm bar, told of finished requests."""
+    reqs, arrivals = workload(workload_name, tok, n, seed)
+    if static:
         if any(arrivals):
             raise ValueError(f"static batching is offline: it cannot take the {workload_name} "
                              f"workload, whose requests arrive over time")
-        return run_static(model, reqs, batch, progress=progress)[1]
-    slots, max_len = batch, longest(reqs)
-    kw["max_len"] = max_len
-    if base == "paged":
-        slots = paged_slots or batch
-        kw.update(kv="paged", block_size=block_size,
-                  kv_blocks=kv_blocks or batch * -(-max_len // block_size))
-    if kw.get("decoder") != "compiled":
-        return run_continuous(model, reqs, slots, arrivals, progress=progress, **kw)[1]
-    kw["decoder"] = decoder = compiled_decoder(model, EngineConfig(slots, **kw))
-    summary = run_continuous(model, reqs, slots, arrivals, progress=progress, **kw)[1]
+        return run_static(model, reqs, config.n_slots, progress=progress)[1]
+    if config.max_len is None:
+        config = replace(config, max_len=longest(reqs))
+    if config.decoder != "compiled":
+        return run_continuous(model, reqs, config, arrivals, progress=progress)[1]
+    decoder = compiled_decoder(model, config)
+    summary = run_continuous(model, reqs, config, arrivals, progress=progress, decoder=decoder)[1]
     return {**summary, "compile_s": sum(decoder.compile_s.values())}
 
 
+def _median_step_ms(step, slots: SlotKVCache, iters: int, sync) -> float:
+    """The median of iters decode steps of every live slot, in ms (a median shrugs off a step
+    the OS interrupted), after 3 untimed ones. Each step is planned as the engine plans it,
+    then rolled back, so every step sees the same context."""
+    busy = slots.live_slots()
+
+    def one_step():
+        slots.plan_step(busy, [1] * len(busy))
+        step()
+        for s in busy:
+            slots.rollback(s, 1)
+
+    for _ in range(3):
+        one_step()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        one_step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def _decode_step_row(model: Transformer, B: int, context: int, max_len: int, iters: int,
+                     compiled: bool, compile_mode: str) -> dict:
+    """decode_step_times' row of batch size B: its slots of max_len positions, each holding
+    `context` tokens, stepped by each decoder."""
+    cfg, device = model.cfg, next(model.parameters()).device
+    dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    slots = SlotKVCache(cfg.n_layers, B, cfg.n_kv_heads, cfg.head_dim, max_len, dtype, device)
+    decoder = SlotGraphDecoder(model, slots)                # captures while the slots are idle
+    if compiled:                            # compiles the one bucket the steps use, timed apart
+        fast = CompiledDecoder(model, slots, mode=compile_mode)
+        compile_s = fast.warm_up([cuda_graph.choose_bucket(fast.buckets, context + 1)])
+    for s in range(B):                      # every slot holds `context` tokens (their values
+        slots.admit(s, context)             # do not change the time)
+        slots.lens[s] = context
+    tokens = torch.ones(B, 1, dtype=torch.long, device=device)
+
+    def eager():
+        with autocast_for(device):
+            model(tokens, cache=slots)
+
+    timed = lambda step: _median_step_ms(step, slots, iters, sync)
+    row = {"batch": B, "eager_ms": timed(eager),
+           "graphed_ms" if decoder.capture else "bucketed_ms": timed(lambda: decoder.step(tokens))}
+    if compiled:
+        row["compiled_ms"] = timed(lambda: fast.step(tokens))
+        row["compile_s"] = sum(compile_s.values())
+    return row
+
+
 @torch.no_grad()
-def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 100,
-                      iters: int = 20, compiled: bool = True,
+def decode_step_times(model: Transformer, batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+                      context: int = 100, iters: int = 20, compiled: bool = True,
                       compile_mode: str = "default") -> list[dict]:
     """Milliseconds per decode step (median) of `batch` slots all holding `context` tokens: the
     plain eager step, the graph decoder's step (replayed graphs on CUDA, `graphed_ms`; its eager
     bucketed step elsewhere, `bucketed_ms`) and, when compiled, the compiled decoder's step
     (`compiled_ms`, in compile_mode), whose first step's seconds, compilation included, are
     `compile_s`."""
-    device = next(model.parameters()).device
-    cfg = model.cfg
-    dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-    def timed(fn, slots) -> float:
-        """The median of iters steps, in ms (a median shrugs off a step the OS interrupted).
-        Each step is planned as the engine plans it, then rolled back, so every step sees
-        the same context."""
-        busy = slots.live_slots()
-
-        def one_step():
-            slots.plan_step(busy, [1] * len(busy))
-            fn()
-            for s in busy:
-                slots.rollback(s, 1)
-
-        for _ in range(3):
-            one_step()
-        sync()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            one_step()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2] * 1e3
-
     # the KV cache fits the work: each slot holds the bucket the steps run at (128 for 100 tokens)
-    max_len = cuda_graph.choose_bucket(cuda_graph.default_buckets(cfg.max_seq_len),
-                                       context + 1) or cfg.max_seq_len
-    rows = []
-    for B in batch_sizes:
-        slots = SlotKVCache(cfg.n_layers, B, cfg.n_kv_heads, cfg.head_dim, max_len, dtype, device)
-        decoder = SlotGraphDecoder(model, slots)                # captures while the slots are idle
-        if compiled:                        # compiles the one bucket the steps use, timed apart
-            fast = CompiledDecoder(model, slots, mode=compile_mode)
-            compile_s = fast.warm_up([cuda_graph.choose_bucket(fast.buckets, context + 1)])
-        for s in range(B):                  # every slot holds `context` tokens (their values
-            slots.admit(s, context)         # do not change the time)
-            slots.lens[s] = context
-        tokens = torch.ones(B, 1, dtype=torch.long, device=device)
-
-        def eager():
-            with autocast_for(device):
-                model(tokens, cache=slots)
-
-        row = {"batch": B, "eager_ms": timed(eager, slots),
-               "bucketed_ms" if not decoder.capture else "graphed_ms": timed(lambda: decoder.step(tokens), slots)}
-        if compiled:
-            row["compiled_ms"] = timed(lambda: fast.step(tokens), slots)
-            row["compile_s"] = sum(compile_s.values())
-        rows.append(row)
-    return rows
+    max_seq_len = model.cfg.max_seq_len
+    max_len = cuda_graph.choose_bucket(cuda_graph.default_buckets(max_seq_len),
+                                       context + 1) or max_seq_len
+    return [_decode_step_row(model, B, context, max_len, iters, compiled, compile_mode)
+            for B in batch_sizes]
 
 
 def _bar(total: int, desc: str, quiet: bool):
@@ -216,21 +236,20 @@ def decode_steps_table(rows: list[dict]) -> str:
 
 
 def table(runs: dict[str, dict]) -> str:
-    """The summaries side by side, one row per key."""
+    """The summaries side by side, one row per key of any of them ('-' where a run has none,
+    as compile_s beside an engine that compiles nothing)."""
     names = list(runs)
     w = [max(14, len(n) + 2) for n in names]
     lines = [f"{'':22}" + "".join(f"{n:>{k}}" for n, k in zip(names, w))]
-    for key in runs[names[0]]:
-        cells = [runs[n][key] for n in names]
+    for key in dict.fromkeys(k for summary in runs.values() for k in summary):
+        cells = [runs[n].get(key, "-") for n in names]
         lines.append(f"{key:22}" + "".join(
             f"{c:>{k}.3f}" if isinstance(c, float) else f"{str(c):>{k}}" for c, k in zip(cells, w)))
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m tinyllm bench", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="""\
+# ---- the command line --------------------------------------------------------------------------
+DESCRIPTION = f"""\
 Compare serving engines on a named workload: every engine serves the same requests, and their
 Stats.summary() are printed side by side (--json for a machine).
 
@@ -248,138 +267,167 @@ workloads (--requests of them, fixed by --seed):
   chat        a few dozen English questions in the model's chat template, greedy, each
               ended by the model's EOS (at most 128 tokens); with --peers on a real model
 
-engines (--engines, comma-separated):
-  static      step 03: a batch of --batch requests runs until its longest one ends
-  continuous  step 04: requests join and leave --batch slots at every decode step
-  paged       step 05: continuous on a pool of blocks (--block-size, --kv-blocks) shared
-              by --paged-slots slots
+engines (--engines, comma-separated), each with its KV cache sized to the workload's longest
+request:
+  static      step 03: a batch of --slots requests runs until its longest one ends
+  continuous  step 04: requests join and leave --slots slots at every decode step; its decode
+              step is --decoder's
+  paged       step 05: continuous on a pool of --kv-blocks blocks of --block-size (default:
+              the memory of --slots slots) shared by --paged-slots slots
   graphs      step 06: continuous with the decode step replayed as CUDA graphs (their
               eager bucketed twin on a CPU)
   compiled    step 06: continuous with the decode step compiled by torch.compile, one shape
-              per bucket (any device); compiled before the clock starts: compile_s
-  +chunked    step 07, after a continuous engine's name: at most --max-step-tokens tokens a
-              step (default %d), decodes first, prompts in chunks
-  +prefix     step 08, after paged: requests share the blocks of a common prefix""" % DEFAULT_STEP_TOKENS,
-        epilog="""\
+              per bucket (any device), in --compile-mode; compiled before the clock starts:
+              compile_s
+  +chunked    step 07, after a continuous engine's name: at most --max-step-tokens tokens
+              a step (default {DEFAULT_STEP_TOKENS}), decodes first, prompts in chunks;
+              with no +chunked engine named, every continuous engine has that budget
+  +prefix     step 08, after paged: requests share the blocks of a common prefix, as every
+              paged engine does with --prefix-cache"""
+
+EPILOG = """\
 examples:
-  python -m tinyllm bench --workload eos --engines static,continuous --batch 8 --requests 32
-  python -m tinyllm bench --engines continuous,paged --batch 16 --paged-slots 64
+  python -m tinyllm bench --workload eos --engines static,continuous --slots 8 --requests 32
+  python -m tinyllm bench --engines continuous,paged --slots 16 --paged-slots 64
   python -m tinyllm bench --decode-steps
   python -m tinyllm bench --decoder compiled --dtype bf16
   python -m tinyllm bench --decode-steps --compile-mode max-autotune --batch-sizes 1,8
   python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
-  python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix""")
+  python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix"""
+
+
+def batch_sizes(text: str) -> list[int]:
+    """--batch-sizes' value: '1,2,4' -> [1, 2, 4]."""
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"numbers separated by commas, got {text!r}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's parser: the benchmark's flags, then the engine's (EngineConfig's, as
+    `serve` has them, but --kv: the engine names pick the cache). Flags are named in full:
+    --batch is not --batch-sizes."""
+    ap = argparse.ArgumentParser(prog="python -m tinyllm bench", description=DESCRIPTION,
+                                 epilog=EPILOG, allow_abbrev=False,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     default = " (default: %(default)s)"
     ap.add_argument("--workload", default="longtail", choices=WORKLOADS,
                     metavar="NAME", help="the requests to serve, see above" + default)
     ap.add_argument("--engines", default="static,continuous", metavar="NAMES",
                     help=", ".join(ENGINES) + " (+chunked, +prefix), comma-separated" + default)
-    ap.add_argument("--batch", type=int, default=16, metavar="N",
-                    help="static's batch size, the continuous engines' slots" + default)
     ap.add_argument("--paged-slots", type=int, default=None, metavar="N",
-                    help="the paged engine's slots (default: --batch)")
-    ap.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block" + default)
-    ap.add_argument("--kv-blocks", type=int, default=None, metavar="N",
-                    help="the paged engine's pool of blocks (default: the KV memory of --batch slots)")
-    ap.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
-                    help="the +chunked engines compute at most N tokens a step (step 07; "
-                         "default %d); with no +chunked engine named, every continuous engine "
-                         "does" % DEFAULT_STEP_TOKENS)
-    ap.add_argument("--prefix-cache", action="store_true",
-                    help="every paged engine shares the blocks of common prefixes (step 08)")
+                    help="the paged engines' slots (default: --slots)")
     ap.add_argument("--peers", action="store_true",
-                    help="tinyllm's engines (eager, compiled, compiled bf16) against transformers' "
-                         "(and llama.cpp's on a .gguf) on the same weights, and stop")
+                    help="tinyllm's engines (eager, compiled, compiled bf16) against "
+                         "transformers' (and llama.cpp's on a .gguf) on the same weights, "
+                         "batches or slots of --slots, and stop")
     ap.add_argument("--decode-steps", action="store_true",
                     help="time one decode step per batch size: eager, graphed (bucketed on a "
                          "CPU) and compiled, and stop")
-    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", metavar="N,N",
+    ap.add_argument("--batch-sizes", type=batch_sizes, default="1,2,4,8,16,32,64", metavar="N,N",
                     help="--decode-steps' batch sizes (each costs a compilation)" + default)
-    ap.add_argument("--decoder", default="eager", choices=("eager", "graphs", "compiled"),
-                    help="the decode step of the continuous engines on slots" + default)
-    ap.add_argument("--compile-mode", default="default", choices=MODES,
-                    help="the compiled decoder's mode: max-autotune freezes the weights and "
-                         "generates GEMM kernels for the step's batch, a faster step for a "
-                         "longer compilation" + default)
     ap.add_argument("--dtype", default=None, choices=tuple(DTYPES),
                     help="the weights' and KV cache's dtype (default: float32 on a CPU, bf16 on "
                          "a GPU that has it); bf16 is faster on CPUs that compute in it "
                          "(avx512_bf16, AMX) and matches float32 up to near-ties")
-    ap.add_argument("--requests", type=int, default=64, metavar="N", help="how many requests" + default)
-    ap.add_argument("--seed", type=int, default=0, metavar="N", help="the workload's seed" + default)
+    ap.add_argument("--requests", type=int, default=64, metavar="N",
+                    help="how many requests" + default)
+    ap.add_argument("--seed", type=int, default=0, metavar="N",
+                    help="the workload's seed" + default)
     ap.add_argument("--model", default="default", metavar="DIR",
-                    help="a checkpoint directory (runs/shakespeare), a .gguf file, or smollm2 (fetched "
-                         "once) (default: the bundled model)")
+                    help="a checkpoint directory (runs/shakespeare), a .gguf file, or smollm2 "
+                         "(fetched once) (default: the bundled model)")
     ap.add_argument("--device", default=None,
                     help="cpu, cuda, cuda:1, ... (default: cuda when there is one, else cpu)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = ap.parse_args(argv)
+    EngineConfig.add_arguments(ap, kv=False)
+    return ap
 
+
+def where(model) -> str:
+    """The model's dtype and device, and the threads torch computes with."""
+    p = next(model.parameters())
+    return f"{p.dtype} on {p.device} ({torch.get_num_threads()} threads)"
+
+
+def compare_peers(args, model, tok) -> None:
+    """--peers: tinyllm's engines against transformers' (and llama.cpp's) on the workload."""
     import tinyllm
-    model, tok = tinyllm.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype))
-    device = next(model.parameters()).device
-    if args.peers:
-        from tinyllm.course import peers
-        path = resolve(args.model)
-        peer = peers.peer_model(path, device, next(model.parameters()).dtype)
-        reqs, _ = workload(args.workload, tok, args.requests, args.seed)
-        low = None if next(model.parameters()).dtype != torch.float32 else \
-            tinyllm.load(args.model, device=device, dtype=torch.bfloat16)[0]
-        rows = peers.compare(model, peer, reqs, args.batch,
-                             gguf=path if path.suffix == ".gguf" else None, bf16_model=low,
-                             compile_mode=args.compile_mode)
-        if args.json:
-            print(json.dumps({"workload": args.workload, "device": str(device), "rows": rows}, indent=2))
-            return
-        print(f"workload {args.workload}: {args.requests} requests, batch/slots {args.batch}, "
-              f"{path.name} on {device} ({torch.get_num_threads()} threads), compiled rows in "
-              f"compile mode {args.compile_mode}\n")
-        print(peers.table(rows))
-        print("\n== solo: requests whose tokens equal tinyllm's solo generate(); KV MiB: the KV "
-              "cache tinyllm reserved, sized to the workload")
+    from tinyllm.course import peers
+    path, p = resolve(args.model), next(model.parameters())
+    peer = peers.peer_model(path, p.device, p.dtype)
+    reqs, _ = workload(args.workload, tok, args.requests, args.seed)
+    low = None if p.dtype != torch.float32 else \
+        tinyllm.load(args.model, device=p.device, dtype=torch.bfloat16)[0]
+    rows = peers.compare(model, peer, reqs, args.n_slots,
+                         gguf=path if path.suffix == ".gguf" else None, bf16_model=low,
+                         compile_mode=args.compile_mode)
+    if args.json:
+        print(json.dumps({"workload": args.workload, "device": str(p.device), "rows": rows},
+                         indent=2))
         return
-    if args.decode_steps:
-        try:
-            sizes = [int(n) for n in args.batch_sizes.split(",")]
-        except ValueError:
-            ap.error(f"--batch-sizes takes numbers separated by commas, got {args.batch_sizes!r}")
-        rows = decode_step_times(model, sizes, compile_mode=args.compile_mode)
-        if args.json:
-            print(json.dumps({"device": str(device), "context": 100, "rows": rows}, indent=2))
-            return
-        print(f"one decode step, every slot holding 100 tokens, {next(model.parameters()).dtype} "
-              f"on {device} ({torch.get_num_threads()} threads), compile mode "
-              f"{args.compile_mode}, ms per step\n")
-        print(decode_steps_table(rows))
-        if "graphed_ms" not in rows[0]:
-            print("\nno CUDA here: bucketed is the graph decoder's eager bucketed step")
-        print("compile_s: the first compiled step, compilation included; repaid after: the steps "
-              "the compiled step must save it")
+    print(f"workload {args.workload}: {args.requests} requests, batch/slots {args.n_slots}, "
+          f"{path.name} on {p.device} ({torch.get_num_threads()} threads), compiled rows in "
+          f"compile mode {args.compile_mode}\n")
+    print(peers.table(rows))
+    print("\n== solo: requests whose tokens equal tinyllm's solo generate(); KV MiB: the KV "
+          "cache tinyllm reserved, sized to the workload")
+
+
+def time_decode_steps(args, model) -> None:
+    """--decode-steps: one decode step's time per batch size, eager, graphed and compiled."""
+    rows = decode_step_times(model, args.batch_sizes, compile_mode=args.compile_mode)
+    if args.json:
+        device = str(next(model.parameters()).device)
+        print(json.dumps({"device": device, "context": 100, "rows": rows}, indent=2))
         return
-    names = args.engines.split(",")
-    budget_for_all = not any("+chunked" in name for name in names)
-    for name in names:                                  # refuse a bad name before any run
-        try:
-            engine_settings(name, args.max_step_tokens, args.prefix_cache, budget_for_all,
-                            args.decoder, args.compile_mode)
-        except ValueError as e:
-            ap.error(str(e))
+    print(f"one decode step, every slot holding 100 tokens, {where(model)}, compile mode "
+          f"{args.compile_mode}, ms per step\n")
+    print(decode_steps_table(rows))
+    if "graphed_ms" not in rows[0]:
+        print("\nno CUDA here: bucketed is the graph decoder's eager bucketed step")
+    print("compile_s: the first compiled step, compilation included; repaid after: the steps "
+          "the compiled step must save it")
+
+
+def compare_engines(ap, args, model, tok) -> None:
+    """--engines: each engine, its config parsed from its name and the flags, on the same
+    requests; their summaries side by side. A bad name is refused before any run."""
+    reqs, _ = workload(args.workload, tok, args.requests, args.seed)
+    try:
+        engines = engine_configs(args.engines.split(","), args, max_len=longest(reqs))
+    except ValueError as e:
+        ap.error(str(e))
     warm_up(model)
     runs = {}
-    for name in names:
+    for name, (base, config) in engines.items():
         bar = _bar(args.requests, name, quiet=args.json)
-        runs[name] = run(model, tok, args.workload, name, args.batch, args.requests, args.seed, bar,
-                         args.paged_slots, args.block_size, args.kv_blocks,
-                         args.max_step_tokens, args.prefix_cache, budget_for_all, args.decoder,
-                         args.compile_mode)
+        runs[name] = run(model, tok, args.workload, config, args.requests, args.seed, bar,
+                         static=base == "static")
         if bar is not None:
             bar.close()
+    device = next(model.parameters()).device
     if args.json:
-        print(json.dumps({"workload": args.workload, "batch": args.batch, "requests": args.requests,
-                          "device": str(device), "torch_threads": torch.get_num_threads(),
-                          "runs": runs}, indent=2))
+        print(json.dumps({"workload": args.workload, "slots": args.n_slots,
+                          "requests": args.requests, "device": str(device),
+                          "torch_threads": torch.get_num_threads(), "runs": runs}, indent=2))
         return
-    print(f"workload {args.workload}: {args.requests} requests, batch/slots {args.batch}, "
+    print(f"workload {args.workload}: {args.requests} requests, batch/slots {args.n_slots}, "
           f"{device} ({torch.get_num_threads()} threads)\n")
     print(table(runs))
     print("\ndecode_overhead: the share of a decode step spent outside the model's forward pass")
+
+
+def main(argv=None) -> None:
+    """python -m tinyllm bench: the engines on a workload, or --peers, or --decode-steps."""
+    ap = parser()
+    args = ap.parse_args(argv)
+    import tinyllm
+    model, tok = tinyllm.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype))
+    if args.peers:
+        compare_peers(args, model, tok)
+    elif args.decode_steps:
+        time_decode_steps(args, model)
+    else:
+        compare_engines(ap, args, model, tok)

@@ -1,8 +1,8 @@
 """Step 09 - the peers: one workload through tinyllm's engines and through transformers.
 
     python -m tinyllm bench --peers                     # the bundled model, longtail workload
-    python -m tinyllm bench --peers --model DIR --workload eos --batch 8
-    python -m tinyllm bench --peers --model model.gguf --workload chat --batch 8
+    python -m tinyllm bench --peers --model DIR --workload eos --slots 8
+    python -m tinyllm bench --peers --model model.gguf --workload chat --slots 8
 
 tinyllm runs its solo generate(), static batching, continuous batching on slots (the eager
 decode step and, with compiled, the compiled one of step 06: compiled before the clock
@@ -22,14 +22,15 @@ import contextlib
 import functools
 import importlib.util
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from tinyllm.checkpoints.gguf_file import reader_class
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import compiled_decoder, run_continuous
 from tinyllm.generate import generate
-from tinyllm.checkpoints.gguf_file import reader_class
 from tinyllm.requests import Request, eos_ids, is_done, is_eos, longest
 from tinyllm.static import run_static
 
@@ -80,13 +81,15 @@ def hf_static(peer, reqs: list[Request], batch: int, pad_id: int) -> list[list[i
     for b0 in range(0, len(reqs), batch):
         group = reqs[b0:b0 + batch]
         L = max(len(r.prompt) for r in group)
-        ids = torch.tensor([[pad_id] * (L - len(r.prompt)) + r.prompt for r in group], device=device)
+        ids = torch.tensor([[pad_id] * (L - len(r.prompt)) + r.prompt for r in group],
+                           device=device)
         mask = torch.tensor([[0] * (L - len(r.prompt)) + [1] * len(r.prompt) for r in group],
                             device=device)
         eos = {eos_ids(r.eos_id) for r in group}
         if len(eos) > 1:                # generate() stops every row at the same EOS ids
-            raise ValueError(f"requests {b0}..{b0 + len(group) - 1} of one batch end at different "
-                             f"EOS ids {sorted(map(sorted, eos))}: generate() takes one set per batch")
+            raise ValueError(f"requests {b0}..{b0 + len(group) - 1} of one batch end at "
+                             f"different EOS ids {sorted(map(sorted, eos))}: generate() takes "
+                             f"one set per batch")
         eos = sorted(eos.pop())
         gen = peer.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id,
                             max_new_tokens=max(r.max_new_tokens for r in group),
@@ -128,18 +131,13 @@ def hf_continuous(peer, reqs: list[Request], max_requests: int, block_size: int 
 _quiet = None       # llama.cpp's log callback, kept alive while llama.cpp may call it
 
 
-def llamacpp_batched(gguf: str | Path, reqs: list[Request], batch: int) -> list[list[int]]:
-    """llama.cpp (llama-cpp-python's bindings to its C API) on a GGUF file, greedy, `batch`
-    requests at a time, batched as llama.cpp's server batches: every prompt of the group in one
-    decode call (a sequence id each, logits only at each prompt's end), then one decode call per
-    step with the next token of every sequence still running. A finished sequence stops; the
-    group's KV cache is cleared for the next. llama.cpp computes with the file's quantized
-    weights as they are, so its tokens can differ from tinyllm's de-quantized float32 ones."""
+def _llamacpp_open(gguf: str | Path, reqs: list[Request], batch: int):
+    """llama.cpp's bindings, its model of the file, a context for `batch` sequences that holds
+    the longest request, and a llama_batch as large as the largest group's prompts."""
     global _quiet
     import ctypes
 
     import llama_cpp as L
-    import numpy as np
     if _quiet is None:
         _quiet = L.llama_log_callback(lambda level, text, data: None)
         L.llama_log_set(_quiet, ctypes.c_void_p(0))
@@ -147,15 +145,48 @@ def llamacpp_batched(gguf: str | Path, reqs: list[Request], batch: int) -> list[
     model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
     if not model:
         raise ValueError(f"{gguf}: llama.cpp could not load it")
-    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-    n_prompt = max(sum(len(r.prompt) for r in reqs[b:b + batch]) for b in range(0, len(reqs), batch))
+    n_prompt = max(sum(len(r.prompt) for r in reqs[b:b + batch])
+                   for b in range(0, len(reqs), batch))
     params = L.llama_context_default_params()
     params.n_ctx = batch * (-(-longest(reqs) // 256) * 256)   # each sequence gets n_ctx / n_seq_max
     params.n_batch = params.n_ubatch = max(n_prompt, batch)
     params.n_seq_max = batch
     params.n_threads = params.n_threads_batch = torch.get_num_threads()
     ctx = L.llama_init_from_model(model, params)
-    lbatch = L.llama_batch_init(params.n_batch, 0, batch)
+    return L, model, ctx, L.llama_batch_init(params.n_batch, 0, batch)
+
+
+def greedy_group(group: list[Request], decode, argmax) -> list[list[int]]:
+    """One group's tokens, greedy, batched as llama.cpp's server batches: every prompt in one
+    decode call (a sequence id each, logits only at each prompt's end), then one call per
+    step with the next token of every sequence still running; a finished sequence stops.
+    decode(entries) runs (token, position, sequence, wants logits) entries; argmax(row) is the
+    best token of the last call's row-th logits."""
+    entries = [(t, i, s, i == len(r.prompt) - 1) for s, r in enumerate(group)
+               for i, t in enumerate(r.prompt)]
+    decode(entries)
+    rows = [n for n, e in enumerate(entries) if e[3]]         # where each prompt ends
+    toks: list[list[int]] = [[] for _ in group]
+    live = list(range(len(group)))
+    while live:
+        for s, row in zip(live, rows):
+            toks[s].append(argmax(row))
+        live = [s for s in live if not is_done(group[s], toks[s])]
+        if live:
+            decode([(toks[s][-1], len(group[s].prompt) + len(toks[s]) - 1, s, True)
+                    for s in live])
+            rows = list(range(len(live)))
+    return toks
+
+
+def llamacpp_batched(gguf: str | Path, reqs: list[Request], batch: int) -> list[list[int]]:
+    """llama.cpp (llama-cpp-python's bindings to its C API) on a GGUF file, greedy, `batch`
+    requests at a time, each group batched as llama.cpp's server batches (greedy_group); the
+    group's KV cache is cleared for the next. llama.cpp computes with the file's quantized
+    weights as they are, so its tokens can differ from tinyllm's de-quantized float32 ones."""
+    import numpy as np
+    L, model, ctx, lbatch = _llamacpp_open(gguf, reqs, batch)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
 
     def decode(entries: list[tuple[int, int, int, bool]]) -> None:
         """One llama_decode of (token, position, sequence, wants logits) entries."""
@@ -167,28 +198,14 @@ def llamacpp_batched(gguf: str | Path, reqs: list[Request], batch: int) -> list[
             raise RuntimeError("llama_decode failed")
 
     def argmax(row: int) -> int:
-        return int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, row), shape=(n_vocab,)).argmax())
+        logits = L.llama_get_logits_ith(ctx, row)
+        return int(np.ctypeslib.as_array(logits, shape=(n_vocab,)).argmax())
 
     out = []
     try:
         for b0 in range(0, len(reqs), batch):
-            group = reqs[b0:b0 + batch]
             L.llama_memory_clear(L.llama_get_memory(ctx), True)
-            entries = [(t, i, s, i == len(r.prompt) - 1) for s, r in enumerate(group)
-                       for i, t in enumerate(r.prompt)]
-            decode(entries)
-            rows = [n for n, e in enumerate(entries) if e[3]]     # where each prompt ends
-            toks: list[list[int]] = [[] for _ in group]
-            live = list(range(len(group)))
-            while live:
-                for s, row in zip(live, rows):
-                    toks[s].append(argmax(row))
-                live = [s for s in live if not is_done(group[s], toks[s])]
-                if live:
-                    decode([(toks[s][-1], len(group[s].prompt) + len(toks[s]) - 1, s, True)
-                            for s in live])
-                    rows = list(range(len(live)))
-            out += toks
+            out += greedy_group(reqs[b0:b0 + batch], decode, argmax)
     finally:
         L.llama_batch_free(lbatch)
         L.llama_free(ctx)
@@ -209,6 +226,64 @@ def same_values(gguf: str | Path, kind: str = "F32") -> Path:
     return dst
 
 
+def _row(reqs: list[Request], toks: list[list[int]], wall: float,
+         solo: list[list[int]]) -> dict:
+    """A row of the table: tokens made, wall time, tokens/s, and the requests agreeing with solo."""
+    n = sum(map(len, toks))
+    return {"requests": len(reqs), "tokens": n, "wall_s": wall, "tok_s": n / wall,
+            "agree": sum(a == b for a, b in zip(toks, solo))}
+
+
+def _timed(fn, reqs: list[Request]) -> tuple[list[list[int]], float]:
+    t0 = time.perf_counter()
+    toks = fn(reqs)
+    return toks, time.perf_counter() - t0
+
+
+def _tinyllm_engines(model, config: EngineConfig, kv_mib: dict) -> dict:
+    """tinyllm's batched engines on config's slots: static (batches of n_slots), continuous
+    on slots and paged; each continuous run's reserved KV MiB goes into kv_mib[kv]."""
+    def continuous(rs, kv="slots"):
+        results, summary = run_continuous(model, rs, replace(config, kv=kv))
+        kv_mib[kv] = summary["kv_reserved_mib"]
+        return [r.tokens for r in results]
+
+    return {"tinyllm static": lambda rs: [r.tokens for r in
+                                          run_static(model, rs, config.n_slots)[0]],
+            "tinyllm continuous": continuous,
+            "tinyllm paged": lambda rs: continuous(rs, kv="paged")}
+
+
+def _compiled_engine(model, config: EngineConfig, compile_mode: str):
+    """The continuous engine with a compiled decoder of config's slots, in compile_mode, its
+    one bucket (the longest request) compiled now, before any clock: (the engine, the
+    compilation's seconds)."""
+    config = replace(config, decoder="compiled", buckets=(config.max_len,),
+                     compile_mode=compile_mode)
+    decoder = compiled_decoder(model, config)
+
+    def engine(rs):
+        return [r.tokens for r in run_continuous(model, rs, config, decoder=decoder)[0]]
+    return engine, sum(decoder.compile_s.values())
+
+
+def _hf_engines(peer, batch: int, pad_id: int, max_len: int) -> dict:
+    """transformers' generate() on static batches and its continuous batching, with a KV cache
+    of `batch` requests of max_len."""
+    return {"hf generate": lambda rs: hf_static(peer, rs, batch, pad_id),
+            "hf continuous": lambda rs: hf_continuous(peer, rs, batch,
+                                                      n_blocks=batch * -(-max_len // 32))}
+
+
+def _llamacpp_engines(gguf: str | Path, batch: int) -> dict:
+    """llama.cpp on the GGUF file's F32 copy (solo and batched) and on the file as it is."""
+    f32 = same_values(gguf)
+    kind = Path(gguf).stem.rsplit(".", 1)[-1]           # SmolLM2-135M-Instruct.Q4_1 -> Q4_1
+    return {"llama.cpp F32 solo": lambda rs: llamacpp_batched(f32, rs, 1),
+            "llama.cpp F32 batched": lambda rs: llamacpp_batched(f32, rs, batch),
+            f"llama.cpp {kind} batched": lambda rs: llamacpp_batched(gguf, rs, batch)}
+
+
 def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0,
             gguf: str | Path | None = None, compiled: bool = True,
             bf16_model=None, compile_mode: str = "default") -> dict[str, dict]:
@@ -216,62 +291,27 @@ def compare(model, peer, reqs: list[Request], batch: int, pad_id: int = 0,
     tokens equal tinyllm's solo generate() (float32). compiled: add the compiled decoder's
     row; bf16_model: the same model in bf16, for a compiled bf16 row. A compiled row compiles
     one bucket, the workload's longest request, before its clock starts (compile_s), in
-    compile_mode (default, max-autotune)."""
+    compile_mode (default, max-autotune). llama.cpp runs a gguf file where it is installed."""
     if any(r.sampling is not None for r in reqs):
         raise ValueError("the peer comparison is greedy: tokens of sampled requests would differ")
     generate(model, reqs[0].prompt, 4)                  # first call: allocator, kernel choice
-    t0 = time.perf_counter()
-    solo = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    wall = time.perf_counter() - t0
-    n = sum(map(len, solo))
-    rows = {"tinyllm solo": {"requests": len(reqs), "tokens": n, "wall_s": wall, "tok_s": n / wall,
-                             "agree": len(reqs)}}
-    max_len = longest(reqs)                             # the KV cache fits the work
-    kv_mib, compile_s, decoders = {}, {}, {}
-
-    def tinyllm_continuous(rs, m=model, **kw):
-        results, summary = run_continuous(m, rs, batch, max_len=max_len, **kw)
-        kv_mib[kw.get("kv", "slots")] = summary["kv_reserved_mib"]
-        return [r.tokens for r in results]
-
-    def compile_for(name, m):
-        """A compiled decoder of `batch` slots, its one bucket compiled now (not timed)."""
-        config = EngineConfig(batch, max_len=max_len, decoder="compiled", buckets=(max_len,),
-                              compile_mode=compile_mode)
-        decoders[name] = compiled_decoder(m, config)
-        compile_s[name] = sum(decoders[name].compile_s.values())
-
-    engines = {
-        "tinyllm static": lambda rs: [r.tokens for r in run_static(model, rs, batch)[0]],
-        "tinyllm continuous": lambda rs: tinyllm_continuous(rs),
-        "tinyllm paged": lambda rs: tinyllm_continuous(rs, kv="paged"),
-        "hf generate": lambda rs: hf_static(peer, rs, batch, pad_id),
-        "hf continuous": lambda rs: hf_continuous(peer, rs, batch,
-                                                  n_blocks=batch * -(-max_len // 32)),
-    }
-    if compiled:
-        compile_for("tinyllm compiled", model)
-        engines["tinyllm compiled"] = lambda rs: tinyllm_continuous(
-            rs, decoder=decoders["tinyllm compiled"])
-    if bf16_model is not None:
-        compile_for("tinyllm compiled bf16", bf16_model)
-        engines["tinyllm compiled bf16"] = lambda rs: tinyllm_continuous(
-            rs, bf16_model, decoder=decoders["tinyllm compiled bf16"])
+    solo, wall = _timed(lambda rs: [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id)
+                                    for r in rs], reqs)
+    rows = {"tinyllm solo": _row(reqs, solo, wall, solo)}
+    config = EngineConfig(batch, max_len=longest(reqs))  # the KV cache fits the work
+    kv_mib, compile_s = {}, {}
+    engines = {**_tinyllm_engines(model, config, kv_mib),
+               **_hf_engines(peer, batch, pad_id, config.max_len)}
+    for name, m in (("tinyllm compiled", model if compiled else None),
+                    ("tinyllm compiled bf16", bf16_model)):
+        if m is not None:
+            engines[name], compile_s[name] = _compiled_engine(m, config, compile_mode)
     if gguf is not None and importlib.util.find_spec("llama_cpp") is not None:
-        f32 = same_values(gguf)
-        kind = Path(gguf).stem.rsplit(".", 1)[-1]       # SmolLM2-135M-Instruct.Q4_1 -> Q4_1
-        engines["llama.cpp F32 solo"] = lambda rs: llamacpp_batched(f32, rs, 1)
-        engines["llama.cpp F32 batched"] = lambda rs: llamacpp_batched(f32, rs, batch)
-        engines[f"llama.cpp {kind} batched"] = lambda rs: llamacpp_batched(gguf, rs, batch)
+        engines.update(_llamacpp_engines(gguf, batch))
     warm = [Request(r.prompt, 4, r.eos_id) for r in reqs[:2]]
     for name, fn in engines.items():
         fn(warm)                                        # first calls: allocator, kernel choice
-        t0 = time.perf_counter()
-        toks = fn(reqs)
-        wall = time.perf_counter() - t0
-        n = sum(map(len, toks))
-        rows[name] = {"requests": len(reqs), "tokens": n, "wall_s": wall, "tok_s": n / wall,
-                      "agree": sum(a == b for a, b in zip(toks, solo))}
+        rows[name] = _row(reqs, *_timed(fn, reqs), solo)
     for name, kind in (("tinyllm continuous", "slots"), ("tinyllm paged", "paged")):
         rows[name]["kv_mib"] = kv_mib[kind]
     for name, seconds in compile_s.items():
