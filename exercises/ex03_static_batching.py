@@ -24,5 +24,6 @@ def run_batch(model: Transformer, batch: list[Request], pick, clock) -> list[Res
     A row whose request has finished keeps computing; its tokens are thrown away.
     pick: logits (B, V) -> tokens (B, 1). clock() -> seconds since the run began: a Result's
     ttft_s is the clock when its first token was picked, latency_s when its last was."""
-    raise NotImplementedError("exercise 03: prefill the batch, then decode all rows until every request is done")
+    raise NotImplementedError("exercise 03: prefill the batch, then decode all rows until every "
+                              "request is done")
 

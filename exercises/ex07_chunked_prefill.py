@@ -5,8 +5,8 @@ Two seams of the reference package, both in `tinyllm.chunked_prefill`:
 - `plan_step` is the scheduler's plan of every step: the decodes first, one token each; then
   whether a newcomer may enter (only if the budget has room for it); then the contexts being
   computed, first come first served, each all it has left or what the budget still holds;
-- `next_chunk` gives the tokens a sequence computes next, from `seq.num_computed_tokens` on, and says
-  whether they end its context: only then does the step sample its next token.
+- `next_chunk` gives the tokens a sequence computes next, from `seq.num_computed_tokens` on, and
+  says whether they end its context: only then does the step sample its next token.
 
 A `Sequence` (tinyllm.requests) holds `rid` (its arrival number), `slot`, `context()` (its
 prompt, and after a preemption the tokens it had made), `context_len()`, `computed` (how many
@@ -17,13 +17,14 @@ plug your functions into `ContinuousEngine(max_step_tokens=N)`, on slots and on 
 small enough to preempt, and compare every request's tokens with solo generate().
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 from tinyllm.requests import Sequence
 
 
 def plan_step(running: list[Sequence], budget: int | None,
-              admit: Callable[[], list[Sequence]]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+              admit: Callable[[], list[Sequence]]
+              ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
     """This step's work within a budget of `budget` tokens (None: no limit).
 
     running: the sequences in slots, in slot order. One with seq.left() == 1 decodes (the
@@ -50,11 +51,11 @@ def plan_step(running: list[Sequence], budget: int | None,
 def next_chunk(seq: Sequence, n: int) -> tuple[list[int], bool]:
     """The n tokens seq computes next, and whether they end its context.
 
-    seq.context() is what its slot must hold before it can sample again: its prompt, and
-    after a preemption the tokens it had made too. Its first seq.num_computed_tokens tokens are in the
-    slot already; the chunk is the n tokens after them. done says whether the chunk reaches
-    the end of the context: only then do the chunk's last logits give the next token. It
-    only reads seq (the engine moves seq.num_computed_tokens after the step).
+    seq.context() is what its slot must hold before it can sample again: its prompt, and after a
+    preemption the tokens it had made too. Its first seq.num_computed_tokens tokens are in the
+    slot already; the chunk is the n tokens after them. done says whether the chunk reaches the
+    end of the context: only then do the chunk's last logits give the next token. It only reads
+    seq (the engine moves seq.num_computed_tokens after the step).
     Example: prompt [5, 6, 7, 8] and tokens made [40, 41] (it was preempted), computed 2:
     next_chunk(seq, 3) -> ([7, 8, 40], False); with computed 5: next_chunk(seq, 1) ->
     ([41], True)."""

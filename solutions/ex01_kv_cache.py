@@ -10,7 +10,7 @@ Check your work with `make check EX=01` (or `check_exercise("01")` in notebook 0
 plug your functions into the engine and compare every token with generation without a cache.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor
 

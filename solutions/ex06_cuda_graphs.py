@@ -23,7 +23,7 @@ compare every request's tokens with solo generate().
 import torch
 from torch import Tensor
 
-from tinyllm import cuda_graph
+from tinyllm.cuda_graph import SlotGraphDecoder
 
 
 def choose_bucket(buckets: list[int], window: int) -> int | None:

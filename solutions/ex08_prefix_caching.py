@@ -26,7 +26,6 @@ enough to evict and preempt, and compare every request's tokens with solo genera
 import hashlib
 from array import array
 
-from tinyllm import prefix_cache
 from tinyllm.prefix_cache import PrefixCache
 
 

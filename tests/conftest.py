@@ -6,6 +6,7 @@ import torch
 import tinyllm
 from tinyllm.model import ModelConfig, Transformer
 
+
 def pytest_addoption(parser):
     parser.addoption("--impl", choices=["solutions", "exercises"], default="solutions",
                      help="exercise tests: run solutions/ (default) or exercises/ (your code)")

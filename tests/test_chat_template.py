@@ -12,9 +12,9 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 import tinyllm
+from tests.conftest import make_tiny
 from tinyllm.checkpoints.checkpoint import DEFAULT, CheckpointError, save
 from tinyllm.checkpoints.tokenizer import Tokenizer
-from tests.conftest import make_tiny
 
 transformers = pytest.importorskip("transformers")
 

@@ -31,9 +31,10 @@ def test_check_exercise_never_raises(capsys):
 def test_near_tie_excuses_only_a_close_second_choice():
     """bf16 paths may part from solo at a near-tie, and only there."""
     import torch
+
+    from tests.conftest import make_tiny
     from tinyllm.course.check import near_tie
     from tinyllm.generate import generate
-    from tests.conftest import make_tiny
     model = make_tiny(seed=4, dtype=torch.float32)
     prompt = [3, 1, 4, 1, 5]
     solo = generate(model, prompt, 8)

@@ -7,10 +7,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tinyllm
+from tests.conftest import make_tiny
 from tinyllm.checkpoints.checkpoint import DEFAULT, CheckpointError, resolve, save
 from tinyllm.checkpoints.tokenizer import Tokenizer
 from tinyllm.checkpoints.train import train_tokenizer
-from tests.conftest import make_tiny
 
 TEXT = ["Ham.\nTo be, or not to be, that is the question.",
         "Oph.\nGood my lord, how does your honour for this many a day?"] * 20

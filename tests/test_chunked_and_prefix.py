@@ -7,14 +7,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
+from tests.test_paged_and_graphs import drive, need_blocks
 from tinyllm import chunked_prefill, prefix_cache
 from tinyllm.chunked_prefill import next_chunk, plan_step
 from tinyllm.engine import ContinuousEngine, EngineConfig, Request, Sampling, Trace, run_continuous
 from tinyllm.paged_kv import BlockAllocator, PagedKVCache
 from tinyllm.prefix_cache import PrefixCache, block_hashes, match_prefix
 from tinyllm.requests import Sequence
-from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
-from tests.test_paged_and_graphs import drive, need_blocks
 
 
 def check_prefix_pool(cache: PagedKVCache) -> None:
@@ -27,7 +27,8 @@ def check_prefix_pool(cache: PagedKVCache) -> None:
     pc = cache.prefix
     held = [b for table in cache.tables for b in table]
     for b in range(cache.n_blocks):
-        assert pc.refs[b] == held.count(b), f"block {b}: count {pc.refs[b]}, held {held.count(b)} times"
+        assert pc.refs[b] == held.count(b), \
+            f"block {b}: count {pc.refs[b]}, held {held.count(b)} times"
     free, evictable = set(cache.allocator.free_list), set(pc.evictable)
     assert len(free) == len(cache.allocator.free_list), "a block is on the free list twice"
     assert free.isdisjoint(evictable) and free.isdisjoint(held) and evictable.isdisjoint(held)
@@ -46,7 +47,7 @@ def budget_kept(trace: Trace, budget: int) -> None:
         assert sum(computed) <= budget, f"step {i} computed {computed}: more than {budget} tokens"
 
 
-# ---- 07: chunked prefill ---------------------------------------------------------------------------
+# ---- 07: chunked prefill -----------------------------------------------------------------------
 
 def seq_left(rid: int, left: int, slot: int) -> Sequence:
     """A Sequence in `slot` with `left` tokens of its context still to compute."""
@@ -73,7 +74,7 @@ def test_next_chunk_samples_only_at_the_end_of_the_context():
     assert next_chunk(seq, 2) == ([10, 11], False)
     seq.num_computed_tokens = 2
     assert next_chunk(seq, 3) == ([12, 13, 14], True)
-    seq.tokens, seq.num_computed_tokens = [20], 5                  # decoding: the token it last sampled
+    seq.tokens, seq.num_computed_tokens = [20], 5  # decoding: the token it last sampled
     assert next_chunk(seq, 1) == ([20], True)
 
 
@@ -89,14 +90,16 @@ def test_chunked_engine_matches_solo_generate_within_the_budget(requests, n_slot
                                       max_step_tokens=budget, trace=trace)
     assert_oracle(requests, results)
     budget_kept(trace, budget)
-    assert summary["prefill_tokens"] == summary["prompt_tokens"] == sum(len(r.prompt) for r in requests)
+    assert summary["prefill_tokens"] == summary["prompt_tokens"] == sum(len(r.prompt)
+                                                                        for r in requests)
 
 
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
 @given(requests=requests_st, n_slots=st.integers(1, 4), block_size=st.sampled_from([1, 3, 8]),
        data=st.data())
-def test_chunked_engine_online_with_preemption_aborts_and_sampling(requests, n_slots, block_size, data):
+def test_chunked_engine_online_with_preemption_aborts_and_sampling(requests, n_slots, block_size,
+                                                                   data):
     """Arrivals between steps, aborts, seeded sampling and a tight pool, so that preempted
     requests are recomputed in chunks too: every finished request equals solo."""
     reqs = [Request(r.prompt, r.max_new_tokens, r.eos_id,
@@ -149,7 +152,7 @@ def test_budget_below_the_slots_is_refused():
         EngineConfig(4, max_step_tokens=0)
 
 
-# ---- 08: prefix caching ----------------------------------------------------------------------------
+# ---- 08: prefix caching ------------------------------------------------------------------------
 
 def test_block_hashes_name_prefixes_not_blocks():
     a = block_hashes([1, 2, 3, 4, 5, 6, 7], 2)
@@ -189,8 +192,8 @@ prefixes_st = st.lists(st.integers(1, V - 1), min_size=0, max_size=40)
 
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
-@given(systems=st.lists(prefixes_st, min_size=1, max_size=3), block_size=st.sampled_from([1, 2, 4, 8]),
-       n_slots=st.integers(1, 5), data=st.data())
+@given(systems=st.lists(prefixes_st, min_size=1, max_size=3),
+       block_size=st.sampled_from([1, 2, 4, 8]), n_slots=st.integers(1, 5), data=st.data())
 def test_prefix_cache_matches_solo_generate(systems, block_size, n_slots, data):
     """Prompts that share system prompts (a few, some empty), arriving between steps, greedy and
     seeded, some aborted, pools from tight to ample, with and without a budget: solo tokens,
@@ -198,7 +201,8 @@ def test_prefix_cache_matches_solo_generate(systems, block_size, n_slots, data):
     reqs = []
     for i in range(data.draw(st.integers(1, 10))):
         system = data.draw(st.sampled_from(systems))
-        question = data.draw(st.lists(st.integers(1, V - 1), min_size=1 if not system else 0, max_size=8))
+        question = data.draw(st.lists(st.integers(1, V - 1), min_size=1 if not system else 0,
+                                      max_size=8))
         reqs.append(Request(system + question, data.draw(st.integers(1, 12)),
                             data.draw(st.sampled_from([None, 3])),
                             data.draw(st.sampled_from([None, Sampling(0.9, 20, None, seed=i)]))))

@@ -8,16 +8,15 @@ import random
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from tinyllm.course.check import divergence, near_tie
+from tests.conftest import make_tiny
+from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
 from tinyllm.compiled import CompiledDecoder
+from tinyllm.course.check import divergence, near_tie
 from tinyllm.engine import ContinuousEngine, Request, run_continuous
 from tinyllm.generate import generate
 from tinyllm.slot_cache import SlotKVCache
 from tinyllm.static import run_static
-from tests.conftest import make_tiny
-from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
 
 BUCKETS = (16,)                   # over slots of 48 positions: above 16 the step runs eagerly
 
@@ -65,11 +64,13 @@ def test_each_bucket_compiles_once_and_is_replayed(compiled):
 def test_compiled_decoder_settings_are_checked(compiled):
     with pytest.raises(ValueError, match="decoder must be one of 'eager', 'graphs', 'compiled'"):
         ContinuousEngine(TINY, 2, decoder="fast")
-    with pytest.raises(ValueError, match="the compiled decoder decodes a slot cache: use kv='slots'"):
+    with pytest.raises(ValueError,
+                       match="the compiled decoder decodes a slot cache: use kv='slots'"):
         ContinuousEngine(TINY, 2, kv="paged", decoder="compiled")
     with pytest.raises(TypeError, match="cuda_graph"):     # one keyword per idea: decoder=
         ContinuousEngine(TINY, 2, cuda_graph=True)
-    with pytest.raises(ValueError, match="compile_mode must be one of 'default', 'max-autotune', got 'fast'"):
+    with pytest.raises(ValueError,
+                       match="compile_mode must be one of 'default', 'max-autotune', got 'fast'"):
         ContinuousEngine(TINY, 2, decoder="compiled", compile_mode="fast")
     with pytest.raises(ValueError, match="compile_mode is the compiled decoder's"):
         ContinuousEngine(TINY, 2, compile_mode="max-autotune")

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 import tinyllm
-from tinyllm.workloads import workload
 from tinyllm.course.check import near_tie
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.engine import ContinuousEngine, Request, run_continuous
 from tinyllm.generate import generate
 from tinyllm.model import gpu_dtype
 from tinyllm.slot_cache import SlotKVCache
+from tinyllm.workloads import workload
 
 pytestmark = pytest.mark.cuda
 

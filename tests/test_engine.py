@@ -9,14 +9,22 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import make_tiny
 from tinyllm.course.check import divergence
-from tinyllm.engine import (ContinuousEngine, EngineConfig, Request, Sampling, Trace,
-                            prefill_padded, run_continuous, run_static)
+from tinyllm.engine import (
+    ContinuousEngine,
+    EngineConfig,
+    Request,
+    Sampling,
+    Trace,
+    prefill_padded,
+    run_continuous,
+    run_static,
+)
 from tinyllm.generate import generate
 from tinyllm.paged_kv import PagedKVCache
-from tinyllm.stats import kv_bytes_per_token
 from tinyllm.sampling import GREEDY_BELOW, is_greedy
-from tests.conftest import make_tiny
+from tinyllm.stats import kv_bytes_per_token
 
 TINY = make_tiny(seed=3)
 V = TINY.cfg.vocab_size
@@ -189,7 +197,8 @@ def test_the_kv_cache_stays_within_its_budget():
     mib = 40 * 4 * per_token / 2**20                    # room for 4 slots of 40 positions
     eng = ContinuousEngine(TINY, 4, kv_mib=mib)
     assert eng.max_len == 40 and eng.cache.reserved_tokens() == 160
-    assert ContinuousEngine(TINY, 4).max_len == TINY.cfg.max_seq_len, "the default budget is ample here"
+    assert ContinuousEngine(TINY, 4).max_len == TINY.cfg.max_seq_len, \
+        "the default budget is ample here"
     paged = ContinuousEngine(TINY, 4, kv="paged", block_size=8, kv_mib=mib)
     assert paged.cache.n_blocks == 20 and paged.max_len == TINY.cfg.max_seq_len
     with pytest.raises(ValueError, match="prompt of 30 tokens \\+ 20 new tokens"):
@@ -199,7 +208,8 @@ def test_the_kv_cache_stays_within_its_budget():
         eng.step()
     assert eng.results[rid].tokens == solo(Request([1, 2, 3], 5))
     for kw in (dict(max_len=41), dict(kv="paged", block_size=8, kv_blocks=21)):
-        with pytest.raises(ValueError, match=r"needs [\d.]+ MiB, over kv_mib=[\d.e-]+ \(160 positions"):
+        with pytest.raises(ValueError,
+                           match=r"needs [\d.]+ MiB, over kv_mib=[\d.e-]+ \(160 positions"):
             ContinuousEngine(TINY, 4, kv_mib=mib, **kw)
     for bad in (0, -1.0, "64", True, float("inf"), float("nan")):    # inf was an OverflowError
         with pytest.raises(ValueError, match="kv_mib must be a finite number of MiB > 0"):
@@ -222,7 +232,8 @@ def test_abort_unknown_or_finished_returns_false():
 
 
 def test_step_of_an_engine_that_never_had_a_request():
-    """step() of a new, idle engine returns no events, as it does once requests have come and gone."""
+    """step() of a new, idle engine returns no events, as it does once requests have come and
+    gone."""
     eng = ContinuousEngine(TINY, 2)
     assert eng.step() == [] and eng.request_counts() == (0, 0)
 
@@ -273,11 +284,13 @@ def assert_refused_without_trace(kind: str, bad_call, exc, words: str) -> None:
     rids = [eng.add_request(good[0])]
     eng.step()
     rids.append(eng.add_request(good[1]))
-    before = (eng.request_counts(), eng.holders(), list(eng.cache.lens), eng.cache.allocated_tokens())
+    before = (eng.request_counts(), eng.holders(), list(eng.cache.lens),
+              eng.cache.allocated_tokens())
     assert before[0] == (1, 1)
     with pytest.raises(exc, match=words):
         bad_call(eng)
-    assert (eng.request_counts(), eng.holders(), list(eng.cache.lens), eng.cache.allocated_tokens()) == before
+    assert (eng.request_counts(), eng.holders(), list(eng.cache.lens),
+            eng.cache.allocated_tokens()) == before
     good.append(Request([9], 6))
     rids.append(eng.add_request(good[2]))
     assert rids == [0, 1, 2], "a refused request takes no id"

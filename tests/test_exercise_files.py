@@ -7,7 +7,8 @@ import inspect
 
 import pytest
 
-from tinyllm.course.check import FUNCTIONS, ROOT, exercise_files, is_untouched, public_functions as defined
+from tinyllm.course.check import FUNCTIONS, ROOT, exercise_files, is_untouched
+from tinyllm.course.check import public_functions as defined
 from tinyllm.course.seams import SEAMS, reference, seam_names
 
 FILES = exercise_files()
@@ -46,8 +47,10 @@ def test_the_exercise_functions_are_the_seams_of_the_table(nn):
     sol = importlib.import_module(f"solutions.{FILES[nn].stem}")
     assert sorted(public_functions(sol)) == sorted(seam_names(nn))
     for name, ref in reference(nn).items():
-        assert inspect.signature(ref) == inspect.signature(getattr(sol, name)), f"{name}: signature differs"
-        assert ref.__doc__ == getattr(sol, name).__doc__, f"{name}: docstring differs from the reference"
+        assert inspect.signature(ref) == inspect.signature(getattr(sol, name)), \
+            f"{name}: signature differs"
+        assert ref.__doc__ == getattr(sol, name).__doc__, \
+            f"{name}: docstring differs from the reference"
 
 
 @pytest.mark.parametrize("nn", sorted(FILES))

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from tests.conftest import make_tiny
 from tinyllm.generate import generate
 from tinyllm.sampling import draw, sample_next
-from tests.conftest import make_tiny
 
 TINY = make_tiny(seed=2)
 LOGITS = torch.randn(4, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -20,7 +20,8 @@ def test_greedy_is_argmax():
 def test_top_k_1_and_tiny_top_p_are_greedy(kw):
     """Cutting to one candidate leaves nothing to chance, at any temperature."""
     for seed in range(5):
-        got = sample_next(LOGITS, temperature=1.7, generator=torch.Generator().manual_seed(seed), **kw)
+        got = sample_next(LOGITS, temperature=1.7, generator=torch.Generator().manual_seed(seed),
+                          **kw)
         assert got.squeeze(-1).tolist() == LOGITS.argmax(-1).tolist()
 
 

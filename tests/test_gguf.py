@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import tinyllm
-from tinyllm.course import peers
 from tinyllm.checkpoints import smollm2
 from tinyllm.checkpoints.checkpoint import DEFAULT, CheckpointError
+from tinyllm.course import peers
 from tinyllm.generate import generate
 
 gguf = pytest.importorskip("gguf")

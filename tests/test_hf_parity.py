@@ -19,12 +19,14 @@ COMMON = dict(vocab_size=2048, hidden_size=64, intermediate_size=160, num_hidden
               rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0)
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
-    "llama-biases": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, rope_theta=500.0)),
+    "llama-biases": ("LlamaConfig", "LlamaForCausalLM", dict(
+        attention_bias=True, rope_theta=500.0)),
     "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
-        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0, tie_word_embeddings=True,
-                                                      use_sliding_window=False)),
+        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 32})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False)),
 }
 PROMPTS = [[0, 41, 441, 259], [0, 362, 12], [0, 267, 615, 31, 5, 9, 77, 1200, 14, 3], [0]]
 EOS = 14

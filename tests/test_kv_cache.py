@@ -4,10 +4,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import make_tiny
 from tinyllm.course.check import divergence
 from tinyllm.generate import generate, generate_uncached
 from tinyllm.kv_cache import KVCache, attention_mask
-from tests.conftest import make_tiny
 
 TINY = make_tiny(seed=1)
 
@@ -29,7 +29,8 @@ def test_cached_generate_equals_uncached(prompt, max_new, seed):
 def test_cached_equals_uncached_when_sampling(prompt, max_new, seed):
     """With the same seeded generator, sampling draws the same tokens with or without cache."""
     kw = dict(temperature=0.8, top_k=40, top_p=0.95)
-    a = generate_uncached(TINY, prompt, max_new, generator=torch.Generator().manual_seed(seed), **kw)
+    a = generate_uncached(TINY, prompt, max_new, generator=torch.Generator().manual_seed(seed),
+                          **kw)
     b = generate(TINY, prompt, max_new, generator=torch.Generator().manual_seed(seed), **kw)
     assert a == b, divergence("sampled run", a, b)
 
@@ -80,7 +81,7 @@ def test_cache_bytes_formula_equals_storage():
     cache = KVCache(TINY.cfg.n_layers, 50)
     with torch.no_grad():
         TINY(torch.zeros(1, 3, dtype=torch.long), cache=cache)
-    per_token = sum(l.self_attn.cache_bytes_per_token(8) for l in TINY.layers)   # float64
+    per_token = sum(layer.self_attn.cache_bytes_per_token(8) for layer in TINY.layers)  # float64
     assert cache.nbytes() == per_token * 50
 
 

@@ -2,6 +2,7 @@
 server: tinyllm's, and `transformers serve` on the same bundled checkpoint (the peer)."""
 
 import asyncio
+import importlib
 import json
 import os
 import shutil
@@ -15,10 +16,10 @@ import httpx
 import numpy as np
 import pytest
 
-from tinyllm.serving import loadgen
+from tests.test_server import Running
 from tinyllm.checkpoints.checkpoint import resolve
 from tinyllm.continuous import ContinuousEngine
-from tests.test_server import Running
+from tinyllm.serving import loadgen
 
 
 def test_percentile_and_summary_count_right():
@@ -50,7 +51,8 @@ def test_loadgen_measures_the_tinyllm_server(served):
     assert all(r.error is None for r in records), [r.error for r in records]
     assert all(r.chunks and 0 < r.tokens <= n for r, (_, n) in zip(records, prompts))
     out = loadgen.summarize(records, duration)
-    assert out["completed"] == 9 and out["ttft_p50_ms"] > 0 and out["e2e_p99_ms"] >= out["e2e_p50_ms"]
+    assert (out["completed"] == 9 and out["ttft_p50_ms"] > 0
+            and out["e2e_p99_ms"] >= out["e2e_p50_ms"])
     records, _ = asyncio.run(loadgen.run_load(served.url, prompts, concurrency=2))
     assert all(r.error is None for r in records)
     assert served.wait_idle() == (0, 0)
@@ -82,7 +84,8 @@ def test_loadgen_measures_transformers_serve_on_the_bundled_checkpoint(tmp_path)
     minute here)."""
     cli = Path(sys.executable).parent / "transformers"
     try:
-        import accelerate, fastapi, uvicorn  # noqa: F401  (transformers[serving])
+        for name in ("accelerate", "fastapi", "uvicorn"):      # transformers[serving]
+            importlib.import_module(name)
     except ImportError as e:
         pytest.skip(f"transformers[serving] is not installed ({e}); the dev extra installs it")
     if not cli.exists() and shutil.which("transformers") is None:
@@ -103,9 +106,11 @@ def test_loadgen_measures_transformers_serve_on_the_bundled_checkpoint(tmp_path)
             except httpx.HTTPError:
                 pass
             assert proc.poll() is None and time.time() - t0 < 180, \
-                f"transformers serve did not come up: {(tmp_path / 'serve.log').read_text()[-2000:]}"
+                ("transformers serve did not come up: "
+                 f"{(tmp_path / 'serve.log').read_text()[-2000:]}")
             time.sleep(1)
-        prompts = [("Ham.\nTo be, or not", 8), ("Rom.\nBut soft", 8), ("Lear.\n", 8), ("Jul.\nO", 8)]
+        prompts = [("Ham.\nTo be, or not", 8), ("Rom.\nBut soft", 8), ("Lear.\n", 8),
+                   ("Jul.\nO", 8)]
         records, duration = asyncio.run(loadgen.run_load(f"http://127.0.0.1:{port}/v1", prompts,
                                                          rate=None))
         assert all(r.error is None for r in records), [r.error for r in records]

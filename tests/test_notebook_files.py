@@ -1,4 +1,5 @@
-"""The notebooks are committed in the form JupyterLab writes, so opening one leaves it unmodified."""
+"""The notebooks are committed in the form JupyterLab writes, so opening one leaves it
+unmodified."""
 
 from tinyllm.course.check import ROOT
 from tools.nbfiles import normalise
@@ -8,7 +9,8 @@ def test_notebooks_are_saved_as_jupyterlab_writes_them():
     for path in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
         text = path.read_text(encoding="utf-8")
         assert normalise(text) == text, \
-            f"{path.name} would change when opened: run `python tools/nbfiles.py {path.name}` (make notebooks does)"
+            (f"{path.name} would change when opened: run `python tools/nbfiles.py {path.name}` "
+             "(make notebooks does)")
 
 
 def test_the_course_address_is_set_in_one_place(monkeypatch):

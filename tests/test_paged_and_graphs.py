@@ -8,13 +8,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
 from tinyllm.course.check import leaks
 from tinyllm.cuda_graph import SlotGraphDecoder, WindowCache, choose_bucket, default_buckets
 from tinyllm.engine import ContinuousEngine, Request, Sampling, run_continuous
-from tinyllm.slot_cache import SlotKVCache
 from tinyllm.paged_kv import BlockAllocator, PagedKVCache
 from tinyllm.requests import Sequence
-from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
+from tinyllm.slot_cache import SlotKVCache
 
 
 def need_blocks(req: Request, block_size: int) -> int:
@@ -33,7 +33,8 @@ def check_pool(cache: PagedKVCache) -> None:
     free = cache.allocator.free_list
     assert sorted(held + free) == list(range(cache.n_blocks)), \
         "every block is either held once or free once (the pool is never over-committed)"
-    assert [not a for a in cache.allocator.allocated] == [b in set(free) for b in range(cache.n_blocks)], \
+    assert ([not a for a in cache.allocator.allocated]
+            == [b in set(free) for b in range(cache.n_blocks)]), \
         "a block is flagged allocated exactly when it is off the free list"
     assert cache.allocator.n_free() == len(free)
     assert cache.allocated_tokens() == len(held) * cache.block_size
@@ -76,8 +77,8 @@ def drive(eng: ContinuousEngine, reqs: list[Request], data=None, abort_odds: int
 # ---- 05: the paged cache -------------------------------------------------------------------------
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=requests_st, n_slots=st.integers(1, 6), block_size=st.sampled_from([1, 2, 4, 8, 16]),
-       slack=st.integers(0, 12))
+@given(requests=requests_st, n_slots=st.integers(1, 6),
+       block_size=st.sampled_from([1, 2, 4, 8, 16]), slack=st.integers(0, 12))
 def test_paged_engine_matches_solo_generate(requests, n_slots, block_size, slack):
     """Any block size, pools from 'the largest request only' up: solo tokens, books balanced,
     every block back in the pool at the end."""
@@ -93,7 +94,8 @@ def test_paged_engine_matches_solo_generate(requests, n_slots, block_size, slack
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
 @given(requests=requests_st, n_slots=st.integers(1, 5), block_size=st.sampled_from([1, 3, 8]),
        data=st.data())
-def test_paged_engine_online_with_preemption_aborts_and_sampling(requests, n_slots, block_size, data):
+def test_paged_engine_online_with_preemption_aborts_and_sampling(requests, n_slots, block_size,
+                                                                 data):
     """Arrivals between steps, aborts (of running, queued and preempted requests), greedy and
     seeded sampled requests, a tight pool: every finished request equals solo."""
     reqs = [Request(r.prompt, r.max_new_tokens, r.eos_id,
@@ -109,7 +111,8 @@ def test_paged_engine_online_with_preemption_aborts_and_sampling(requests, n_slo
 
 def pressure_workload(n: int = 16) -> list[Request]:
     """Long answers, no EOS: they outgrow a small pool together."""
-    return [Request([(7 * i + j) % V for j in range(3 + i % 5)], 20 + (5 * i) % 17) for i in range(n)]
+    return [Request([(7 * i + j) % V for j in range(3 + i % 5)], 20 + (5 * i) % 17)
+            for i in range(n)]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -294,7 +297,9 @@ def test_a_decoder_is_reused_by_a_second_engine():
     with pytest.raises(ValueError, match="idle slots"):
         ContinuousEngine(TINY, 3, decoder=eng.decoder)
     with pytest.raises(ValueError, match="idle slots"):
-        ContinuousEngine(TINY, 4, decoder=SlotGraphDecoder(TINY, SlotKVCache(2, 2, 2, 16, 96, torch.float64)))
+        ContinuousEngine(TINY, 4,
+                         decoder=SlotGraphDecoder(TINY,
+                                                  SlotKVCache(2, 2, 2, 16, 96, torch.float64)))
 
 
 @pytest.mark.parametrize("kind", ["slots", "paged", "graph"])
@@ -305,7 +310,8 @@ def test_bf16_caches_under_autocast(kind):
     model = TINY.float()
     cfg = model.cfg
     if kind == "paged":
-        cache = PagedKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 8, 4, 32, torch.bfloat16)
+        cache = PagedKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 8, 4, 32,
+                             torch.bfloat16)
     else:
         cache = SlotKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 32, torch.bfloat16)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]

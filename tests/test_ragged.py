@@ -16,11 +16,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import make_tiny
+from tests.test_paged_and_graphs import check_pool
 from tinyllm.generate import generate
 from tinyllm.paged_kv import PagedKVCache
 from tinyllm.slot_cache import SlotKVCache
-from tests.conftest import make_tiny
-from tests.test_paged_and_graphs import check_pool
 
 MODEL = make_tiny()
 V = MODEL.cfg.vocab_size
@@ -31,7 +31,8 @@ KINDS = [("slots", None), ("paged", 1), ("paged", 2), ("paged", 3), ("paged", 8)
 def make_cache(kind: str, block_size: int | None, n_slots: int, n_blocks: int | None = None):
     cfg = MODEL.cfg
     if kind == "slots":
-        return SlotKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, MAX_LEN, torch.float64)
+        return SlotKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, MAX_LEN,
+                           torch.float64)
     n_blocks = n_blocks or n_slots * math.ceil(MAX_LEN / block_size)  # room for every slot full
     return PagedKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, n_blocks, block_size,
                         MAX_LEN, torch.float64)
@@ -123,7 +124,8 @@ def test_ragged_steps_match_solo_generate(seqs, kind, n_slots, k, data):
             cache.admit(row.slot, len(row.prompt))
             assert cache.lens[row.slot] == 0
             running.append(row)
-        stepping = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running), unique_by=id))
+        stepping = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running),
+                                      unique_by=id))
         chunks = [row.pending()[:data.draw(st.integers(1, k))] for row in stepping]
         for row, chunk in zip(stepping, chunks):
             assert cache.reserve(row.slot, len(chunk)), "the pool has room for every slot"
@@ -242,7 +244,8 @@ def test_planning_errors_are_named_and_change_nothing(kind):
     cache.plan_step([0, 2], [1, 1])
     planned = state(cache)
     for T in (2, 3):
-        with pytest.raises(ValueError, match=f"the step was planned for 1 columns, the batch has {T}"):
+        with pytest.raises(ValueError,
+                           match=f"the step was planned for 1 columns, the batch has {T}"):
             MODEL(torch.ones(2, T, dtype=torch.long), cache=cache)
         assert state(cache) == planned, "the plan still stands, nothing written counts"
     logits = step(cache, [0, 2], [[4], [9]])            # re-planned: the right step runs
@@ -263,7 +266,8 @@ def test_paged_step_past_the_blocks_needs_a_reserve():
     step(cache, [0], [[1, 2, 3]])
     assert cache.tables[0] and len(cache.tables[0]) == 1
     before = state(cache)
-    with pytest.raises(ValueError, match="has room for 4: it cannot take 2 more \\(reserve first\\)"):
+    with pytest.raises(ValueError,
+                       match="has room for 4: it cannot take 2 more \\(reserve first\\)"):
         cache.plan_step([0], [2])
     assert state(cache) == before
     assert cache.reserve(0, 9) and len(cache.tables[0]) == 3 and cache.allocator.n_free() == 0
@@ -283,7 +287,8 @@ def test_admit_starts_empty_and_refuses_what_cannot_fit():
     with pytest.raises(ValueError, match="slot 1 is already serving a request"):
         cache.admit(1, 2)
     for n in (0, MAX_LEN):
-        with pytest.raises(ValueError, match=f"a context of {n} tokens does not fit a slot of {MAX_LEN}"):
+        with pytest.raises(ValueError,
+                           match=f"a context of {n} tokens does not fit a slot of {MAX_LEN}"):
             cache.admit(0, n)
     with pytest.raises(ValueError, match=r"admit\(slot, 3, context\) was given a context of 2 "
                                          r"tokens"):

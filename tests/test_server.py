@@ -15,9 +15,9 @@ import openai
 import pytest
 import torch
 
-from tinyllm.serving import server
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import generate
+from tinyllm.serving import server
 from tinyllm.serving.textstream import REPLACEMENT, TextStream, next_piece
 
 NAME = "tinyllm-test"
@@ -85,7 +85,8 @@ def solo_text(running, prompt: str, n: int, **sampling) -> str:
     model, tok = running.engine.model, running.tok
     seed = sampling.pop("seed", None)
     g = torch.Generator().manual_seed(seed) if seed is not None else None
-    return tok.decode(generate(model, tok.encode(prompt), n, eos_id=tok.eos_id, generator=g, **sampling))
+    return tok.decode(generate(model, tok.encode(prompt), n, eos_id=tok.eos_id, generator=g,
+                               **sampling))
 
 
 def test_a_greedy_completion_equals_solo_streamed_or_not(running):
@@ -101,7 +102,8 @@ def test_a_greedy_completion_equals_solo_streamed_or_not(running):
         chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
         assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
-        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+        assert ([c.choices[0].finish_reason for c in chunks if c.choices][-1]
+                == r.choices[0].finish_reason)
     assert running.wait_idle() == (0, 0)
 
 
@@ -110,7 +112,8 @@ def test_chat_completion_uses_the_models_chat_template(running):
     messages = [{"role": "system", "content": "Speak as a king."},
                 {"role": "user", "content": "Who art thou?"}]
     prompt = running.tok.apply_chat_template(messages)
-    assert prompt == "<|endoftext|>System.\nSpeak as a king.\n\nUser.\nWho art thou?\n\nAssistant.\n"
+    assert prompt == ("<|endoftext|>System.\nSpeak as a king.\n\nUser.\nWho art thou?\n\n"
+                      "Assistant.\n")
     prompt = prompt.removeprefix("<|endoftext|>")       # solo_text's encode() puts it back
     expected = solo_text(running, prompt, 24)
     r = cl.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
@@ -142,7 +145,8 @@ def test_32_concurrent_streams_each_equal_their_solo_answer(running):
 
 
 def test_a_client_that_goes_away_frees_its_slot_at_once(running):
-    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True}
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
+            "stream": True}
     with httpx.stream("POST", running.url + "/completions", json=body, timeout=30) as resp:
         chunks = 0
         for line in resp.iter_lines():
@@ -165,7 +169,8 @@ def test_a_stop_string_ends_the_answer_before_it(running):
     full = solo_text(running, PROMPTS[0], 40)
     stop = full[10:13]
     cl = running.client()
-    r = cl.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=[stop])
+    r = cl.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                              stop=[stop])
     assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
     stream = cl.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0,
                                    stop=stop, stream=True)
@@ -208,8 +213,8 @@ def test_a_full_server_answers_429_and_serves_the_rest(bundled64):
 
             async def one(i):
                 try:
-                    r = await cl.completions.create(model=NAME, prompt=PROMPTS[i % 8], max_tokens=30,
-                                                    temperature=0)
+                    r = await cl.completions.create(model=NAME, prompt=PROMPTS[i % 8],
+                                                    max_tokens=30, temperature=0)
                     return r.choices[0].text
                 except openai.RateLimitError as e:
                     return e
@@ -220,7 +225,8 @@ def test_a_full_server_answers_429_and_serves_the_rest(bundled64):
         assert refused and served, f"{len(refused)} refused, {len(served)} served"
         assert "the server is full" in refused[0].body["message"]
         for i, text in served:
-            assert text == tok.decode(generate(model, tok.encode(PROMPTS[i % 8]), 30, eos_id=tok.eos_id))
+            assert text == tok.decode(generate(model, tok.encode(PROMPTS[i % 8]), 30,
+                                               eos_id=tok.eos_id))
         assert srv.wait_idle() == (0, 0)
     finally:
         srv.stop()
@@ -293,7 +299,7 @@ def test_serve_takes_the_engines_flags_from_engine_config():
     assert e.value.code == 2
 
 
-# ---- the text stream (no server) ------------------------------------------------------------------
+# ---- the text stream (no server) -----------------------------------------------------------------
 
 def test_next_piece_holds_back_split_characters_and_stop_prefixes():
     assert next_piece("Good morrow", 0, []) == ("Good morrow", False)
@@ -329,7 +335,8 @@ def test_an_engine_that_fails_gives_a_500_that_says_why(bundled64):
     try:
         for _ in range(2):                              # the request in flight, then the next one
             with pytest.raises(openai.InternalServerError) as e:
-                srv.client(timeout=30).completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=5)
+                srv.client(timeout=30).completions.create(model=NAME, prompt=PROMPTS[0],
+                                                          max_tokens=5)
             assert "the engine failed: RuntimeError: the model ran out of memory" in \
                 e.value.body["message"], e.value.body
         assert srv.client().models.list().data[0].id == NAME, "the HTTP side still answers"

@@ -17,7 +17,8 @@ import sys
 COMMANDS = {
     "bench": "compare serving engines on a named workload, their Stats.summary() side by side",
     "check": "check your exercise (check 01), or prove every exercise test fails on its stub",
-    "train": "train the Shakespeare model from scratch into runs/shakespeare (about an hour on a CPU)",
+    "train": "train the Shakespeare model from scratch into runs/shakespeare "
+             "(about an hour on a CPU)",
     "serve": "serve a checkpoint over the OpenAI API (completions and chat, streamed) until Ctrl-C",
     "loadgen": "measure an OpenAI-compatible server: TTFT, TPOT, ITL, latency, throughput",
     "fetch": "fetch a real model once (fetch smollm2), then name it: --model smollm2",

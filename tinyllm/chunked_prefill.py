@@ -8,10 +8,10 @@ being prefilled, first come first served (`plan_step`), so a long prompt is pref
 per step while the others keep decoding. This is the Sarathi-Serve scheme; vLLM calls the
 budget `max_num_batched_tokens`.
 
-A sequence being prefilled knows how far it got (`Sequence.num_computed_tokens`): each step computes its
-next chunk of the context (`next_chunk`), and only the chunk that reaches the end of the
-context gives logits to sample from. A decode is the same move with one token left, so one
-rule covers prefill, chunks, decode, and the recompute of a preempted request.
+A sequence being prefilled knows how far it got (`Sequence.num_computed_tokens`): each step
+computes its next chunk of the context (`next_chunk`), and only the chunk that reaches the end
+of the context gives logits to sample from. A decode is the same move with one token left, so
+one rule covers prefill, chunks, decode, and the recompute of a preempted request.
 
 The decode rows and the chunk rows run as two forward passes of one step: our model takes
 rectangular (B, T) batches, and padding every decode row to a chunk's width would cost more
@@ -20,13 +20,14 @@ than a second pass. (vLLM packs all of a step's tokens into one flat row instead
 Seams: `plan_step` and `next_chunk` (exercise 07).
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 from tinyllm.requests import Sequence
 
 
 def plan_step(running: list[Sequence], budget: int | None,
-              admit: Callable[[], list[Sequence]]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+              admit: Callable[[], list[Sequence]]
+              ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
     """This step's work within a budget of `budget` tokens (None: no limit).
 
     running: the sequences in slots, in slot order. One with seq.left() == 1 decodes (the
@@ -65,13 +66,14 @@ def plan_step(running: list[Sequence], budget: int | None,
 def next_chunk(seq: Sequence, n: int) -> tuple[list[int], bool]:
     """The n tokens seq computes next, and whether they end its context.
 
-    seq.context() is what its slot must hold before it can sample again: its prompt, and
-    after a preemption the tokens it had made too. Its first seq.num_computed_tokens tokens are in the
-    slot already; the chunk is the n tokens after them. done says whether the chunk reaches
-    the end of the context: only then do the chunk's last logits give the next token. It
-    only reads seq (the engine moves seq.num_computed_tokens after the step).
+    seq.context() is what its slot must hold before it can sample again: its prompt, and after a
+    preemption the tokens it had made too. Its first seq.num_computed_tokens tokens are in the
+    slot already; the chunk is the n tokens after them. done says whether the chunk reaches the
+    end of the context: only then do the chunk's last logits give the next token. It only reads
+    seq (the engine moves seq.num_computed_tokens after the step).
     Example: prompt [5, 6, 7, 8] and tokens made [40, 41] (it was preempted), computed 2:
     next_chunk(seq, 3) -> ([7, 8, 40], False); with computed 5: next_chunk(seq, 1) ->
     ([41], True)."""
     context = seq.context()
-    return context[seq.num_computed_tokens:seq.num_computed_tokens + n], seq.num_computed_tokens + n == len(context)
+    return (context[seq.num_computed_tokens:seq.num_computed_tokens + n],
+            seq.num_computed_tokens + n == len(context))

@@ -31,12 +31,12 @@ at a near-tie (check.near_tie); in float64 they agree.
 import time
 
 import torch
-from torch import Tensor
 
 from tinyllm.config import COMPILE_MODES
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.model import Transformer
 from tinyllm.slot_cache import SlotKVCache
+
 
 def compile_settings(mode: str, device: torch.device,
                      dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:

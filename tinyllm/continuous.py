@@ -35,7 +35,6 @@ from tinyllm.scheduler import Scheduler
 from tinyllm.slot_cache import SlotCache, SlotKVCache
 from tinyllm.stats import Stats, Trace, kv_bytes_per_token, sync_device
 
-
 DECODERS = {"graphs": SlotGraphDecoder, "compiled": CompiledDecoder}     # the bucketed ones (06)
 
 
@@ -321,7 +320,8 @@ def run_continuous(model: Transformer, requests: list[Request], config: EngineCo
     eng = ContinuousEngine(model, config, generator=generator, trace=trace, **settings)
     arrivals = [0.0] * len(requests) if arrivals is None else list(arrivals)
     if len(arrivals) != len(requests) or arrivals != sorted(arrivals):
-        raise ValueError(f"arrivals must be {len(requests)} times in increasing order, one per request")
+        raise ValueError(f"arrivals must be {len(requests)} times in increasing order, "
+                         "one per request")
     t0 = time.perf_counter()
     rids: list[int] = []
     while len(rids) < len(requests) or eng.has_work():

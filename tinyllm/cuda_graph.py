@@ -148,7 +148,8 @@ class SlotGraphDecoder:
                              f"{buckets!r}")
         buckets = sorted(set(buckets or default_buckets(slots.max_len)))
         if buckets[0] < 1 or buckets[-1] > slots.max_len:
-            raise ValueError(f"buckets must lie in 1..{slots.max_len} (the slots' max_len), got {buckets}")
+            raise ValueError(f"buckets must lie in 1..{slots.max_len} (the slots' max_len), "
+                             f"got {buckets}")
         self.buckets = buckets
         S = slots.n_slots
         self.tokens = torch.zeros(S, 1, dtype=torch.long, device=self.device)   # static inputs
@@ -183,7 +184,7 @@ class SlotGraphDecoder:
                 for _ in range(3):
                     self.run_eager(W)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        for W in reversed(self.buckets):                # largest first, then the rest share its pool
+        for W in reversed(self.buckets):                # largest first; the rest share its pool
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.logits[W] = self.run_eager(W)

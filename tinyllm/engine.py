@@ -1,8 +1,8 @@
 """The engine's names in one place: `from tinyllm.engine import ContinuousEngine, Request, ...`.
 
 A re-export module and nothing else; nothing inside the package imports it. Each name lives in
-the module of its idea: requests.py (Request, Result, Event), sampling.py (Sampling),
-stats.py (Stats, Trace), padded.py (02), static.py (03), config.py (EngineConfig), continuous.py (04-08).
+the module of its idea: requests.py (Request, Result, Event), sampling.py (Sampling), stats.py
+(Stats, Trace), padded.py (02), static.py (03), config.py (EngineConfig), continuous.py (04-08).
 """
 
 from tinyllm.config import EngineConfig

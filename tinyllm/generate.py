@@ -7,8 +7,8 @@ paged or graphed path must give each request exactly the tokens `generate()` giv
 difference, and the tests check both give the same tokens.
 """
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -80,7 +80,8 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int,
 def generate_uncached(model: Transformer, prompt: list[int], max_new_tokens: int,
                       eos_id: int | list[int] | tuple[int, ...] | None = None,
                       temperature: float = 0.0, top_k: int | None = None,
-                      top_p: float | None = None, generator: torch.Generator | None = None) -> list[int]:
+                      top_p: float | None = None,
+                      generator: torch.Generator | None = None) -> list[int]:
     """generate() without a cache: the whole sequence is run again for every new token."""
     model.eval()
     idx, eos, pick = _prepare(model, prompt, max_new_tokens, eos_id, temperature, top_k, top_p,

@@ -193,8 +193,9 @@ class Transformer(nn.Module):
     idx holds token ids (B, T). With a cache, the forward pass is one step of the cache: it
     begins the step (the cache supplies the RoPE positions of these T columns), every layer
     stores its keys and values and attends to what the cache returns, and it ends the step.
-    Without a cache, idx is the whole sequence from position 0. Token ids are not range-checked here (that would cost a device sync on every
-    step); `generate()` and the engines check prompts before they reach the model.
+    Without a cache, idx is the whole sequence from position 0. Token ids are not range-checked
+    here (that would cost a device sync on every step); `generate()` and the engines check
+    prompts before they reach the model.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -229,7 +230,8 @@ class Transformer(nn.Module):
         B, T = idx.shape
         if cache is None:
             if T > self.cfg.max_seq_len:
-                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
+                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len "
+                                 f"{self.cfg.max_seq_len}")
             pos = torch.arange(T, device=idx.device)[None]                    # (1, T)
         else:
             pos = cache.begin_step(T).to(idx.device)                          # (B or 1, T)

@@ -34,7 +34,6 @@ import math
 import torch
 from torch import Tensor
 
-from tinyllm import prefix_cache
 from tinyllm.prefix_cache import PrefixCache
 from tinyllm.slot_cache import SlotCache, check_admission
 

@@ -171,16 +171,17 @@ class Scheduler:
             seq.num_prefilled_tokens += seq.left()
         return admitted
 
-    def plan(self, max_tokens: int | None) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-        """This step's work within a budget of max_tokens (None: no limit; 07): a token for
-        every decoding sequence, then the contexts being computed, newcomers admitted only if
-        the budget has room for them (chunked_prefill.plan_step). Returns the decodes and the
-        chunks (sequence, tokens it computes); a plan that breaks the rules, or
+    def plan(self, max_step_tokens: int | None
+             ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """This step's work within a budget of max_step_tokens (EngineConfig's; None: no limit;
+        07): a token for every decoding sequence, then the contexts being computed, newcomers
+        admitted only if the budget has room for them (chunked_prefill.plan_step). Returns the
+        decodes and the chunks (sequence, tokens it computes); a plan that breaks the rules, or
         computes nothing while requests wait, is named."""
         running = self.in_slot_order()
         decoding = [s for s in running if s.left() == 1]
-        decodes, chunks = chunked_prefill.plan_step(running, max_tokens, self.admit)
-        check_plan(decoding, decodes, chunks, max_tokens, self.running)
+        decodes, chunks = chunked_prefill.plan_step(running, max_step_tokens, self.admit)
+        check_plan(decoding, decodes, chunks, max_step_tokens, self.running)
         if not decodes and not chunks:                  # unreachable with the reference seams
             raise RuntimeError(
                 f"a step with nothing to compute: {len(self.waiting)} requests wait, the running "

@@ -86,7 +86,8 @@ class Stats:
         lat = sorted(r.latency_s for r in results)
         ttft = sorted(r.ttft_s for r in results)
         itl = sorted(gap for r in results for gap in r.itl_s)          # every request's gaps
-        tpot = [(r.latency_s - r.ttft_s) / (len(r.tokens) - 1) for r in results if len(r.tokens) > 1]
+        tpot = [(r.latency_s - r.ttft_s) / (len(r.tokens) - 1)
+                for r in results if len(r.tokens) > 1]
         pct = lambda xs, p: xs[min(len(xs) - 1, math.ceil(p * len(xs)) - 1)] if xs else 0.0
         p95 = lambda xs: pct(xs, 0.95)
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0

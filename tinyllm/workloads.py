@@ -78,7 +78,8 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
     elif name == "chat":
         if tok.chat_template is None:
             raise ValueError("the chat workload needs a model with a chat template")
-        reqs = [Request(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+        reqs = [Request(tok.apply_chat_template([{"role": "user",
+                                                  "content": QUESTIONS[i % len(QUESTIONS)]}],
                                                 tokenize=True), 128, eos_id=tok.eos_ids or None)
                 for i in range(n)]
     else:

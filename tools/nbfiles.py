@@ -1,5 +1,5 @@
-"""Repository tooling (not part of the package) - notebooks saved in exactly the form JupyterLab writes, so that opening one
-leaves the committed file unmodified.
+"""Repository tooling (not part of the package) - notebooks saved in exactly the form JupyterLab
+writes, so that opening one leaves the committed file unmodified.
 
 Opening a notebook in JupyterLab starts its kernel; JupyterLab then writes the kernel's spec into
 the notebook's metadata and the next autosave writes the file back through the browser. Two

@@ -5,10 +5,10 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import make_tiny
 from tinyllm.course.check import divergence, explained
 from tinyllm.generate import generate, generate_uncached
 from tinyllm.kv_cache import KVCache
-from tests.conftest import make_tiny
 
 EXERCISE = "ex01_kv_cache"
 TINY = make_tiny()
@@ -22,14 +22,18 @@ def test_append_kv_writes_at_pos(impl):
     k, v = torch.randn(B, n_kv, T, hd), torch.randn(B, n_kv, T, hd)
     keys, values = impl.append_kv(cache_k, cache_v, k, v, pos)
     assert keys.shape == (B, n_kv, pos + T, hd), \
-        f"returned keys should be (B, n_kv, pos+T, hd) = {(B, n_kv, pos + T, hd)}, got {tuple(keys.shape)}"
+        (f"returned keys should be (B, n_kv, pos+T, hd) = {(B, n_kv, pos + T, hd)}, got "
+         f"{tuple(keys.shape)}")
     assert values.shape == keys.shape, f"returned values have shape {tuple(values.shape)}"
-    assert torch.equal(cache_k[:, :, pos:pos + T], k), "the new keys are not at positions pos..pos+T-1 of cache_k"
-    assert torch.equal(cache_v[:, :, pos:pos + T], v), "the new values are not at positions pos..pos+T-1 of cache_v"
+    assert torch.equal(cache_k[:, :, pos:pos + T], k), \
+        "the new keys are not at positions pos..pos+T-1 of cache_k"
+    assert torch.equal(cache_v[:, :, pos:pos + T], v), \
+        "the new values are not at positions pos..pos+T-1 of cache_v"
     assert (cache_k[:, :, :pos] == 7).all() and (cache_v[:, :, :pos] == 8).all(), \
         "positions before pos were overwritten: earlier tokens' keys/values must stay"
     assert (cache_k[:, :, pos + T:] == 0).all(), "positions after pos+T-1 were written"
-    assert torch.equal(keys, cache_k[:, :, :pos + T]) and torch.equal(values, cache_v[:, :, :pos + T]), \
+    assert (torch.equal(keys, cache_k[:, :, :pos + T])
+            and torch.equal(values, cache_v[:, :, :pos + T])), \
         "return everything written so far: cache[:, :, :pos+T]"
 
 
@@ -39,8 +43,10 @@ def test_append_kv_writes_into_the_cache_in_place(impl):
     impl.append_kv(cache_k, cache_v, torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), 0)
     impl.append_kv(cache_k, cache_v, 2 * torch.ones(1, 1, 1, 2), 2 * torch.ones(1, 1, 1, 2), 1)
     assert cache_k[0, 0, :, 0].tolist() == [1, 2, 0, 0], \
-        f"after writes at pos 0 and 1 the cache should hold [1, 2, 0, 0], holds {cache_k[0, 0, :, 0].tolist()}"
-    k_all, v_all = impl.append_kv(cache_k, cache_v, 3 * torch.ones(1, 1, 1, 2), 3 * torch.ones(1, 1, 1, 2), 2)
+        ("after writes at pos 0 and 1 the cache should hold [1, 2, 0, 0], holds "
+         f"{cache_k[0, 0, :, 0].tolist()}")
+    k_all, v_all = impl.append_kv(cache_k, cache_v, 3 * torch.ones(1, 1, 1, 2),
+                                  3 * torch.ones(1, 1, 1, 2), 2)
     assert k_all.data_ptr() == cache_k.data_ptr() and v_all.data_ptr() == cache_v.data_ptr(), \
         ("append_kv returns views of the cache (a slice of it), not copies: copying everything "
          "written so far at every step costs as much as the cache holds, the very work it saves")
@@ -78,11 +84,13 @@ def test_decode_loop_feeds_one_token_at_a_time(plug, monkeypatch):
     seen = []
     forward = TINY.forward
     monkeypatch.setattr(TINY, "forward", lambda idx, cache=None, targets=None:
-                        seen.append((idx.shape[1], cache is not None)) or forward(idx, cache, targets))
+                        seen.append((idx.shape[1], cache is not None))
+                        or forward(idx, cache, targets))
     generate(TINY, list(range(10)), 5)
     assert seen and all(c for _, c in seen), "call the model with cache=your KVCache every time"
     assert [t for t, _ in seen] == [10, 1, 1, 1, 1], \
-        f"expected one prefill of 10 tokens then 4 single-token steps, the model saw {[t for t, _ in seen]}"
+        ("expected one prefill of 10 tokens then 4 single-token steps, the model saw "
+         f"{[t for t, _ in seen]}")
 
 
 def test_decode_loop_stops_at_eos(plug):
@@ -107,15 +115,16 @@ def test_decode_loop_stops_at_any_of_several_eos_ids(plug):
     others = [t for t in range(97) if t not in full]
     low, high = [t for t in others if t < fired], [t for t in others if t > fired]
     twin = next(t for t in others if t % 8 == fired % 8)    # a set iterates it before fired
-    sets = [(fired, high[0], high[-1]) if high else None, (low[0], fired, high[0]) if low and high else None,
+    sets = [(fired, high[0], high[-1]) if high else None,
+            (low[0], fired, high[0]) if low and high else None,
             (low[0], low[-1], fired) if low else None, (twin, fired),
             (full[-1], fired) if full[-1] != fired else None]
     plug("decode_loop")
     expected = full[:first + 1]
     for eos in filter(None, sets):
         got = generate(TINY, prompt, 12, eos_id=eos)
-        assert got == expected, (f"with eos_id={eos} (decode_loop gets eos_ids={set(eos)}): stop at "
-                                 f"the first token that is any of them, here {fired} at token "
+        assert got == expected, (f"with eos_id={eos} (decode_loop gets eos_ids={set(eos)}): stop "
+                                 f"at the first token that is any of them, here {fired} at token "
                                  f"{first}; expected {expected}, got {got}")
 
 

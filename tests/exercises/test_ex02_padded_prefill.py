@@ -5,12 +5,12 @@ import random
 import pytest
 import torch
 
+from tests.conftest import make_tiny
 from tinyllm.course.check import divergence, explained
 from tinyllm.generate import generate
 from tinyllm.padded import prefill_padded
 from tinyllm.requests import Request
 from tinyllm.static import run_static
-from tests.conftest import make_tiny
 
 EXERCISE = "ex02_padded_prefill"
 TINY = make_tiny(seed=4)
@@ -18,7 +18,8 @@ TINY = make_tiny(seed=4)
 
 def padded(impl, prompts, pad_id):
     got = impl.left_pad(prompts, pad_id)
-    assert isinstance(got, tuple) and len(got) == 2, f"left_pad returns (idx, pad_lens), got {got!r}"
+    assert isinstance(got, tuple) and len(got) == 2, \
+        f"left_pad returns (idx, pad_lens), got {got!r}"
     for name, t in zip(("idx", "pad_lens"), got):
         assert isinstance(t, torch.Tensor), \
             (f"left_pad returns tensors (the model takes a tensor of ids): {name} is a "
@@ -45,7 +46,8 @@ def test_rope_positions_without_padding(impl):
     """No padding: one row of positions pos..pos+T-1 shared by the batch."""
     got = impl.rope_positions(5, 3, None)
     assert isinstance(got, torch.Tensor), \
-        f"rope_positions returns a tensor (RoPE indexes its tables with it), got a {type(got).__name__}"
+        ("rope_positions returns a tensor (RoPE indexes its tables with it), got a "
+         f"{type(got).__name__}")
     assert got.tolist() == [[5, 6, 7]], f"positions 5..7 as (1, 3), got {got.tolist()}"
 
 
@@ -54,10 +56,12 @@ def test_rope_positions_shift_each_row_by_its_padding(impl):
     pad = torch.tensor([0, 2, 3])
     got = impl.rope_positions(0, 4, pad)
     want = [[0, 1, 2, 3], [0, 0, 0, 1], [0, 0, 0, 0]]
-    assert got.tolist() == want, f"prefill of 4 with pads [0, 2, 3]: expected {want}, got {got.tolist()}"
+    assert got.tolist() == want, \
+        f"prefill of 4 with pads [0, 2, 3]: expected {want}, got {got.tolist()}"
     got = impl.rope_positions(4, 1, pad)
     assert got.tolist() == [[4], [2], [1]], \
-        f"decoding at cache position 4: each row's own position is 4 - pad = [[4], [2], [1]], got {got.tolist()}"
+        ("decoding at cache position 4: each row's own position is 4 - pad = [[4], [2], [1]], got "
+         f"{got.tolist()}")
 
 
 def reference_mask(pos, T, pad):
@@ -79,10 +83,11 @@ def test_attention_mask_is_causal_and_hides_padding(impl, pos, T):
     got = impl.attention_mask(pos, T, torch.tensor(pad), "cpu")
     want = reference_mask(pos, T, pad)
     assert got is not None and got.shape == want.shape, \
-        f"mask shape should be (B, 1, T, pos+T) = {tuple(want.shape)}, got {None if got is None else tuple(got.shape)}"
+        (f"mask shape should be (B, 1, T, pos+T) = {tuple(want.shape)}, got "
+         f"{None if got is None else tuple(got.shape)}")
     bad = (got.bool() != want).nonzero().tolist()
-    assert not bad, (f"pos={pos}, T={T}, pads {pad}: first wrong entry (row, _, query, key) = {bad[0]}, "
-                     f"should be {bool(want[tuple(bad[0])])}")
+    assert not bad, (f"pos={pos}, T={T}, pads {pad}: first wrong entry (row, _, query, key) = "
+                     f"{bad[0]}, should be {bool(want[tuple(bad[0])])}")
 
 
 def test_attention_mask_without_padding_is_causal(impl):
@@ -108,7 +113,8 @@ def test_your_padded_prefill_gives_each_prompt_its_own_logits(plug):
     logits, cache, pad = prefill_padded(TINY, prompts, max_len=6)
     for b in range(3):
         err = (logits[b] - alone[b]).abs().max().item()
-        assert err < 1e-9, f"prompt {b} (pad {pad[b]}): last logits differ from the prompt alone by {err:.3g}"
+        assert err < 1e-9, \
+            f"prompt {b} (pad {pad[b]}): last logits differ from the prompt alone by {err:.3g}"
 
 
 @pytest.mark.parametrize("batch_size", [2, 5])
@@ -116,7 +122,8 @@ def test_static_batches_with_your_padding_match_solo_generate(plug, batch_size):
     """Your three functions inside run_static: every request gets its solo tokens."""
     reqs = requests(10, batch_size)
     expected = [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    plug()                              # after the oracle: solo generate's KVCache uses the seams too
+    # after the oracle: solo generate's KVCache uses the seams too
+    plug()
     results, _ = run_static(TINY, reqs, batch_size)
     for i, (e, r) in enumerate(zip(expected, results)):
         msg = divergence(f"request {i}", e, r.tokens)
@@ -135,13 +142,15 @@ def test_bundled_model_padded_logits_and_tokens(plug, bundled64):
     alone = [model(torch.tensor([p]))[0][0, -1] for p in prompts]
     reqs = [Request(p, 40, eos_id=tok.eos_id) for p in prompts]
     expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, \
+        "the prompts are chosen so that EOS fires"
     plug()
     with explained("prefill_padded with your functions"):
         logits, _, pad = prefill_padded(model, prompts, max_len=64)
     for b, text in enumerate(SPEECHES):
         err = (logits[b] - alone[b]).abs().max().item()
-        assert err < 1e-9, f"{text!r} (pad {int(pad[b])}): last logits differ from the prompt alone by {err:.3g}"
+        assert err < 1e-9, \
+            f"{text!r} (pad {int(pad[b])}): last logits differ from the prompt alone by {err:.3g}"
     with explained("run_static with your functions"):
         results, _ = run_static(model, reqs, 5)
     for text, e, r in zip(SPEECHES, expected, results):

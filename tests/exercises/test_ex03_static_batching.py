@@ -5,13 +5,13 @@ import random
 import pytest
 import torch
 
+from tests.conftest import make_tiny
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained
 from tinyllm.generate import generate
 from tinyllm.requests import Request, Result
 from tinyllm.sampling import sample_next
 from tinyllm.static import run_static
-from tests.conftest import make_tiny
 
 EXERCISE = "ex03_static_batching"
 TINY = make_tiny(seed=6)
@@ -30,7 +30,8 @@ def run_batch(impl, batch, pick=None, clock=None) -> list:
     assert isinstance(results, list) and len(results) == len(batch), \
         f"run_batch returns a list of one Result per request ({len(batch)}), got {results!r}"
     for i, r in enumerate(results):
-        assert isinstance(r, Result), f"request {i}: expected a Result(tokens, ttft_s, latency_s), got {r!r}"
+        assert isinstance(r, Result), \
+            f"request {i}: expected a Result(tokens, ttft_s, latency_s), got {r!r}"
     return results
 
 
@@ -50,8 +51,10 @@ def test_each_request_stops_at_its_own_end(impl):
     batch = [Request([3, 1, 4], 12, eos_id=eos), Request([2, 7], 12), Request([9], 1)]
     results = run_batch(impl, batch)
     want = full[:full.index(eos) + 1]
-    assert results[0].tokens == want, f"request 0 should stop at eos {eos}: expected {want}, got {results[0].tokens}"
-    assert len(results[1].tokens) == 12, f"request 1 makes exactly 12 tokens, got {len(results[1].tokens)}"
+    assert results[0].tokens == want, \
+        f"request 0 should stop at eos {eos}: expected {want}, got {results[0].tokens}"
+    assert len(results[1].tokens) == 12, \
+        f"request 1 makes exactly 12 tokens, got {len(results[1].tokens)}"
     assert len(results[2].tokens) == 1, "request 2 wants 1 token: the one sampled from the prefill"
 
 
@@ -60,7 +63,8 @@ def test_ttft_and_latency_come_from_the_clock(impl):
     clock counts its calls (0, 1, 2, ...), so it shows when your loop read it."""
     batch = [Request([1, 2], 1), Request([3], 4)]
     a, b = run_batch(impl, batch)
-    seen = f"request 0: ttft {a.ttft_s}, latency {a.latency_s}; request 1: ttft {b.ttft_s}, latency {b.latency_s}"
+    seen = (f"request 0: ttft {a.ttft_s}, latency {a.latency_s}; request 1: ttft {b.ttft_s}, "
+            f"latency {b.latency_s}")
     assert a.ttft_s == a.latency_s == b.ttft_s, \
         (f"both first tokens are picked in the same step, and request 0's only token is also its "
          f"last: its ttft, its latency and request 1's ttft are one clock reading ({seen})")
@@ -129,12 +133,15 @@ def test_bundled_model_batches_end_when_their_last_speech_does(plug, bundled64):
     finally:
         hook.remove()
     expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    assert all(e[-1] == tok.eos_id for e in expected), "the prompts are chosen so that EOS ends every one"
+    assert all(e[-1] == tok.eos_id for e in expected), \
+        "the prompts are chosen so that EOS ends every one"
     for text, e, r in zip(SPEECHES, expected, results):
         msg = divergence(f"the prompt {text!r}", e, r.tokens)
         assert msg is None, msg
-    want = sum(max(len(e) for e in expected[i:i + 3]) for i in (0, 3))   # per batch: prefill + decodes
+    # per batch: prefill + decodes
+    want = sum(max(len(e) for e in expected[i:i + 3]) for i in (0, 3))
     assert len(calls) == want, \
-        (f"two batches whose longest speeches take {[max(len(e) for e in expected[i:i + 3]) for i in (0, 3)]} "
-         f"tokens: {want} forward passes in all (one prefill, then one per token until the last row ends "
-         f"at EOS), the model ran {len(calls)}: stop decoding once every row is done")
+        ("two batches whose longest speeches take "
+         f"{[max(len(e) for e in expected[i:i + 3]) for i in (0, 3)]} tokens: {want} forward "
+         "passes in all (one prefill, then one per token until the last row ends at EOS), the "
+         f"model ran {len(calls)}: stop decoding once every row is done")

@@ -7,13 +7,13 @@ from collections import deque
 import pytest
 import torch
 
-from tinyllm.course.check import divergence, explained, leaks
+from tests.conftest import make_tiny
 from tinyllm.continuous import ContinuousEngine, run_continuous
+from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.generate import generate
 from tinyllm.requests import Request, Sequence
 from tinyllm.sampling import Sampling
 from tinyllm.slot_cache import SlotCache
-from tests.conftest import make_tiny
 
 EXERCISE = "ex05_paged_kv"
 TINY = make_tiny(seed=6)
@@ -24,8 +24,10 @@ def test_allocate_hands_out_free_blocks_and_marks_them(impl):
     """n blocks that were free leave the free list, marked allocated (any n of them will do)."""
     free, allocated = [3, 2, 1, 0], [False] * 4
     got = impl.allocate_blocks(free, allocated, 2)
-    assert isinstance(got, list) and len(got) == 2, f"2 blocks asked: return a list of 2 block ids, got {got!r}"
-    assert len(set(got)) == 2 and set(got) <= {0, 1, 2, 3}, f"2 distinct blocks of the pool, got {got}"
+    assert isinstance(got, list) and len(got) == 2, \
+        f"2 blocks asked: return a list of 2 block ids, got {got!r}"
+    assert len(set(got)) == 2 and set(got) <= {0, 1, 2, 3}, \
+        f"2 distinct blocks of the pool, got {got}"
     assert sorted(free + got) == [0, 1, 2, 3], \
         f"the blocks handed out leave the free list (free list now {free}, handed out {got})"
     assert allocated == [b in got for b in range(4)], \
@@ -47,7 +49,8 @@ def test_free_gives_blocks_back(impl):
     """Freed blocks return to the free list with their flags cleared, ready to be handed out."""
     free, allocated = [3], [True, True, True, False]
     impl.free_blocks(free, allocated, [1, 0])
-    assert sorted(free) == [0, 1, 3], f"0 and 1 are free again: the free list should hold 0, 1, 3, it holds {free}"
+    assert sorted(free) == [0, 1, 3], \
+        f"0 and 1 are free again: the free list should hold 0, 1, 3, it holds {free}"
     assert allocated == [False, False, True, False], f"their flags are cleared: {allocated}"
     again = impl.allocate_blocks(free, allocated, 3)
     assert again is not None and sorted(again) == [0, 1, 3], \
@@ -67,14 +70,16 @@ def test_double_free_is_refused_and_changes_nothing(impl, blocks, bad, why):
     except NotImplementedError:
         raise
     except ValueError as e:
-        assert str(bad) in str(e), f"{call}: {why}; the ValueError must name block {bad}, it says {str(e)!r}"
+        assert str(bad) in str(e), \
+            f"{call}: {why}; the ValueError must name block {bad}, it says {str(e)!r}"
     except Exception as e:
         raise AssertionError(f"{call} raised {type(e).__name__}: {e}; {why}: raise ValueError "
                              f"naming block {bad}") from None
     else:
         raise AssertionError(f"{call} did not raise: {why}. A double free would later hand one "
                              f"block to two sequences: raise ValueError naming block {bad}, before "
-                             f"changing anything (the free list is now {free}, the flags {allocated})")
+                             f"changing anything (the free list is now {free}, the flags "
+                             f"{allocated})")
     assert free == [1, 0] and allocated == [False, False, True, True], \
         (f"{call} must fail before changing anything: the free list is now {free}, the flags "
          f"{allocated} (check every block first, then give them back)")
@@ -108,7 +113,8 @@ def test_grow_table_takes_exactly_the_missing_blocks(impl, have, n_tokens, want)
         (f"blocks of 4, a table of {have} blocks, {n_tokens} tokens to hold: it needs "
          f"ceil({n_tokens}/4) = {need} blocks, so {want} more; it has {len(table)}")
     assert table[:have] == list(range(have)), "the blocks it had stay first, in order"
-    assert sum(pool.asked) == want, f"take exactly the {want} missing blocks, allocate was asked for {pool.asked}"
+    assert sum(pool.asked) == want, \
+        f"take exactly the {want} missing blocks, allocate was asked for {pool.asked}"
 
 
 def test_grow_table_with_a_dry_pool_changes_nothing(impl):
@@ -186,9 +192,12 @@ def test_the_youngest_gives_way_and_waits_in_arrival_order(impl):
     early, late = (Sequence(r, Request([1], 4), 0.0, Sampling(), None) for r in (1, 9))
     waiting = deque([early, late])
     got = impl.reserve_or_preempt(running, waiting, cache)
-    assert [s.rid for s in got] == [7], f"the youngest running request (rid 7) is preempted, got {[s.rid for s in got]}"
-    assert sorted(running) == [0, 1], f"slots 0 and 1 keep running, running holds slots {sorted(running)}"
-    assert got[0].slot is None and cache.active[2] is False, "the preempted request leaves its slot (leave_slot)"
+    assert [s.rid for s in got] == [7], \
+        f"the youngest running request (rid 7) is preempted, got {[s.rid for s in got]}"
+    assert sorted(running) == [0, 1], \
+        f"slots 0 and 1 keep running, running holds slots {sorted(running)}"
+    assert got[0].slot is None and cache.active[2] is False, \
+        "the preempted request leaves its slot (leave_slot)"
     assert [s.rid for s in waiting] == [1, 7, 9], \
         f"the queue stays in arrival order: rids [1, 7, 9], got {[s.rid for s in waiting]}"
     assert cache.held[:2] == [1, 1], f"rids 2 and 4 have their next token reserved: {cache.held}"
@@ -204,7 +213,8 @@ def test_preemption_goes_on_until_the_oldest_has_room(impl):
     assert [s.rid for s in got] == [7, 4], \
         (f"the oldest (rid 2) needs a token and none is free: preempt rid 7 (frees nothing), "
          f"then rid 4 (frees 1): got {[s.rid for s in got]}")
-    assert list(running) == [1], f"only the oldest keeps running, running holds slots {list(running)}"
+    assert list(running) == [1], \
+        f"only the oldest keeps running, running holds slots {list(running)}"
 
 
 # ---- the paged engine ----------------------------------------------------------------------
@@ -225,13 +235,16 @@ def test_paged_engine_with_your_functions_matches_solo(plug):
         with explained(f"the paged engine with your functions ({where})"):
             results, summary = run_continuous(TINY, reqs, 4, kv="paged", block_size=block_size,
                                               kv_blocks=n_blocks)
-        expected = expected or [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+        expected = expected or [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id)
+                                for r in reqs]
         for i, (e, r) in enumerate(zip(expected, results)):
             msg = divergence(f"request {i} ({where})", e, r.tokens)
             assert msg is None, msg
-        assert summary["preemptions"] > 0, f"{where}: the pool is small enough that someone is preempted"
+        assert summary["preemptions"] > 0, \
+            f"{where}: the pool is small enough that someone is preempted"
         assert summary["kv_allocated_at_end"] == 0, \
-            f"{where}: every block is freed at the end, {summary['kv_allocated_at_end']} positions are still allocated"
+            (f"{where}: every block is freed at the end, {summary['kv_allocated_at_end']} "
+             "positions are still allocated")
 
 
 def test_bundled_model_under_memory_pressure(plug, bundled64):
@@ -249,13 +262,17 @@ def test_bundled_model_under_memory_pressure(plug, bundled64):
             if not eng.has_work():
                 break
             eng.step()
-    assert not eng.has_work(), "the engine never finished: a request is never admitted, or never leaves"
+    assert not eng.has_work(), \
+        "the engine never finished: a request is never admitted, or never leaves"
     expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, \
+        "the prompts are chosen so that EOS fires"
     for i, (e, rid) in enumerate(zip(expected, rids)):
-        assert rid in eng.results, f"request {i} ({texts[i]!r}) never finished: was it preempted and never re-queued?"
+        assert rid in eng.results, \
+            f"request {i} ({texts[i]!r}) never finished: was it preempted and never re-queued?"
         msg = divergence(f"request {i} ({texts[i]!r})", e, eng.results[rid].tokens)
         assert msg is None, msg
-    assert eng.stats.preemptions > 0, "a pool of 15 blocks is small enough that someone is preempted"
+    assert eng.stats.preemptions > 0, \
+        "a pool of 15 blocks is small enough that someone is preempted"
     msg = leaks(eng)
     assert msg is None, msg

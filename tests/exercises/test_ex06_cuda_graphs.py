@@ -6,19 +6,20 @@ import random
 import pytest
 import torch
 
-from tinyllm.course.check import divergence, explained
+from tests.conftest import make_tiny
 from tinyllm.continuous import run_continuous
+from tinyllm.course.check import divergence, explained
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import generate
 from tinyllm.requests import Request
 from tinyllm.slot_cache import SlotKVCache
-from tests.conftest import make_tiny
 
 EXERCISE = "ex06_cuda_graphs"
 TINY = make_tiny(seed=7)
 
 
-@pytest.mark.parametrize("window, want", [(1, 32), (31, 32), (32, 32), (33, 64), (100, 128), (128, 128)])
+@pytest.mark.parametrize("window, want",
+                         [(1, 32), (31, 32), (32, 32), (33, 64), (100, 128), (128, 128)])
 def test_the_smallest_bucket_that_holds_the_window(impl, window, want):
     """The smallest bucket >= the window: an exact fit included."""
     got = impl.choose_bucket([32, 64, 128], window)
@@ -81,7 +82,8 @@ def spy_on_run_eager(decoder, monkeypatch) -> list:
     return windows
 
 
-@pytest.mark.parametrize("lens, want", [([5, 0, 7], 8), ([3, 2, 1], 4), ([8, 4, 0], 16), ([0, 0, 15], 16)])
+@pytest.mark.parametrize("lens, want",
+                         [([5, 0, 7], 8), ([3, 2, 1], 4), ([8, 4, 0], 16), ([0, 0, 15], 16)])
 def test_decode_step_runs_the_bucket_of_the_longest_busy_slot(impl, monkeypatch, lens, want):
     """Buckets (4, 8, 16): the window is the longest busy slot's length + 1, and the step runs
     the smallest bucket that holds it."""
@@ -90,8 +92,8 @@ def test_decode_step_runs_the_bucket_of_the_longest_busy_slot(impl, monkeypatch,
     with explained(f"your decode_step (slot lengths {lens})"):
         impl.decode_step(decoder, torch.tensor([[1], [2], [3]]))
     window = max(lens) + 1
-    assert windows == [want], (f"slot lengths {lens}: the window is {max(lens)} + 1 = {window} keys "
-                               f"(the new token sees itself), so bucket {want} runs; "
+    assert windows == [want], (f"slot lengths {lens}: the window is {max(lens)} + 1 = {window} "
+                               f"keys (the new token sees itself), so bucket {want} runs; "
                                f"run_eager was called with {windows}")
 
 
@@ -101,7 +103,8 @@ def test_decode_step_beyond_every_bucket_runs_at_the_window(impl, monkeypatch):
     windows = spy_on_run_eager(decoder, monkeypatch)
     with explained("your decode_step (slot lengths [0, 18, 3])"):
         impl.decode_step(decoder, torch.tensor([[1], [2], [3]]))
-    assert windows == [19], f"window 19 > every bucket (4, 8, 16): run_eager(19), got calls {windows}"
+    assert windows == [19], \
+        f"window 19 > every bucket (4, 8, 16): run_eager(19), got calls {windows}"
 
 
 def test_decode_step_fills_the_buffers_and_counts_the_tokens(impl):
@@ -113,11 +116,14 @@ def test_decode_step_fills_the_buffers_and_counts_the_tokens(impl):
         impl.decode_step(decoder, torch.tensor([[11], [12], [13]]))
     assert (decoder.tokens.data_ptr(), decoder.lens.data_ptr()) == where, \
         "write into decoder.tokens and decoder.lens (fill_static): a graph reads only those buffers"
-    assert decoder.tokens.tolist() == [[11], [12], [13]], f"decoder.tokens holds {decoder.tokens.tolist()}"
+    assert decoder.tokens.tolist() == [[11], [12], [13]], \
+        f"decoder.tokens holds {decoder.tokens.tolist()}"
     assert decoder.lens.tolist() == [5, 0, 7], \
-        f"decoder.lens holds each slot's length before the step (0 for the free slot 1): {decoder.lens.tolist()}"
+        ("decoder.lens holds each slot's length before the step (0 for the free slot 1): "
+         f"{decoder.lens.tolist()}")
     assert decoder.slots.lens == [6, 0, 8], \
-        f"after the step the busy slots hold one more token (slots.end_step()): {decoder.slots.lens}"
+        ("after the step the busy slots hold one more token (slots.end_step()): "
+         f"{decoder.slots.lens}")
 
 
 def test_decode_step_gives_each_busy_slot_its_logits(impl):
@@ -127,7 +133,8 @@ def test_decode_step_gives_each_busy_slot_its_logits(impl):
     with explained("your decode_step"), torch.no_grad():
         logits = impl.decode_step(decoder, tokens)
     assert tuple(logits.shape) == (3, 1, TINY.cfg.vocab_size), \
-        f"logits for every slot, (S, 1, V) = {(3, 1, TINY.cfg.vocab_size)}, got {tuple(logits.shape)}"
+        (f"logits for every slot, (S, 1, V) = {(3, 1, TINY.cfg.vocab_size)}, got "
+         f"{tuple(logits.shape)}")
     for s in busy:
         with torch.no_grad():
             alone = TINY(torch.tensor([seqs[s] + [int(tokens[s])]]))[0][0, -1]
@@ -144,9 +151,12 @@ def test_graph_decoder_with_your_functions_matches_solo(plug):
                     eos_id=rng.choice([None, 5])) for _ in range(10)]
     expected = None
     for n_slots, buckets in ((3, (8, 16, 32)), (5, None)):
-        with explained(f"the graph decoder with your functions ({n_slots} slots, buckets {buckets})"):
-            results, summary = run_continuous(TINY, reqs, n_slots, decoder="graphs", buckets=buckets)
-        expected = expected or [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
+        with explained(f"the graph decoder with your functions ({n_slots} slots, "
+                       f"buckets {buckets})"):
+            results, summary = run_continuous(TINY, reqs, n_slots, decoder="graphs",
+                                              buckets=buckets)
+        expected = expected or [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id)
+                                for r in reqs]
         for i, (e, r) in enumerate(zip(expected, results)):
             msg = divergence(f"request {i} ({n_slots} slots, buckets {buckets})", e, r.tokens)
             assert msg is None, msg
@@ -163,7 +173,8 @@ def test_bundled_model_with_your_decoder(plug, bundled64):
     with explained("the graph decoder with your functions"):
         results, _ = run_continuous(model, reqs, 3, decoder="graphs", buckets=(8, 16, 32, 64))
     expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, \
+        "the prompts are chosen so that EOS fires"
     for i, (e, r) in enumerate(zip(expected, results)):
         msg = divergence(f"request {i} ({texts[i]!r})", e, r.tokens)
         assert msg is None, msg

@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
-from tinyllm.course.check import divergence, explained, leaks
+from tests.conftest import make_tiny
 from tinyllm.continuous import ContinuousEngine
+from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.generate import generate
 from tinyllm.requests import Request, Sequence
 from tinyllm.sampling import Sampling
 from tinyllm.stats import Trace
-from tests.conftest import make_tiny
 
 EXERCISE = "ex07_chunked_prefill"
 TINY = make_tiny(seed=8)
@@ -66,8 +66,10 @@ def test_plan_step_decodes_first_then_prompts_first_come_first_served(impl):
     admit = Admit(seq_left(3, 4, 3))
     decodes, chunks = planned(impl, [a, b, c], 8, admit)
     assert decodes == [a, c], \
-        f"the decoding sequences (1 token left) are A and C, in slot order: got rids {[s.rid for s in decodes]}"
-    assert chunks == [(2, 6)], f"B (rid 2) takes the 6 tokens the decodes left of 8: expected [(2, 6)], got {chunks}"
+        ("the decoding sequences (1 token left) are A and C, in slot order: got rids "
+         f"{[s.rid for s in decodes]}")
+    assert chunks == [(2, 6)], \
+        f"B (rid 2) takes the 6 tokens the decodes left of 8: expected [(2, 6)], got {chunks}"
     assert admit.calls == 0, ("after the decodes and B's 10 tokens the budget of 8 has no room "
                               "for a newcomer: admit() must not be called (it would take a slot "
                               "and memory for a request that computes nothing this step)")
@@ -78,7 +80,8 @@ def test_plan_step_admits_when_the_budget_has_room(impl):
     a, b, c, d = seq_left(0, 1, 0), seq_left(2, 10, 1), seq_left(1, 1, 2), seq_left(3, 4, 3)
     admit = Admit(d)
     decodes, chunks = planned(impl, [a, b, c], 16, admit)
-    assert admit.calls == 1, f"14 tokens left after the decodes, B needs 10: admit() once, called {admit.calls} times"
+    assert admit.calls == 1, \
+        f"14 tokens left after the decodes, B needs 10: admit() once, called {admit.calls} times"
     assert chunks == [(2, 10), (3, 4)], \
         f"B takes its 10, then newcomer D its 4: expected [(2, 10), (3, 4)], got {chunks}"
     assert decodes == [a, c]
@@ -101,7 +104,8 @@ def test_plan_step_without_a_budget_takes_every_context_whole(impl):
     admit = Admit(d)
     decodes, chunks = planned(impl, [a, b], None, admit)
     assert (decodes, chunks) == ([a], [(2, 30), (5, 44)]), \
-        f"no budget: A decodes, B takes its 30, newcomer its 44; got {[s.rid for s in decodes]}, {chunks}"
+        (f"no budget: A decodes, B takes its 30, newcomer its 44; got {[s.rid for s in decodes]}, "
+         f"{chunks}")
     assert admit.calls == 1, "with no budget, newcomers are always admitted"
 
 
@@ -116,9 +120,9 @@ def test_plan_step_with_a_spent_budget(impl):
 
 
 @pytest.mark.parametrize("lefts, budget, want", [
-    ([9, 3, 2], 5, [(0, 5)]), ([2, 9, 3, 6], 5, [(0, 2), (1, 3)]), ([2, 20, 3, 2], 11, [(0, 2), (1, 9)]),
-    ([3, 4], 7, [(0, 3), (1, 4)])], ids=["9,3,2 budget 5", "2,9,3,6 budget 5", "2,20,3,2 budget 11",
-                                         "3,4 budget 7"])
+    ([9, 3, 2], 5, [(0, 5)]), ([2, 9, 3, 6], 5, [(0, 2), (1, 3)]),
+    ([2, 20, 3, 2], 11, [(0, 2), (1, 9)]), ([3, 4], 7, [(0, 3), (1, 4)])],
+    ids=["9,3,2 budget 5", "2,9,3,6 budget 5", "2,20,3,2 budget 11", "3,4 budget 7"])
 def test_plan_step_spreads_the_budget_in_arrival_order(impl, lefts, budget, want):
     """Prompts in slots in reverse arrival order: the budget goes by rid, all of each in turn,
     a part to the first that does not fit, nothing to those after (nobody overtakes)."""
@@ -145,8 +149,8 @@ def chunk(impl, seq, n):
     toks, done = got
     assert isinstance(toks, list), f"the chunk's tokens are a list of token ids, got {toks!r}"
     assert (seq.num_computed_tokens, seq.tokens, seq.request.prompt) == before, \
-        (f"next_chunk only reads the sequence: computed went from {before[0]} to {seq.num_computed_tokens} "
-         f"(the engine moves seq.num_computed_tokens after the step)")
+        (f"next_chunk only reads the sequence: computed went from {before[0]} to "
+         f"{seq.num_computed_tokens} (the engine moves seq.num_computed_tokens after the step)")
     return toks, done
 
 
@@ -155,22 +159,26 @@ def test_next_chunk_slices_from_computed(impl):
     the context."""
     seq = sequence(range(10, 20), computed=3)
     toks, done = chunk(impl, seq, 4)
-    assert toks == [13, 14, 15, 16], (f"prompt 10..19, computed 3: the next 4 tokens are context[3:7] "
-                                      f"= [13, 14, 15, 16], got {toks}")
-    assert done is False, f"tokens 3..6 of a 10-token context do not end it: done must be False, got {done!r}"
+    assert toks == [13, 14, 15, 16], ("prompt 10..19, computed 3: the next 4 tokens are "
+                                      f"context[3:7] = [13, 14, 15, 16], got {toks}")
+    assert done is False, \
+        f"tokens 3..6 of a 10-token context do not end it: done must be False, got {done!r}"
 
 
 def test_next_chunk_is_done_only_at_the_end_of_the_context(impl):
     """Chunks of a 10-token context: only the one that reaches token 9 is done."""
-    for computed, n, want in ((0, 9, False), (0, 10, True), (4, 5, False), (4, 6, True), (9, 1, True)):
+    for computed, n, want in ((0, 9, False), (0, 10, True), (4, 5, False), (4, 6, True),
+                              (9, 1, True)):
         seq = sequence(range(10, 20), computed=computed)
         toks, done = chunk(impl, seq, n)
         assert toks == list(range(10 + computed, 10 + computed + n)), \
-            (f"prompt 10..19, computed {computed}, {n} tokens: expected context[{computed}:{computed + n}] "
-             f"= {list(range(10 + computed, 10 + computed + n))}, got {toks}")
+            (f"prompt 10..19, computed {computed}, {n} tokens: expected "
+             f"context[{computed}:{computed + n}] = "
+             f"{list(range(10 + computed, 10 + computed + n))}, got {toks}")
         assert done is want, (f"prompt of 10, computed {computed}, a chunk of {n}: it "
-                              f"{'ends' if want else 'does not end'} the context, so done is {want}, "
-                              f"got {done!r} (only the chunk that ends it gives logits to sample from)")
+                              f"{'ends' if want else 'does not end'} the context, so done is "
+                              f"{want}, got {done!r} "
+                              "(only the chunk that ends it gives logits to sample from)")
 
 
 def test_next_chunk_of_a_decoding_sequence_is_its_last_token(impl):
@@ -194,7 +202,8 @@ def test_next_chunk_of_a_preempted_sequence_includes_its_tokens(impl):
     seq.num_computed_tokens = 5
     toks, done = chunk(impl, seq, 2)
     assert (toks, done) == ([41, 42], True), \
-        f"the same context, computed 5: the last 2 tokens end it: expected ([41, 42], True), got ({toks}, {done!r})"
+        ("the same context, computed 5: the last 2 tokens end it: expected ([41, 42], True), got "
+         f"({toks}, {done!r})")
 
 
 # ---- the engine ------------------------------------------------------------------------------
@@ -219,7 +228,8 @@ def solo_tokens(n: int, seed: int) -> list[list[int]]:
     return [solo(TINY, r) for r in requests(n, seed)]
 
 
-def run_engine(eng, reqs, every: int = 0, what: str = "the chunked engine with your functions") -> list[int]:
+def run_engine(eng, reqs, every: int = 0,
+               what: str = "the chunked engine with your functions") -> list[int]:
     """Add reqs (all at once, or one every `every` steps) and step until done; the rids."""
     rids, step = [], 0
     with explained(what):
@@ -278,10 +288,13 @@ def test_preempted_requests_are_recomputed_in_chunks(plug):
     plug()
     reqs = requests(10, 1)
     trace = Trace()
-    eng = ContinuousEngine(TINY, 3, kv="paged", block_size=4, kv_blocks=16, max_step_tokens=6, trace=trace)
-    rids = run_engine(eng, reqs, every=1, what="the chunked paged engine with your functions (16 blocks of 4)")
+    eng = ContinuousEngine(TINY, 3, kv="paged", block_size=4, kv_blocks=16, max_step_tokens=6,
+                           trace=trace)
+    rids = run_engine(eng, reqs, every=1,
+                      what="the chunked paged engine with your functions (16 blocks of 4)")
     budget_kept(trace, 6, "16 blocks of 4, max_step_tokens 6")
-    assert eng.stats.preemptions > 0, "a pool of 16 blocks of 4 is small enough that someone is preempted"
+    assert eng.stats.preemptions > 0, \
+        "a pool of 16 blocks of 4 is small enough that someone is preempted"
     check_results(eng, rids, solo_tokens(10, 1), " (16 blocks of 4, max_step_tokens 6)")
 
 
@@ -295,11 +308,14 @@ def test_a_preempted_request_samples_only_at_the_end_of_its_recompute(plug):
     trace = Trace()
     eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, kv_blocks=12, max_step_tokens=5,
                            trace=trace)
-    rids = run_engine(eng, reqs, what="the chunked paged engine with your functions (12 blocks of 4)")
-    assert eng.stats.preemptions > 0, "the pool of 12 blocks is too small for both: one is preempted"
+    rids = run_engine(eng, reqs,
+                      what="the chunked paged engine with your functions (12 blocks of 4)")
+    assert eng.stats.preemptions > 0, \
+        "the pool of 12 blocks is too small for both: one is preempted"
     recomputed = eng.stats.summary([])["prefill_tokens"] - 6
     assert recomputed > 5, "the preempted request had made tokens, and recomputes them in chunks"
-    check_results(eng, rids, [solo(TINY, r) for r in reqs], " (preempted, then recomputed in chunks)")
+    check_results(eng, rids, [solo(TINY, r) for r in reqs],
+                  " (preempted, then recomputed in chunks)")
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(plug):
@@ -320,7 +336,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(plug):
          f"prefilled: slots 0-2 computed {[c[:3] for c in steps[:5]]} in steps 1-5")
     assert [c[3] for c in steps] == [13, 13, 13, 13, 8, 1], \
         (f"a budget of 16, 3 decodes: the 60-token prompt (slot 3) takes the 13 tokens left each "
-         f"step, 13 + 13 + 13 + 13 + 8 = 60, then decodes; it computed {[c[3] for c in steps]} in steps 1-6")
+         f"step, 13 + 13 + 13 + 13 + 8 = 60, then decodes; "
+         f"it computed {[c[3] for c in steps]} in steps 1-6")
     expected = [solo(TINY, r) for r in reqs]
     check_results(eng, rids, expected)
 
@@ -332,7 +349,8 @@ def test_a_budget_of_one_prefill_token_a_step(plug):
     reqs = [Request([7, 8, 9, 10, 11, 12, 13], 5), Request([20, 21, 22, 23, 24], 3)]
     trace = Trace()
     eng = ContinuousEngine(TINY, 2, max_step_tokens=2, trace=trace)
-    rids = run_engine(eng, reqs, what="the chunked engine with your functions (max_step_tokens 2, 2 slots)")
+    rids = run_engine(eng, reqs,
+                      what="the chunked engine with your functions (max_step_tokens 2, 2 slots)")
     budget_kept(trace, 2, "2 slots, max_step_tokens 2")
     assert trace.computed[0] == [2, 0], \
         (f"step 0: a budget of 2, nobody decodes: request 0 (7 tokens) takes both, request 1 "
@@ -354,7 +372,8 @@ def test_bundled_model_with_your_functions(plug, bundled64):
     rids = run_engine(eng, reqs, every=1)
     budget_kept(trace, 3, "2 slots, max_step_tokens 3")
     expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, \
+        "the prompts are chosen so that EOS fires"
     for i, (e, rid) in enumerate(zip(expected, rids)):
         assert rid in eng.results, f"request {i} ({texts[i]!r}) never finished (no Result)"
         msg = divergence(f"request {i} ({texts[i]!r})", e, eng.results[rid].tokens)

@@ -7,17 +7,16 @@ import random
 import pytest
 import torch
 
+from tests.conftest import make_tiny
 from tinyllm import prefix_cache
-
+from tinyllm.continuous import ContinuousEngine
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
-from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import generate
 from tinyllm.paged_kv import BlockAllocator
 from tinyllm.prefix_cache import PrefixCache
 from tinyllm.requests import Request
 from tinyllm.sampling import Sampling
-from tests.conftest import make_tiny
 
 EXERCISE = "ex08_prefix_caching"
 TINY = make_tiny(seed=9)
@@ -37,12 +36,14 @@ def hashed(impl, tokens, block_size, parent=None):
     return got
 
 
-@pytest.mark.parametrize("n_tokens, block_size, want", [(8, 4, 2), (7, 2, 3), (3, 4, 0), (5, 1, 5), (0, 4, 0)])
+@pytest.mark.parametrize("n_tokens, block_size, want",
+                         [(8, 4, 2), (7, 2, 3), (3, 4, 0), (5, 1, 5), (0, 4, 0)])
 def test_one_hash_per_full_block(impl, n_tokens, block_size, want):
     """Only full blocks are named: a last partial block is still being written."""
     got = hashed(impl, range(1, n_tokens + 1), block_size)
-    assert len(got) == want, (f"{n_tokens} tokens in blocks of {block_size}: {n_tokens} // {block_size} "
-                              f"= {want} full blocks, so {want} hashes (a partial block gets none), got {len(got)}")
+    assert len(got) == want, (f"{n_tokens} tokens in blocks of {block_size}: {n_tokens} // "
+                              f"{block_size} = {want} full blocks, so {want} hashes (a partial "
+                              f"block gets none), got {len(got)}")
 
 
 def test_names_are_digests_that_depend_on_the_tokens_alone(impl):
@@ -50,13 +51,17 @@ def test_names_are_digests_that_depend_on_the_tokens_alone(impl):
     another for other tokens: the engine names blocks in one call and looks them up in another."""
     a = hashed(impl, [5, 17, 3, 88, 40, 2, 61, 7, 9], 4)
     assert all(len(h) >= 16 for h in a), \
-        f"names of {[len(h) for h in a]} bytes: use a cryptographic digest (hashlib), 16 bytes or more"
-    assert hashed(impl, [5, 17, 3, 88, 40, 2, 61, 7, 9], 4) == a, "the same tokens, another call: the same names"
+        (f"names of {[len(h) for h in a]} bytes: use a cryptographic digest (hashlib), "
+         "16 bytes or more")
+    assert hashed(impl, [5, 17, 3, 88, 40, 2, 61, 7, 9], 4) == a, \
+        "the same tokens, another call: the same names"
     b = hashed(impl, [5, 17, 3, 88, 40, 2, 61, 8], 4)
     assert b[0] == a[0] and b[1] != a[1], \
-        "[40, 2, 61, 7] and [40, 2, 61, 8] after the same block 0 are different prefixes: block 1's names differ"
+        ("[40, 2, 61, 7] and [40, 2, 61, 8] after the same block 0 are different prefixes: block "
+         "1's names differ")
     c = hashed(impl, [5, 17, 88, 3], 4)
-    assert c[0] != a[0], "[5, 17, 3, 88] and [5, 17, 88, 3] hold the same tokens in another order: other names"
+    assert c[0] != a[0], \
+        "[5, 17, 3, 88] and [5, 17, 88, 3] hold the same tokens in another order: other names"
     d = hashed(impl, [1, 23], 2)
     e = hashed(impl, [12, 3], 2)
     assert d != e, ("[1, 23] and [12, 3] must have different names: tokens written as text side "
@@ -87,10 +92,12 @@ def test_the_same_block_after_another_prefix_has_another_hash(impl):
     assert a[1] != b[1], ("block [3, 4] after [1, 2] and after [9, 9] got the same hash: a block's "
                           "hash must chain in the hash of the block before it")
     c = hashed(impl, [1, 2, 3, 4, 5], 2)
-    assert c == a, (f"[1, 2, 3, 4] and [1, 2, 3, 4, 5] share their two full blocks, so the same 2 hashes: "
-                    f"got {len(a)} and {len(c)} hashes" + ("" if len(c) != len(a) else ", not equal"))
+    assert c == a, ("[1, 2, 3, 4] and [1, 2, 3, 4, 5] share their two full blocks, so the same 2 "
+                    f"hashes: got {len(a)} and {len(c)} hashes"
+                    + ("" if len(c) != len(a) else ", not equal"))
     d = hashed(impl, [3, 4, 3, 4], 2)
-    assert d[0] != d[1], "block [3, 4] at position 0 and again after [3, 4] holds another prefix: different hashes"
+    assert d[0] != d[1], \
+        "block [3, 4] at position 0 and again after [3, 4] holds another prefix: different hashes"
 
 
 def test_parent_continues_a_chain(impl):
@@ -99,7 +106,8 @@ def test_parent_continues_a_chain(impl):
     whole = hashed(impl, list(range(10, 22)), 4)
     tail = hashed(impl, list(range(14, 22)), 4, parent=whole[0])
     assert tail == whole[1:], ("tokens 14..21 hashed from parent = the hash of block [10..13] must "
-                               "give blocks 1 and 2 of the whole list's hashes: start the chain at parent")
+                               "give blocks 1 and 2 of the whole list's hashes: "
+                               "start the chain at parent")
 
 
 # ---- match_prefix ----------------------------------------------------------------------------
@@ -109,10 +117,12 @@ H = reference_hashes(CTX, 4)
 
 def matched(impl, context, cached):
     got = impl.match_prefix(list(context), 4, dict(cached))
-    assert isinstance(got, list), f"match_prefix returns the cached blocks as a list of block ids, got {got!r}"
+    assert isinstance(got, list), \
+        f"match_prefix returns the cached blocks as a list of block ids, got {got!r}"
     kinds = sorted({type(b).__name__ for b in got})
     assert all(isinstance(b, int) for b in got), \
-        f"match_prefix returns block ids (cached's values, ints), not hashes: got a list of {', '.join(kinds)}"
+        ("match_prefix returns block ids (cached's values, ints), not hashes: got a list of "
+         f"{', '.join(kinds)}")
     return got
 
 
@@ -129,7 +139,8 @@ def test_match_prefix_stops_at_the_first_miss(impl):
     got = matched(impl, CTX + [13], {H[0]: 7, H[2]: 5})
     assert got == [7], f"block 1 is not cached: stop there, expected [7], got {got}"
     got = matched(impl, CTX + [13], {H[1]: 3, H[2]: 5})
-    assert got == [], f"block 0 is not cached: a block is only reused after its parents, expected [], got {got}"
+    assert got == [], \
+        f"block 0 is not cached: a block is only reused after its parents, expected [], got {got}"
     got = matched(impl, CTX + [13], {})
     assert got == [], f"an empty cache: expected [], got {got}"
 
@@ -139,12 +150,15 @@ def test_match_prefix_never_covers_the_last_token(impl):
     which the request must compute to sample from, so only 2 are reused."""
     cached = {H[0]: 7, H[1]: 3, H[2]: 5}
     got = matched(impl, CTX, cached)
-    assert got == [7, 3], (f"12 tokens = 3 full blocks, all cached: reusing block 2 would cover the "
-                           f"last token, leaving nothing to compute; expected [7, 3], got {got}")
+    assert got == [7, 3], ("12 tokens = 3 full blocks, all cached: reusing block 2 would cover "
+                           "the last token, leaving nothing to compute; expected [7, 3], got "
+                           f"{got}")
     got = matched(impl, CTX[:5], cached)
-    assert got == [7], f"5 tokens: block 0 is reused, the last token is computed; expected [7], got {got}"
+    assert got == [7], \
+        f"5 tokens: block 0 is reused, the last token is computed; expected [7], got {got}"
     got = matched(impl, CTX[:4], cached)
-    assert got == [], f"4 tokens = 1 full block: reusing it would cover the last token; expected [], got {got}"
+    assert got == [], \
+        f"4 tokens = 1 full block: reusing it would cover the last token; expected [], got {got}"
 
 
 def test_match_prefix_of_a_context_shorter_than_a_block(impl):
@@ -199,7 +213,8 @@ def test_take_blocks_evicts_the_least_recently_released(impl):
     assert bytes([2]) * 32 not in pc.cached and 2 not in pc.hash_of, \
         "block 2 is about to be overwritten: its name must leave pc.cached and pc.hash_of"
     assert list(pc.evictable) == [0, 3] and pc.refs[2] == 1, \
-        f"0 and 3 stay evictable, 2 is held once: evictable {list(pc.evictable)}, refs[2] {pc.refs[2]}"
+        (f"0 and 3 stay evictable, 2 is held once: evictable {list(pc.evictable)}, refs[2] "
+         f"{pc.refs[2]}")
 
 
 def test_take_blocks_takes_nothing_when_too_few(impl):
@@ -216,9 +231,11 @@ def test_share_blocks_counts_one_more_table(impl):
     with explained("share_blocks(pc, [4, 3])"):
         impl.share_blocks(pc, [4, 3])
     assert (pc.refs[4], pc.refs[3]) == (1, 3), \
-        f"each shared block is held once more: refs[4] 0 -> 1, refs[3] 2 -> 3, got {pc.refs[4]}, {pc.refs[3]}"
+        (f"each shared block is held once more: refs[4] 0 -> 1, refs[3] 2 -> 3, got {pc.refs[4]}, "
+         f"{pc.refs[3]}")
     assert list(pc.evictable) == [5], \
-        f"block 4 is in use again: it is no longer evictable (evictable should be [5], got {list(pc.evictable)})"
+        ("block 4 is in use again: it is no longer evictable (evictable should be [5], got "
+         f"{list(pc.evictable)})")
 
 
 def test_release_blocks_keeps_named_blocks_cached_last_block_first(impl):
@@ -233,7 +250,8 @@ def test_release_blocks_keeps_named_blocks_cached_last_block_first(impl):
     with explained(f"release_blocks(pc, {table + [shared]})"):
         impl.release_blocks(pc, table + [shared])
     assert [pc.refs[b] for b in table] == [0, 0, 0] and pc.refs[shared] == 1, \
-        f"each count falls by one: refs {[pc.refs[b] for b in table + [shared]]}, expected [0, 0, 0, 1]"
+        (f"each count falls by one: refs {[pc.refs[b] for b in table + [shared]]}, "
+         "expected [0, 0, 0, 1]")
     assert table[2] in pc.allocator.free_list and table[2] not in pc.evictable, \
         f"block {table[2]} has no name: the allocator takes it back"
     assert list(pc.evictable) == [table[1], table[0]], \
@@ -251,7 +269,8 @@ def test_release_blocks_refuses_a_block_nobody_holds(impl):
     with pytest.raises(ValueError) as e:
         impl.release_blocks(pc, [held, 2])
     assert "2" in str(e.value), f"the error names block 2, which nobody holds: {e.value}"
-    assert books(pc) == before, "a release that is refused changes nothing, not even the blocks before"
+    assert books(pc) == before, \
+        "a release that is refused changes nothing, not even the blocks before"
 
 
 # ---- the engine ------------------------------------------------------------------------------
@@ -309,11 +328,13 @@ def drive(eng, reqs, seed: int, abort_odds: int = 0):
             seen |= set(eng.cache.prefix.cached)
             step += 1
             assert step < 5_000, ("the engine never finishes: a request is never admitted, or "
-                                  "is left with nothing to compute (a match that covers its last token?)")
+                                  "is left with nothing to compute "
+                                  "(a match that covers its last token?)")
     return rids, aborted, seen
 
 
-@pytest.mark.parametrize("block_size, n_blocks, budget", [(4, 14, None), (2, 26, 5), (4, None, None)])
+@pytest.mark.parametrize("block_size, n_blocks, budget",
+                         [(4, 14, None), (2, 26, 5), (4, None, None)])
 def test_shared_prompts_arriving_between_steps_match_solo(plug, block_size, n_blocks, budget):
     """Requests sharing system prompts arrive between steps (so earlier ones' blocks are cached
     when later ones are admitted), greedy and seeded, some aborted, in pools from tight (cached
@@ -334,9 +355,11 @@ def test_shared_prompts_arriving_between_steps_match_solo(plug, block_size, n_bl
         assert msg is None, msg
     assert len(aborted) < len(reqs) // 2, "only a few requests are aborted"
     summary = eng.stats.summary([])
-    assert summary["cached_prompt_tokens"] > 0, f"{where}: later requests reuse the cached blocks of a shared prefix"
+    assert summary["cached_prompt_tokens"] > 0, \
+        f"{where}: later requests reuse the cached blocks of a shared prefix"
     if n_blocks is not None:
-        assert seen - set(eng.cache.prefix.cached), f"{where}: the pool is small enough that cached blocks are evicted"
+        assert seen - set(eng.cache.prefix.cached), \
+            f"{where}: the pool is small enough that cached blocks are evicted"
     msg = leaks(eng)
     assert msg is None, msg
 
@@ -348,9 +371,9 @@ def test_the_cache_serves_exactly_the_shared_full_blocks(plug):
     its block 0 three times over (1: the same tokens after another prefix are another prefix)."""
     plug()
     system = [(5 * j) % 96 + 1 for j in range(16)]
-    reqs = [Request(system + [50], 4), Request(system + [51, 52], 4), Request(system[:10] + [60], 4),
-            Request(list(system), 4), Request([90, 91, 92, 93] + system[4:] + [70], 4),
-            Request(system[:4] * 3 + [71], 4)]
+    reqs = [Request(system + [50], 4), Request(system + [51, 52], 4),
+            Request(system[:10] + [60], 4), Request(list(system), 4),
+            Request([90, 91, 92, 93] + system[4:] + [70], 4), Request(system[:4] * 3 + [71], 4)]
     reused = [0, 16, 8, 12, 0, 4]
     eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
     rids, step = [], 0
@@ -371,8 +394,10 @@ def test_the_cache_serves_exactly_the_shared_full_blocks(plug):
         (f"the requests can reuse {reused} prompt tokens, {sum(reused)} in all; the cache served "
          f"{summary['cached_prompt_tokens']}")
     assert summary["prefill_tokens"] == sum(len(r.prompt) for r in reqs) - sum(reused), \
-        f"the engine computed {summary['prefill_tokens']} prompt tokens, expected the rest of the prompts"
-    assert sum(eng.cache.prefix.refs) == 0, f"after every request ended some block is still referenced: refs {eng.cache.prefix.refs}"
+        (f"the engine computed {summary['prefill_tokens']} prompt tokens, "
+         "expected the rest of the prompts")
+    assert sum(eng.cache.prefix.refs) == 0, \
+        f"after every request ended some block is still referenced: refs {eng.cache.prefix.refs}"
     msg = leaks(eng)
     assert msg is None, msg
 
@@ -414,7 +439,8 @@ def test_a_match_ends_at_an_evicted_block(plug):
             eng.step()
         pc = eng.cache.prefix
         assert len(pc.cached) == 3, f"A's 3 full blocks should be cached, {len(pc.cached)} are"
-        first = [blk for h, blk in pc.cached.items() if h == prefix_cache.block_hashes(system, 4)[0]]
+        first = [blk for h, blk in pc.cached.items()
+                 if h == prefix_cache.block_hashes(system, 4)[0]]
         assert first, "A's block 0 is not in the cache under the name block_hashes gives its tokens"
         evict(pc, first[0])
         rids.append(eng.add_request(c))
@@ -424,9 +450,9 @@ def test_a_match_ends_at_an_evicted_block(plug):
         msg = divergence(f"request {'AC'[i]}", solo(TINY, r), eng.results[rids[i]].tokens)
         assert msg is None, msg
     cached = eng.stats.summary([])["cached_prompt_tokens"]
-    assert cached == 0, (f"the system prompt's block 0 was evicted, so the match of request C stops "
-                         f"there (blocks 1 and 2 hold keys that belong after it): expected 0 tokens "
-                         f"reused, the cache served {cached}")
+    assert cached == 0, ("the system prompt's block 0 was evicted, so the match of request C "
+                         "stops there (blocks 1 and 2 hold keys that belong after it): expected 0 "
+                         f"tokens reused, the cache served {cached}")
     msg = leaks(eng)
     assert msg is None, msg
 
@@ -464,12 +490,13 @@ def test_the_second_turn_reuses_the_first_turns_prompt_and_answer(plug):
     assert msg is None, msg
     msg = divergence("turn 2", solo(TINY, second), got)
     assert msg is None, msg
-    ctx = len(first.prompt) + len(answer) - 1           # turn 1's cache: its last token was never computed
+    # turn 1's cache: its last token was never computed
+    ctx = len(first.prompt) + len(answer) - 1
     reusable = ctx // 4 * 4
     cached = eng.stats.summary([])["cached_prompt_tokens"]
     assert cached == reusable, \
-        (f"turn 1 left {ctx} tokens in its slot ({len(first.prompt)} prompt + {len(answer)} answer - "
-         f"the last, never computed): {ctx // 4} full blocks, so turn 2 should reuse {reusable} "
+        (f"turn 1 left {ctx} tokens in its slot ({len(first.prompt)} prompt + {len(answer)} answer "
+         f"- the last, never computed): {ctx // 4} full blocks, so turn 2 should reuse {reusable} "
          f"tokens; the cache served {cached}")
     msg = leaks(eng)
     assert msg is None, msg
@@ -494,17 +521,19 @@ def test_bundled_model_with_your_functions(plug, bundled64):
             if not eng.has_work() and len(rids) == len(reqs):
                 break
             eng.step()
-    assert not eng.has_work(), "the engine never finished: a request is left with nothing to compute?"
+    assert not eng.has_work(), \
+        "the engine never finished: a request is left with nothing to compute?"
     expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, "the prompts are chosen so that EOS fires"
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, \
+        "the prompts are chosen so that EOS fires"
     for i, (e, rid) in enumerate(zip(expected, rids)):
         assert rid in eng.results, f"request {i} ({texts[i]!r}) never finished (no Result)"
         msg = divergence(f"request {i} ({texts[i]!r})", e, eng.results[rid].tokens)
         assert msg is None, msg
     cached = eng.stats.summary([])["cached_prompt_tokens"]
     assert cached >= 16 * (len(reqs) - 1), \
-        (f"each of the {len(reqs) - 1} later speeches finds at least the 4 full blocks of the shared "
-         f"18-token prefix, {16 * (len(reqs) - 1)} tokens in all; the cache served {cached}")
+        (f"each of the {len(reqs) - 1} later speeches finds at least the 4 full blocks of the "
+         f"shared 18-token prefix, {16 * (len(reqs) - 1)} tokens in all; the cache served {cached}")
     msg = leaks(eng)
     assert msg is None, msg
 

@@ -12,13 +12,13 @@ import numpy as np
 import openai
 import pytest
 
-from tinyllm.serving import loadgen
+from tests.test_server import NAME, PROMPTS, Running, solo_text
 from tinyllm.course.check import explained
 from tinyllm.generate import generate
 from tinyllm.requests import Event
+from tinyllm.serving import loadgen
 from tinyllm.serving.server import APIError, Ticket
 from tinyllm.serving.textstream import REPLACEMENT, TextStream
-from tests.test_server import NAME, PROMPTS, Running, solo_text
 
 EXERCISE = "ex10_serving"
 
@@ -39,7 +39,8 @@ EXERCISE = "ex10_serving"
     ("ab END cd STOP", 0, ["STOP", "END"], False, ("ab ", True), "the earliest stop string"),
     ("ab STOP cd END", 0, ["END", "STOP"], False, ("ab ", True),
      "the earliest stop string in the text, whatever the order of the list"),
-    ("I say no", 0, ["no more"], False, ("I say ", False), "the longest start of a stop string waits"),
+    ("I say no", 0, ["no more"], False, ("I say ", False),
+     "the longest start of a stop string waits"),
     ("ab", 0, ["bc", "ac"], False, ("a", False),
      "only the end of the text that begins a stop string waits: 'b' may begin 'bc', but 'a' is "
      "not the end of the text"),
@@ -96,7 +97,8 @@ def test_a_random_stream_adds_up_to_its_text(impl, plug):
         assert "".join(pieces) == expected, \
             f"trial {trial}: text {text!r}, stops {stops}: pieces {pieces} add up to " \
             f"{''.join(pieces)!r}, expected {expected!r}"
-        assert all(REPLACEMENT not in p for p in pieces[:-1]), f"trial {trial}: a split character {pieces}"
+        assert all(REPLACEMENT not in p for p in pieces[:-1]), \
+            f"trial {trial}: a split character {pieces}"
 
 
 # ---- dispatch --------------------------------------------------------------------------------
@@ -120,14 +122,16 @@ def test_dispatch_hands_each_token_to_its_request(impl):
         "request 7's last token is an Event that is done, with its finish_reason"
     assert queued(c) == [], "request 8 made no token this step: its queue gets nothing"
     assert tickets == {4: a, 8: c}, \
-        f"a finished request leaves tickets, the others stay: expected keys [4, 8], got {sorted(tickets)}"
+        ("a finished request leaves tickets, the others stay: expected keys [4, 8], got "
+         f"{sorted(tickets)}")
 
 
 def test_dispatch_refuses_with_a_400_and_forgets_the_request(impl):
     a, b = Ticket(None, 1), Ticket(None, 2)
     tickets = {1: a, 2: b}
     with explained("dispatch with a refused request"):
-        impl.dispatch(tickets, [(2, 5, "length")], [(1, "prompt of 90 tokens never fits"), (3, "gone")])
+        impl.dispatch(tickets, [(2, 5, "length")],
+                      [(1, "prompt of 90 tokens never fits"), (3, "gone")])
     got = queued(a)
     assert len(got) == 1 and isinstance(got[0], APIError), \
         f"a refused request's queue gets one APIError, got {got}"
@@ -162,7 +166,8 @@ def parsed(events: list[str]) -> list:
         assert isinstance(e, str), f"event {i} is a {type(e).__name__}: each event is a str"
         assert e.startswith("data: "), f"event {i} {e!r} must start with 'data: '"
         assert e.endswith("\n\n") and "\n\n" not in e[:-2], \
-            f"event {i} {e!r} must end with one blank line ('\\n\\n'): a client reads an event up to it"
+            (f"event {i} {e!r} must end with one blank line ('\\n\\n'): "
+             "a client reads an event up to it")
         body = e[len("data: "):-2]
         if body == "[DONE]":
             out.append(body)
@@ -179,15 +184,18 @@ def choice(**kw) -> dict:
 
 
 def test_sse_events_of_a_completion(impl):
-    got = parsed(events_of(impl, [("Good", None, 1), (" morrow", "length", 2)], "completions", False))
+    got = parsed(events_of(impl, [("Good", None, 1), (" morrow", "length", 2)], "completions",
+                           False))
     expected = [{**HEAD, "choices": [choice(text="Good", finish_reason=None)]},
                 {**HEAD, "choices": [choice(text=" morrow", finish_reason="length")]}, "[DONE]"]
-    assert got == expected, f"the events of two pieces, then [DONE]:\nexpected {expected}\ngot      {got}"
+    assert got == expected, \
+        f"the events of two pieces, then [DONE]:\nexpected {expected}\ngot      {got}"
 
 
 def test_sse_events_of_a_chat_with_usage(impl):
     got = parsed(events_of(impl, [("Nay", None, 2), ("", "stop", 3)], "chat", True, n_prompt=9))
-    expected = [{**HEAD, "choices": [choice(delta={"role": "assistant", "content": ""}, finish_reason=None)]},
+    expected = [{**HEAD, "choices": [choice(delta={"role": "assistant", "content": ""},
+                                            finish_reason=None)]},
                 {**HEAD, "choices": [choice(delta={"content": "Nay"}, finish_reason=None)]},
                 {**HEAD, "choices": [choice(delta={}, finish_reason="stop")]},
                 {**HEAD, "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3,
@@ -209,7 +217,8 @@ def test_percentile_matches_numpy(impl):
         for p in [0, 50, 90, 99, 100]:
             got = impl.percentile(list(xs), p)
             assert got == pytest.approx(float(np.percentile(xs, p))), \
-                f"percentile of {n} values at p={p}: expected {np.percentile(xs, p):.6f}, got {got!r}"
+                (f"percentile of {n} values at p={p}: expected {np.percentile(xs, p):.6f}, got "
+                 f"{got!r}")
     try:
         empty = impl.percentile([], 50)
     except NotImplementedError:
@@ -220,7 +229,8 @@ def test_percentile_matches_numpy(impl):
     assert empty == 0.0, f"no values: 0.0, got {empty!r}"
     xs = [3.0, 1.0, 2.0]
     impl.percentile(xs, 50)
-    assert xs == [3.0, 1.0, 2.0], f"percentile must not reorder the caller's list: [3.0, 1.0, 2.0] became {xs}"
+    assert xs == [3.0, 1.0, 2.0], \
+        f"percentile must not reorder the caller's list: [3.0, 1.0, 2.0] became {xs}"
 
 
 def test_loadgen_figures_use_your_percentile(impl, plug):
@@ -228,7 +238,8 @@ def test_loadgen_figures_use_your_percentile(impl, plug):
     recs = [loadgen.Record(0.0, [0.1 * (i + 1), 0.1 * (i + 1) + 0.05], 2) for i in range(10)]
     with explained("summarize with your percentile"):
         out = loadgen.summarize(recs, duration=2.0)
-    assert out["ttft_p50_ms"] == pytest.approx(550.0) and out["ttft_p90_ms"] == pytest.approx(910.0), \
+    assert (out["ttft_p50_ms"] == pytest.approx(550.0)
+            and out["ttft_p90_ms"] == pytest.approx(910.0)), \
         f"TTFTs 100..1000 ms: p50 550, p90 910, got {out['ttft_p50_ms']}, {out['ttft_p90_ms']}"
 
 
@@ -334,8 +345,10 @@ def test_concurrent_streams_an_abort_and_a_refusal(impl, plug, running):
                 model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=n,
                 temperature=0, stream=True, stream_options={"include_usage": True})
             chunks = [c async for c in stream]
-            assert chunks[0].choices[0].delta.role == "assistant", "a chat stream opens with the role"
-            assert chunks[-1].usage is not None and not chunks[-1].choices, "the usage comes last, alone"
+            assert chunks[0].choices[0].delta.role == "assistant", \
+                "a chat stream opens with the role"
+            assert chunks[-1].usage is not None and not chunks[-1].choices, \
+                "the usage comes last, alone"
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             return text, chunks[-1].usage.completion_tokens
         stream = await cl.completions.create(model=NAME, prompt=prompt, max_tokens=n,
@@ -359,7 +372,8 @@ def test_concurrent_streams_an_abort_and_a_refusal(impl, plug, running):
     out = asyncio.run(all_of_them())
     refused = out[5]
     assert isinstance(refused, openai.BadRequestError), \
-        f"a request of {PROMPTS[5]!r} and 120 new tokens never fits 96 positions: a 400, got {refused!r}"
+        (f"a request of {PROMPTS[5]!r} and 120 new tokens never fits 96 positions: a 400, got "
+         f"{refused!r}")
     assert refused.body["param"] == "prompt", refused.body
     model, tok = running.engine.model, running.tok
     for i, got in enumerate(out[:12]):
@@ -370,7 +384,8 @@ def test_concurrent_streams_an_abort_and_a_refusal(impl, plug, running):
         text, n_usage = got
         prompt, n = PROMPTS[i % len(PROMPTS)], 6 + (7 * i) % 25
         if i % 3 == 1:
-            prompt = tok.apply_chat_template([{"role": "user", "content": prompt}]).removeprefix("<|endoftext|>")
+            prompt = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}]).removeprefix("<|endoftext|>")
         toks = generate(model, tok.encode(prompt), n, eos_id=tok.eos_id)
         assert text == tok.decode(toks), f"stream {i}: {text!r}, expected {tok.decode(toks)!r}"
         assert n_usage in (None, len(toks)), \

@@ -20,9 +20,9 @@ from jinja2.exceptions import TemplateSyntaxError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tinyllm.model import ModelConfig, Transformer, gpu_dtype
 from tinyllm.checkpoints.chat_template import compile_template
 from tinyllm.checkpoints.tokenizer import Tokenizer
+from tinyllm.model import ModelConfig, Transformer, gpu_dtype
 
 DEFAULT = Path(__file__).parents[1] / "weights" / "shakespeare"
 

@@ -25,11 +25,17 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from tinyllm.checkpoints.checkpoint import (CheckpointError, check_chat_template, check_heads,
-                                            is_int, load_state, pick_device_dtype,
-                                            positions_to_serve)
-from tinyllm.model import ModelConfig, Transformer, llama3_frequencies
+from tinyllm.checkpoints.checkpoint import (
+    CheckpointError,
+    check_chat_template,
+    check_heads,
+    is_int,
+    load_state,
+    pick_device_dtype,
+    positions_to_serve,
+)
 from tinyllm.checkpoints.tokenizer import Tokenizer
+from tinyllm.model import ModelConfig, Transformer, llama3_frequencies
 
 ARCHITECTURES = ("llama", "qwen2")     # general.architecture values tinyllm reads
 READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",

@@ -10,11 +10,18 @@ from pathlib import Path
 
 import torch
 
-from tinyllm.checkpoints.checkpoint import (NAMES, CheckpointError, check_max_seq_len, fetch,
-                                            load_dir, pick_device_dtype, resolve)
+from tinyllm.checkpoints.checkpoint import (
+    NAMES,
+    CheckpointError,
+    check_max_seq_len,
+    fetch,
+    load_dir,
+    pick_device_dtype,
+    resolve,
+)
 from tinyllm.checkpoints.gguf_file import load_gguf
-from tinyllm.model import Transformer
 from tinyllm.checkpoints.tokenizer import Tokenizer
+from tinyllm.model import Transformer
 
 
 def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = None,

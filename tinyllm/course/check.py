@@ -99,7 +99,8 @@ def public_functions(path: Path) -> list[str]:
             if isinstance(node, FUNCTIONS) and not node.name.startswith("_")]
 
 
-def run_tests(nn: str | list[str], impl: str = "exercises") -> dict[str, list[tuple[str, str, str]]]:
+def run_tests(nn: str | list[str],
+              impl: str = "exercises") -> dict[str, list[tuple[str, str, str]]]:
     """Run tests/exercises/test_exNN_*.py, for one exercise or several in one pytest process, on
     exercises/ or solutions/. Returns {nn: [(test name, 'passed' | 'failed' | 'skipped', first
     line of the message)]}."""
@@ -118,7 +119,8 @@ def run_tests(nn: str | list[str], impl: str = "exercises") -> dict[str, list[tu
                        cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
         if not xml.exists():
-            return {n: [(f"{t}.py", "failed", "the tests could not be collected")] for t, n in tests.items()}
+            return {n: [(f"{t}.py", "failed", "the tests could not be collected")]
+                    for t, n in tests.items()}
         out: dict[str, list] = {n: [] for n in nns}
         for case in ET.parse(xml).iter("testcase"):
             out[tests[case.get("classname", "").rsplit(".", 1)[-1]]].append(_outcome(case))
@@ -183,7 +185,8 @@ def prove_stubs_fail() -> bool:
                   "CI proves the untouched stubs fail")
     if not untouched:
         return ok
-    print(f"running the tests of exercises {', '.join(untouched)} on the untouched stubs...", flush=True)
+    print(f"running the tests of exercises {', '.join(untouched)} on the untouched stubs...",
+          flush=True)
     for nn, outcomes in run_tests(untouched, "exercises").items():
         name = exercise_files()[nn].name
         passing = [n for n, s, _ in outcomes if s != "failed"]

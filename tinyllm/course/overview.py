@@ -15,16 +15,19 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 # name: (x, y, width, height, text, the steps that build it)
 PARTS = {
     "client": (0.0, 3.0, 1.7, 1.1, "client\nan OpenAI client,\nthe load generator", {"10"}),
-    "server": (2.4, 3.0, 2.5, 1.1, "server (10)\nHTTP, server-sent events,\ntext a settled piece at a time", {"10"}),
-    "process": (5.6, 3.0, 2.3, 1.1, "engine process (10)\nadds, aborts in;\neach step's tokens out", {"10"}),
-    "scheduler": (8.6, 3.0, 3.2, 1.1, "scheduler (03, 04, 05, 07)\nwaiting -> admitted -> running;\n"
-                  "preempt; a token budget", {"03", "04", "05", "07"}),
-    "cache": (8.6, 0.8, 3.2, 1.5, "KV cache\none request (01), slots (04),\nblocks of a pool (05),\n"
-              "shared prefix blocks (08)", {"01", "04", "05", "08"}),
+    "server": (2.4, 3.0, 2.5, 1.1, "server (10)\nHTTP, server-sent events,\n"
+               "text a settled piece at a time", {"10"}),
+    "process": (5.6, 3.0, 2.3, 1.1, "engine process (10)\nadds, aborts in;\n"
+                "each step's tokens out", {"10"}),
+    "scheduler": (8.6, 3.0, 3.2, 1.1, "scheduler (03, 04, 05, 07)\n"
+                  "waiting -> admitted -> running;\npreempt; a token budget",
+                  {"03", "04", "05", "07"}),
+    "cache": (8.6, 0.8, 3.2, 1.5, "KV cache\none request (01), slots (04),\n"
+              "blocks of a pool (05),\nshared prefix blocks (08)", {"01", "04", "05", "08"}),
     "model": (4.9, 0.8, 3.0, 1.5, "model (00): one forward pass\na ragged step: prefill (02),\n"
               "chunks (07), decode;\nreplayed or compiled (06)", {"00", "02", "03", "06", "07"}),
-    "tokens": (1.6, 0.8, 2.6, 1.5, "token stage (01)\nlogits -> the next token\n(greedy or sampled);\n"
-               "stop at EOS", {"00", "01", "03"}),
+    "tokens": (1.6, 0.8, 2.6, 1.5, "token stage (01)\nlogits -> the next token\n"
+               "(greedy or sampled);\nstop at EOS", {"00", "01", "03"}),
     "checkpoint": (4.9, -1.0, 3.0, 1.0, "checkpoint (00, 09)\nweights, tokenizer,\nchat template",
                    {"00", "09"}),
 }
@@ -58,7 +61,8 @@ def engine_map(step: str | None = None, ax=None):
         lit = step is None or step in steps
         ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.05,rounding_size=0.12",
                                     facecolor="#fdd9a0" if lit else "#f2f2f2",
-                                    edgecolor="#c25a00" if lit else "#bbbbbb", lw=1.6 if lit else 0.8))
+                                    edgecolor="#c25a00" if lit else "#bbbbbb",
+                                    lw=1.6 if lit else 0.8))
         ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8,
                 color="black" if lit else "#888888")
     n = 0

@@ -176,7 +176,8 @@ def queue_and_slots(holders: list, waiting: list, ax=None, title: str = "", mark
     S, q0 = len(holders), len(holders) + 1
     for s, rid in enumerate(holders):
         colour = "white" if rid is None else COLOURS[rid % 20]
-        _box(ax, s, 0, "free" if rid is None else f"r{rid}", colour, rid is not None and rid in mark)
+        _box(ax, s, 0, "free" if rid is None else f"r{rid}", colour,
+             rid is not None and rid in mark)
         ax.text(s + 0.45, -0.1, f"slot {s}", ha="center", va="top", fontsize=8)
     for i, rid in enumerate(waiting):
         _box(ax, q0 + i, 0, f"r{rid}", COLOURS[rid % 20], rid in mark)
@@ -215,8 +216,10 @@ def table_map(table: list[int], n_tokens: int, block_size: int, n_blocks: int, a
         ax.add_patch(Rectangle((r, 0), 1, 0.6, facecolor=colour, edgecolor="0.75", lw=0.4))
         ax.text(r + 0.5, 0.3, str(r), ha="center", va="center", fontsize=small - 1)
     for b in range(n_blocks):
-        ax.add_patch(Rectangle((b * block_size, 0), block_size, 0.6, fill=False, edgecolor="0.3", lw=1))
-        ax.text(b * block_size + block_size / 2, -0.1, f"block {b}", ha="center", va="top", fontsize=7)
+        ax.add_patch(Rectangle((b * block_size, 0), block_size, 0.6, fill=False, edgecolor="0.3",
+                               lw=1))
+        ax.text(b * block_size + block_size / 2, -0.1, f"block {b}", ha="center", va="top",
+                fontsize=7)
     ax.text(-0.5, 2.3, "position", ha="right", va="center", fontsize=9)
     ax.text(-0.5, 0.3, "pool row", ha="right", va="center", fontsize=9)
     ax.set(xlim=(-0.2, max(n_tokens, n_blocks * block_size) + 0.2), ylim=(-0.6, 3.1))
@@ -266,7 +269,8 @@ class SlotStepper:
         lines = [f"step {self.steps}: {waiting} waiting, {active} of {self.engine.config.n_slots} "
                  f"slots decoding, {len(self.finished)} finished"]
         for s, rid in enumerate(self.engine.holders()):  # the request each slot holds (None: free)
-            lines.append(f"slot {s}: " + ("free" if rid is None else f"r{rid:<3} {self._line(rid)}"))
+            lines.append(f"slot {s}: " + ("free" if rid is None
+                                          else f"r{rid:<3} {self._line(rid)}"))
         for rid in self.finished[-3:][::-1]:
             lines.append(f"done    r{rid:<3} {self._line(rid)}")
         return "\n".join(lines)
@@ -362,7 +366,8 @@ def prefix_pool(cache, ax=None, holders: list | None = None, title: str = "",
     if tables:
         for i, (s, key) in enumerate(keys.items()):
             y = -0.04 - 0.11 * i
-            ax.text(0, y, "■", color=COLOURS[key % 20], transform=ax.transAxes, va="top", fontsize=11)
+            ax.text(0, y, "■", color=COLOURS[key % 20], transform=ax.transAxes, va="top",
+                    fontsize=11)
             label = f"r{key} (slot {s})" if holders is not None else f"slot {s}"
             ax.text(0.06, y, f"{label}: {cache.tables[s]}", transform=ax.transAxes, va="top",
                     fontsize=8, family="monospace")
@@ -429,8 +434,10 @@ def chunk_timeline(trace, ax=None, step_s: list[float] | None = None, title: str
     ax.set_yticks(range(n_rows))
     if legend:
         grey = "0.45"
-        ax.legend(handles=[Rectangle((0, 0), 1, 1, facecolor=grey, alpha=0.35, label="decode: 1 token"),
-                           Rectangle((0, 0), 1, 1, facecolor=grey, label="prompt chunk (its tokens)"),
+        ax.legend(handles=[Rectangle((0, 0), 1, 1, facecolor=grey, alpha=0.35,
+                                     label="decode: 1 token"),
+                           Rectangle((0, 0), 1, 1, facecolor=grey,
+                                     label="prompt chunk (its tokens)"),
                            Rectangle((0, 0), 1, 1, facecolor="white", edgecolor=grey, hatch="///",
                                      label="waits for the budget")],
                   loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)

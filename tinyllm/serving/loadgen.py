@@ -202,15 +202,22 @@ def main(argv=None) -> None:
                "  python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --concurrency 16")
     ap.add_argument("--url", required=True, help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
     ap.add_argument("--rate", default="4", metavar="R[,R...]",
-                    help="requests per second, Poisson arrivals; several for a sweep; inf: all at once (default: 4)")
+                    help="requests per second, Poisson arrivals; several for a sweep; "
+                         "inf: all at once (default: 4)")
     ap.add_argument("--concurrency", type=int, default=None, metavar="N",
-                    help="instead of a rate: N clients, each sending its next request when its last ends")
-    ap.add_argument("--requests", type=int, default=64, metavar="N", help="requests per run (default: 64)")
+                    help="instead of a rate: N clients, each sending its next request "
+                         "when its last ends")
+    ap.add_argument("--requests", type=int, default=64, metavar="N",
+                    help="requests per run (default: 64)")
     ap.add_argument("--workload", default="longtail", metavar="NAME",
-                    help="a workload of `python -m tinyllm bench --help`, as text (default: longtail)")
-    ap.add_argument("--model", default=None, help="the model name to ask for (default: the server's first)")
-    ap.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS", help="goodput: TTFT at most MS")
-    ap.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS", help="goodput: TPOT at most MS")
+                    help="a workload of `python -m tinyllm bench --help`, as text "
+                         "(default: longtail)")
+    ap.add_argument("--model", default=None,
+                    help="the model name to ask for (default: the server's first)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                    help="goodput: TTFT at most MS")
+    ap.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                    help="goodput: TPOT at most MS")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)

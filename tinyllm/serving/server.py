@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing
-
 from jinja2.exceptions import TemplateError
 
 from tinyllm.config import EngineConfig
@@ -648,7 +647,8 @@ def make_app(served: Served):
     """The FastAPI app serving `served`; its engine loop runs while the app does."""
     from contextlib import asynccontextmanager
 
-    from fastapi import FastAPI, Request as HTTPRequest
+    from fastapi import FastAPI
+    from fastapi import Request as HTTPRequest
     from fastapi.responses import JSONResponse, PlainTextResponse
 
     @asynccontextmanager

@@ -57,7 +57,8 @@ class TextStream:
     def _piece(self, final: bool) -> str:
         if self.stopped:
             return ""
-        piece, self.stopped = next_piece(self.decode(self.tokens), len(self.text), self.stops, final)
+        piece, self.stopped = next_piece(self.decode(self.tokens), len(self.text), self.stops,
+                                         final)
         self.text += piece
         return piece
 
