@@ -21,8 +21,16 @@ from tinyllm.serving import server
 from tinyllm.serving.textstream import REPLACEMENT, TextStream, next_piece
 
 NAME = "tinyllm-test"
-PROMPTS = ["Ham.\nTo be, or not", "Rom.\nBut soft", "Lear.\nBlow, winds", "Jul.\nO Romeo",
-           "Macb.\nIs this a dagger", "Fool.\n", "Oth.\nIt is the cause", "Nurse.\n"]
+PROMPTS = [
+    "Ham.\nTo be, or not",
+    "Rom.\nBut soft",
+    "Lear.\nBlow, winds",
+    "Jul.\nO Romeo",
+    "Macb.\nIs this a dagger",
+    "Fool.\n",
+    "Oth.\nIt is the cause",
+    "Nurse.\n",
+]
 
 
 class Running:
@@ -36,8 +44,12 @@ class Running:
         self.port = sock.getsockname()[1]
         sock.close()
         import uvicorn
-        self.uv = uvicorn.Server(uvicorn.Config(server.make_app(self.served), host="127.0.0.1",
-                                                port=self.port, log_level="warning"))
+
+        self.uv = uvicorn.Server(
+            uvicorn.Config(
+                server.make_app(self.served), host="127.0.0.1", port=self.port, log_level="warning"
+            )
+        )
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
         # ready when uvicorn has started, which is after the engine process said it is ready;
@@ -67,9 +79,10 @@ class Running:
             time.sleep(0.01)
         loop = self.served.loop
         assert self.request_counts() != (0, 0) or loop.integrity is None, loop.integrity
-        assert self.request_counts() != (0, 0) or not loop.tickets, \
-            f"the engine is idle, yet the HTTP side still holds requests {sorted(loop.tickets)}: " \
+        assert self.request_counts() != (0, 0) or not loop.tickets, (
+            f"the engine is idle, yet the HTTP side still holds requests {sorted(loop.tickets)}: "
             f"a finished or refused request leaves EngineLoop.tickets"
+        )
         return self.request_counts()
 
 
@@ -85,8 +98,9 @@ def solo_text(running, prompt: str, n: int, **sampling) -> str:
     model, tok = running.engine.model, running.tok
     seed = sampling.pop("seed", None)
     g = torch.Generator().manual_seed(seed) if seed is not None else None
-    return tok.decode(generate(model, tok.encode(prompt), n, eos_id=tok.eos_id, generator=g,
-                               **sampling))
+    return tok.decode(
+        generate(model, tok.encode(prompt), n, eos_id=tok.eos_id, generator=g, **sampling)
+    )
 
 
 def test_a_greedy_completion_equals_solo_streamed_or_not(running):
@@ -97,29 +111,40 @@ def test_a_greedy_completion_equals_solo_streamed_or_not(running):
         assert r.choices[0].text == expected
         assert r.choices[0].finish_reason in ("stop", "length")
         assert r.usage.prompt_tokens == len(running.tok.encode(prompt))
-        stream = cl.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
-                                       stream=True, stream_options={"include_usage": True})
+        stream = cl.completions.create(
+            model=NAME,
+            prompt=prompt,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
         assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
-        assert ([c.choices[0].finish_reason for c in chunks if c.choices][-1]
-                == r.choices[0].finish_reason)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[
+            0
+        ].finish_reason
     assert running.wait_idle() == (0, 0)
 
 
 def test_chat_completion_uses_the_models_chat_template(running):
     cl = running.client()
-    messages = [{"role": "system", "content": "Speak as a king."},
-                {"role": "user", "content": "Who art thou?"}]
+    messages = [
+        {"role": "system", "content": "Speak as a king."},
+        {"role": "user", "content": "Who art thou?"},
+    ]
     prompt = running.tok.apply_chat_template(messages)
-    assert prompt == ("<|endoftext|>System.\nSpeak as a king.\n\nUser.\nWho art thou?\n\n"
-                      "Assistant.\n")
-    prompt = prompt.removeprefix("<|endoftext|>")       # solo_text's encode() puts it back
+    assert prompt == (
+        "<|endoftext|>System.\nSpeak as a king.\n\nUser.\nWho art thou?\n\nAssistant.\n"
+    )
+    prompt = prompt.removeprefix("<|endoftext|>")  # solo_text's encode() puts it back
     expected = solo_text(running, prompt, 24)
     r = cl.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
     assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"
-    stream = cl.chat.completions.create(model=NAME, messages=messages, max_tokens=24,
-                                        temperature=0, stream=True)
+    stream = cl.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=24, temperature=0, stream=True
+    )
     deltas = [c.choices[0].delta for c in stream]
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == expected
@@ -130,8 +155,9 @@ def test_32_concurrent_streams_each_equal_their_solo_answer(running):
     lengths = [8 + (5 * i) % 23 for i in range(32)]
 
     async def one(cl, prompt, n):
-        stream = await cl.completions.create(model=NAME, prompt=prompt, max_tokens=n,
-                                             temperature=0, stream=True)
+        stream = await cl.completions.create(
+            model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream])
 
     async def all_of_them():
@@ -145,8 +171,13 @@ def test_32_concurrent_streams_each_equal_their_solo_answer(running):
 
 
 def test_a_client_that_goes_away_frees_its_slot_at_once(running):
-    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
-            "stream": True}
+    body = {
+        "model": NAME,
+        "prompt": PROMPTS[0],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", running.url + "/completions", json=body, timeout=30) as resp:
         chunks = 0
         for line in resp.iter_lines():
@@ -169,21 +200,33 @@ def test_a_stop_string_ends_the_answer_before_it(running):
     full = solo_text(running, PROMPTS[0], 40)
     stop = full[10:13]
     cl = running.client()
-    r = cl.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0,
-                              stop=[stop])
-    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
-    stream = cl.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0,
-                                   stop=stop, stream=True)
-    assert "".join(c.choices[0].text for c in stream) == full[:full.index(stop)]
+    r = cl.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    stream = cl.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == full[: full.index(stop)]
     assert running.wait_idle() == (0, 0), "the stopped request was aborted in the engine"
 
 
-@pytest.mark.parametrize("kw, param", [
-    (dict(n=2), "n"), (dict(temperature=3), "temperature"), (dict(top_p=0), "top_p"),
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=600), "prompt"),
-    (dict(extra_body={"top_k": 0}), "top_k"), (dict(extra_body={"best_of": 2}), "best_of"),
-    (dict(stop=["a", "b", "c", "d", "e"]), "stop"), (dict(prompt=[1, 2, 99999]), "prompt"),
-    (dict(prompt=[]), "prompt"), (dict(max_tokens="many"), "max_tokens")])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (dict(n=2), "n"),
+        (dict(temperature=3), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=600), "prompt"),
+        (dict(extra_body={"top_k": -2}), "top_k"),
+        (dict(extra_body={"best_of": 2}), "best_of"),
+        (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (dict(prompt=[1, 2, 99999]), "prompt"),
+        (dict(prompt=[]), "prompt"),
+        (dict(max_tokens="many"), "max_tokens"),
+    ],
+)
 def test_bad_requests_get_a_400_naming_the_field(running, kw, param):
     kw = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 5, **kw}
     with pytest.raises(openai.BadRequestError) as e:
@@ -199,8 +242,9 @@ def test_bad_json_an_unknown_model_and_bad_messages(running):
         running.client().completions.create(model="gpt-9", prompt="x", max_tokens=2)
     assert e.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as e:
-        running.client().chat.completions.create(model=NAME, max_tokens=2,
-                                                 messages=[{"role": "wizard", "content": "hi"}])
+        running.client().chat.completions.create(
+            model=NAME, max_tokens=2, messages=[{"role": "wizard", "content": "hi"}]
+        )
     assert e.value.body["param"] == "messages"
 
 
@@ -208,25 +252,30 @@ def test_a_full_server_answers_429_and_serves_the_rest(bundled64):
     model, tok = bundled64
     srv = Running(ContinuousEngine(model, 1), tok, max_waiting=2)
     try:
+
         async def go():
             cl = openai.AsyncOpenAI(base_url=srv.url, api_key="none", max_retries=0)
 
             async def one(i):
                 try:
-                    r = await cl.completions.create(model=NAME, prompt=PROMPTS[i % 8],
-                                                    max_tokens=30, temperature=0)
+                    r = await cl.completions.create(
+                        model=NAME, prompt=PROMPTS[i % 8], max_tokens=30, temperature=0
+                    )
                     return r.choices[0].text
                 except openai.RateLimitError as e:
                     return e
+
             return await asyncio.gather(*(one(i) for i in range(8)))
+
         out = asyncio.run(go())
         refused = [o for o in out if isinstance(o, openai.RateLimitError)]
         served = [(i, o) for i, o in enumerate(out) if isinstance(o, str)]
         assert refused and served, f"{len(refused)} refused, {len(served)} served"
         assert "the server is full" in refused[0].body["message"]
         for i, text in served:
-            assert text == tok.decode(generate(model, tok.encode(PROMPTS[i % 8]), 30,
-                                               eos_id=tok.eos_id))
+            assert text == tok.decode(
+                generate(model, tok.encode(PROMPTS[i % 8]), 30, eos_id=tok.eos_id)
+            )
         assert srv.wait_idle() == (0, 0)
     finally:
         srv.stop()
@@ -239,10 +288,15 @@ def test_models_health_and_metrics(running):
     health = httpx.get(running.url[:-3] + "/health")
     assert health.status_code == 200 and health.json() == {"status": "ok", "kv_cache": "ok"}
     text = httpx.get(running.url[:-3] + "/metrics").text
-    for name in ("tinyllm_requests_running 0.0", "tinyllm_requests_waiting 0.0",
-                 "tinyllm_generation_tokens_total", "tinyllm_time_to_first_token_seconds_bucket",
-                 "tinyllm_inter_token_latency_seconds_count", "tinyllm_kv_cache_usage_ratio",
-                 "tinyllm_kv_cache_integrity_ok 1.0"):
+    for name in (
+        "tinyllm_requests_running 0.0",
+        "tinyllm_requests_waiting 0.0",
+        "tinyllm_generation_tokens_total",
+        "tinyllm_time_to_first_token_seconds_bucket",
+        "tinyllm_inter_token_latency_seconds_count",
+        "tinyllm_kv_cache_usage_ratio",
+        "tinyllm_kv_cache_integrity_ok 1.0",
+    ):
         assert name in text, name
 
 
@@ -263,8 +317,9 @@ def test_kv_cache_books_gone_wrong_show_in_health_and_metrics(bundled64, monkeyp
     monkeypatch.setattr(engine.cache, "check_integrity", books_gone_wrong)
     srv = Running(engine, tok)
     try:
-        r = srv.client().completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=5,
-                                            temperature=0)
+        r = srv.client().completions.create(
+            model=NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0
+        )
         assert r.choices[0].text == solo_text(srv, PROMPTS[0], 5), "the server still serves"
         t0 = time.time()
         while srv.served.loop.integrity is None and time.time() - t0 < 10:
@@ -281,25 +336,34 @@ def test_the_pipes_messages_pickle():
     """Every message between the server and its engine process survives the pipe's pickling."""
     from tinyllm.requests import Request
     from tinyllm.serving import messages as m
-    for message in (m.Ready(), m.Add(3, Request([1, 2], 4)), m.Abort(3), m.Stop(),
-                    m.StepReport([(3, 11, None), (4, 12, "stop")], [(5, "too long")], 2, (0, 1),
-                                 0.25, None), m.Failed("RuntimeError: out of memory")):
+
+    for message in (
+        m.Ready(),
+        m.Add(3, Request([1, 2], 4)),
+        m.Abort(3),
+        m.Stop(),
+        m.StepReport([(3, 11, None), (4, 12, "stop")], [(5, "too long")], 2, (0, 1), 0.25, None),
+        m.Failed("RuntimeError: out of memory"),
+    ):
         assert pickle.loads(pickle.dumps(message)) == message, message
 
 
 def test_serve_takes_the_engines_flags_from_engine_config():
     """`serve` parses EngineConfig's flags; a bad setting is named before any model loads."""
     from tinyllm.config import EngineConfig
-    args = server.serve_parser().parse_args(["--port", "9", "--slots", "4", "--kv", "paged",
-                                             "--prefix-cache", "--max-waiting", "3"])
+
+    args = server.serve_parser().parse_args(
+        ["--port", "9", "--slots", "4", "--kv", "paged", "--prefix-cache", "--max-waiting", "3"]
+    )
     assert (args.port, args.max_waiting) == (9, 3)
     assert EngineConfig.from_args(args) == EngineConfig(4, kv="paged", prefix_cache=True)
     with pytest.raises(SystemExit) as e:
-        server.serve_main(["--prefix-cache"])           # on slots: refused
+        server.serve_main(["--prefix-cache"])  # on slots: refused
     assert e.value.code == 2
 
 
 # ---- the text stream (no server) -----------------------------------------------------------------
+
 
 def test_next_piece_holds_back_split_characters_and_stop_prefixes():
     assert next_piece("Good morrow", 0, []) == ("Good morrow", False)
@@ -314,9 +378,11 @@ def test_next_piece_holds_back_split_characters_and_stop_prefixes():
 
 def test_text_stream_over_a_byte_level_decode():
     """A decode that, like a byte-level tokenizer, gives U+FFFD for half a character."""
-    def decode(ids):                                    # é arrives as two tokens' bytes
+
+    def decode(ids):  # é arrives as two tokens' bytes
         data = b"".join({0: b"H", 1: b"\xc3", 2: b"\xa9", 3: b"!"}[i] for i in ids)
         return data.decode("utf-8", errors="replace")
+
     ts = TextStream(decode, stops=["!"])
     assert [ts.push(t) for t in [0, 1, 2]] == ["H", "", "é"]
     assert ts.push(3) == "" and ts.stopped and ts.text == "Hé"
@@ -333,15 +399,20 @@ def test_an_engine_that_fails_gives_a_500_that_says_why(bundled64):
     model, tok = bundled64
     srv = Running(FailingEngine(model, 2), tok)
     try:
-        for _ in range(2):                              # the request in flight, then the next one
+        for _ in range(2):  # the request in flight, then the next one
             with pytest.raises(openai.InternalServerError) as e:
-                srv.client(timeout=30).completions.create(model=NAME, prompt=PROMPTS[0],
-                                                          max_tokens=5)
-            assert "the engine failed: RuntimeError: the model ran out of memory" in \
-                e.value.body["message"], e.value.body
+                srv.client(timeout=30).completions.create(
+                    model=NAME, prompt=PROMPTS[0], max_tokens=5
+                )
+            assert (
+                "the engine failed: RuntimeError: the model ran out of memory"
+                in e.value.body["message"]
+            ), e.value.body
         assert srv.client().models.list().data[0].id == NAME, "the HTTP side still answers"
         health = httpx.get(srv.url[:-3] + "/health")
         assert health.status_code == 503 and health.json() == {
-            "status": "failed", "engine": "RuntimeError: the model ran out of memory"}
+            "status": "failed",
+            "engine": "RuntimeError: the model ran out of memory",
+        }
     finally:
         srv.stop()

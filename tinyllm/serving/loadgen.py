@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 class Record:
     """One request as the client saw it: when it was sent, when each chunk came, how many
     tokens it got (the usage the server reported, else one per chunk), and any error."""
+
     sent: float
     chunks: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -64,35 +65,57 @@ def percentile(xs: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def summarize(records: list[Record], duration: float, slo_ttft: float | None = None,
-              slo_tpot: float | None = None) -> dict:
+def summarize(
+    records: list[Record],
+    duration: float,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
+) -> dict:
     """The serving figures of a run: counts, throughputs, and TTFT / TPOT / ITL / latency at
     p50, p90, p99 (milliseconds), and goodput (requests a second meeting the SLO)."""
     ok = [r for r in records if r.error is None and r.chunks]
-    out = {"requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
-           "duration_s": duration,
-           "request_throughput": len(ok) / duration if duration else 0.0,
-           "output_tok_s": sum(r.tokens for r in ok) / duration if duration else 0.0}
-    series = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
-              "itl": [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])],
-              "e2e": [r.latency for r in ok]}
+    out = {
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_tok_s": sum(r.tokens for r in ok) / duration if duration else 0.0,
+    }
+    series = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [r.tpot for r in ok if r.tpot is not None],
+        "itl": [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])],
+        "e2e": [r.latency for r in ok],
+    }
     for name, xs in series.items():
         out[f"{name}_mean_ms"] = 1e3 * sum(xs) / len(xs) if xs else 0.0
         for p in (50, 90, 99):
             out[f"{name}_p{p}_ms"] = 1e3 * percentile(xs, p)
-    good = [r for r in ok if (slo_ttft is None or r.ttft * 1e3 <= slo_ttft)
-            and (slo_tpot is None or (r.tpot or 0.0) * 1e3 <= slo_tpot)]
+    good = [
+        r
+        for r in ok
+        if (slo_ttft is None or r.ttft * 1e3 <= slo_ttft)
+        and (slo_tpot is None or (r.tpot or 0.0) * 1e3 <= slo_tpot)
+    ]
     out["goodput"] = len(good) / duration if duration else 0.0
     return out
 
 
-async def one_request(client, url: str, model: str, prompt: str, max_tokens: int,
-                      rec: Record) -> None:
+async def one_request(
+    client, url: str, model: str, prompt: str, max_tokens: int, rec: Record
+) -> None:
     """Stream one completion (POST url/completions, server-sent events) into rec: a time per
     chunk with text, and the tokens made. The events are read as plain JSON: a client that
     builds objects for every chunk would spend more than the server does."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         async with client.stream("POST", f"{url}/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -113,7 +136,7 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
                 if event.get("usage"):
                     rec.tokens = event["usage"]["completion_tokens"]
             rec.tokens = rec.tokens or chunks
-    except Exception as e:                              # a failed request is counted, not fatal
+    except Exception as e:  # a failed request is counted, not fatal
         rec.error = f"{type(e).__name__}: {e}"
 
 
@@ -128,13 +151,19 @@ def run(coro):
     return uvloop.run(coro)
 
 
-async def run_load(url: str, prompts: list[tuple[str, int]], rate: float | None = None,
-                   concurrency: int | None = None, model: str | None = None,
-                   seed: int = 0) -> tuple[list[Record], float]:
+async def run_load(
+    url: str,
+    prompts: list[tuple[str, int]],
+    rate: float | None = None,
+    concurrency: int | None = None,
+    model: str | None = None,
+    seed: int = 0,
+) -> tuple[list[Record], float]:
     """Send every (prompt, max_tokens): at Poisson arrivals of `rate` a second (None: all at
     once), or from `concurrency` clients each waiting for its last answer. Returns the
     records and the run's duration in seconds."""
     import httpx
+
     url = url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=600) as client:
@@ -154,6 +183,7 @@ async def run_load(url: str, prompts: list[tuple[str, int]], rate: float | None 
             async def worker():
                 for i in nxt:
                     await send(i)
+
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         else:
             tasks, t = [], 0.0
@@ -172,6 +202,7 @@ def prompts_of(workload: str, n: int, seed: int = 0) -> list[tuple[str, int]]:
     from tinyllm import workloads
     from tinyllm.checkpoints.checkpoint import resolve
     from tinyllm.checkpoints.tokenizer import Tokenizer
+
     tok = Tokenizer.from_file(resolve("default") / "tokenizer.json")
     reqs, _ = workloads.workload(workload, tok, n, seed)
     return [(tok.decode(r.prompt), r.max_new_tokens) for r in reqs]
@@ -183,43 +214,74 @@ def table(rows: dict[str, dict]) -> str:
     w = [max(12, len(n) + 2) for n in names]
     lines = [f"{'':22}" + "".join(f"{n:>{k}}" for n, k in zip(names, w))]
     for key in rows[names[0]]:
-        lines.append(f"{key:22}" + "".join(
-            f"{rows[n][key]:>{k}.2f}" if isinstance(rows[n][key], float) else f"{rows[n][key]:>{k}}"
-            for n, k in zip(names, w)))
+        lines.append(
+            f"{key:22}"
+            + "".join(
+                f"{rows[n][key]:>{k}.2f}"
+                if isinstance(rows[n][key], float)
+                else f"{rows[n][key]:>{k}}"
+                for n, k in zip(names, w)
+            )
+        )
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line of `python -m tinyllm loadgen`."""
     ap = argparse.ArgumentParser(
-        prog="python -m tinyllm loadgen", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m tinyllm loadgen",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Measure an OpenAI-compatible server (tinyllm's, vLLM's, SGLang's, "
-                    "llama.cpp's, transformers serve) with streamed completions: open-loop "
-                    "Poisson arrivals or a fixed concurrency; throughput, TTFT, TPOT, ITL and "
-                    "latency at p50/p90/p99, and goodput under an SLO.",
+        "llama.cpp's, transformers serve) with streamed completions: open-loop "
+        "Poisson arrivals or a fixed concurrency; throughput, TTFT, TPOT, ITL and "
+        "latency at p50/p90/p99, and goodput under an SLO.",
         epilog="examples:\n"
-               "  python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --rate 4 --requests 64\n"
-               "  python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --rate 1,2,4,8\n"
-               "  python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --concurrency 16")
-    ap.add_argument("--url", required=True, help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
-    ap.add_argument("--rate", default="4", metavar="R[,R...]",
-                    help="requests per second, Poisson arrivals; several for a sweep; "
-                         "inf: all at once (default: 4)")
-    ap.add_argument("--concurrency", type=int, default=None, metavar="N",
-                    help="instead of a rate: N clients, each sending its next request "
-                         "when its last ends")
-    ap.add_argument("--requests", type=int, default=64, metavar="N",
-                    help="requests per run (default: 64)")
-    ap.add_argument("--workload", default="longtail", metavar="NAME",
-                    help="a workload of `python -m tinyllm bench --help`, as text "
-                         "(default: longtail)")
-    ap.add_argument("--model", default=None,
-                    help="the model name to ask for (default: the server's first)")
-    ap.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
-                    help="goodput: TTFT at most MS")
-    ap.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
-                    help="goodput: TPOT at most MS")
+        "  python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --rate 4 --requests 64\n"
+        "  python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --rate 1,2,4,8\n"
+        "  python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --concurrency 16",
+    )
+    ap.add_argument(
+        "--url", required=True, help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1"
+    )
+    ap.add_argument(
+        "--rate",
+        default="4",
+        metavar="R[,R...]",
+        help="requests per second, Poisson arrivals; several for a sweep; "
+        "inf: all at once (default: 4)",
+    )
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead of a rate: N clients, each sending its next request when its last ends",
+    )
+    ap.add_argument(
+        "--requests", type=int, default=64, metavar="N", help="requests per run (default: 64)"
+    )
+    ap.add_argument(
+        "--workload",
+        default="longtail",
+        metavar="NAME",
+        help="a workload of `python -m tinyllm bench --help`, as text (default: longtail)",
+    )
+    ap.add_argument(
+        "--model", default=None, help="the model name to ask for (default: the server's first)"
+    )
+    ap.add_argument(
+        "--slo-ttft-ms", type=float, default=None, metavar="MS", help="goodput: TTFT at most MS"
+    )
+    ap.add_argument(
+        "--slo-tpot-ms", type=float, default=None, metavar="MS", help="goodput: TPOT at most MS"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = parser()
     args = ap.parse_args(argv)
     try:
         rates = [None if r.strip() in ("inf", "") else float(r) for r in args.rate.split(",")]
@@ -227,18 +289,22 @@ def main(argv=None) -> None:
         ap.error(f"--rate takes numbers separated by commas, got {args.rate!r}")
     prompts = prompts_of(args.workload, args.requests, args.seed)
     runs = {}
-    for rate in ([None] if args.concurrency else rates):
-        name = f"concurrency {args.concurrency}" if args.concurrency else \
-            ("all at once" if rate is None else f"{rate:g} req/s")
-        records, duration = run(run_load(args.url, prompts, rate, args.concurrency,
-                                                 args.model, args.seed))
+    for rate in [None] if args.concurrency else rates:
+        name = (
+            f"concurrency {args.concurrency}"
+            if args.concurrency
+            else ("all at once" if rate is None else f"{rate:g} req/s")
+        )
+        records, duration = run(
+            run_load(args.url, prompts, rate, args.concurrency, args.model, args.seed)
+        )
         runs[name] = summarize(records, duration, args.slo_ttft_ms, args.slo_tpot_ms)
         failed = [r.error for r in records if r.error]
         if failed and not args.json:
             print(f"{name}: {len(failed)} requests failed, the first with {failed[0]}")
     if args.json:
-        print(json.dumps({"url": args.url, "workload": args.workload, "requests": args.requests,
-                          "runs": runs}, indent=2))
+        summary = {"url": args.url, "workload": args.workload, "requests": args.requests}
+        print(json.dumps({**summary, "runs": runs}, indent=2))
         return
     print(f"{args.url}: {args.requests} requests of {args.workload} per run\n")
     print(table(runs))

@@ -16,6 +16,7 @@ from tinyllm.requests import Request
 @dataclass(frozen=True)
 class Add:
     """Queue `request` under `key`; the engine takes it, or refuses it in its next report."""
+
     key: int
     request: Request
 
@@ -24,6 +25,7 @@ class Add:
 class Abort:
     """Drop the request of `key` wherever it is (its client went away, or a stop string ended
     it): its slot and blocks are free before the next step."""
+
     key: int
 
 
@@ -48,6 +50,7 @@ class StepReport:
     (waiting, running) after the step; kv_used: the KV positions in use / reserved;
     integrity: the KV cache's verdict on its books when the engine was last idle
     (`check_integrity(idle=True)`): None when they are sound, else one sentence."""
+
     tokens: list[tuple[int, int, str | None]]
     refused: list[tuple[int, str]]
     taken: int
@@ -59,6 +62,7 @@ class StepReport:
 @dataclass(frozen=True)
 class Failed:
     """The engine cannot go on, for the reason `why`; its process ends."""
+
     why: str
 
 

@@ -3,8 +3,9 @@
     python -m tinyllm serve [--model DIR] [--port 8000] [--slots 16] [--kv paged] ...
 
 `POST /v1/completions` and `POST /v1/chat/completions` (streamed as server-sent events, or one
-JSON body), `GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus), on FastAPI and
-uvicorn, as vLLM and SGLang serve.
+JSON body), `POST /tokenize` and `POST /detokenize` (as vLLM has them), `GET /v1/models`,
+`GET /health` and `GET /metrics` (Prometheus), on FastAPI and uvicorn, as vLLM and SGLang
+serve.
 
 Two processes, as in vLLM. The engine runs in one of its own (`engine_process`), and one pipe
 joins it to the HTTP side, in the typed messages of messages.py: `Add(key, request)` and
@@ -12,12 +13,17 @@ joins it to the HTTP side, in the typed messages of messages.py: `Add(key, reque
 requests refused, the engine's load, its KV use and its cache's verdict on its books
 (`check_integrity`, asked whenever the engine is idle). The HTTP side (uvicorn's event loop)
 reads the reports and hands each token to the queue of the request it belongs to
-(`EngineLoop`). Each HTTP request is one coroutine: it checks the body (a 400 naming the
-field), submits one `Request` (a 429 when max_waiting requests already wait), then reads its
-queue, turning tokens into text a settled piece at a time (textstream.py), and streams them as
-server-sent events (`sse_events`). A client that goes away aborts its request: its slot and
-blocks are free before the next step, and nothing else in flight notices. `/health` says
-whether the engine runs and its KV cache's books are sound.
+(`EngineLoop`). Each HTTP request is one coroutine: it reads the body a chunk at a time (a 413
+past max_body bytes), checks it as api.py says (a 400 naming the field: every field OpenAI's
+and vLLM's APIs define is taken where its value changes nothing, refused where it would ask
+for what the server does not do), tokenizes its prompt off the event loop (a prompt too long
+to fit is refused by its size first), submits one `Request` (a 429 when max_waiting requests
+already wait), then reads its queue, turning tokens into text a settled piece at a time
+(textstream.py), and streams them as server-sent events (`sse_events`). A client that goes
+away aborts its request: its slot and blocks are free before the next step, and nothing else
+in flight notices. `/health` says whether the engine runs and its KV cache's books are sound;
+it answers at once whatever the other requests are doing. Every error is an OpenAI-style JSON
+body, a server's fault a 500 that says what failed.
 
 Seams: `dispatch` (each step's tokens to their requests) and `sse_events` (exercise 10).
 """
@@ -32,27 +38,27 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing
-from jinja2.exceptions import TemplateError
 
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.requests import Event, Request
-from tinyllm.sampling import Sampling
+from tinyllm.serving.api import (
+    CHAT,
+    COMPLETIONS,
+    DETOKENIZE,
+    MAX_BODY,
+    TOKENIZE,
+    APIError,
+    check_body,
+    check_model,
+    check_token_ids,
+    longest_token_chars,
+    parse_json,
+    prompt_ids,
+    to_request,
+)
 from tinyllm.serving.messages import Abort, Add, Failed, Ready, StepReport, Stop
 from tinyllm.serving.textstream import TextStream
-
-
-class APIError(Exception):
-    """An error the client is told of, as the OpenAI API words it."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": None}}
 
 
 # ---- the engine loop: the engine in a process of its own ----------------------------------------
@@ -61,6 +67,7 @@ class Ticket:
     """One submitted request, as the HTTP side knows it: its Request, its key (the id both
     processes call it by), and the queue its events arrive on (an Event each, or an APIError
     if the engine refused it or failed)."""
+
     request: Request
     key: int = -1
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -80,12 +87,12 @@ class EngineLoop:
 
     def __init__(self, engine: ContinuousEngine, max_waiting: int = 64):
         self.engine, self.max_waiting = engine, max_waiting
-        self.tickets: dict[int, Ticket] = {}            # key -> ticket, while it runs
+        self.tickets: dict[int, Ticket] = {}  # key -> ticket, while it runs
         self.next_key = 0
-        self.submitted = 0                              # adds sent, not yet taken by the engine
-        self.reported = (0, 0)                          # the engine's (waiting, running), last step
+        self.submitted = 0  # adds sent, not yet taken by the engine
+        self.reported = (0, 0)  # the engine's (waiting, running), last step
         self.kv_used = 0.0
-        self.integrity: str | None = None               # the KV cache's books, last checked idle
+        self.integrity: str | None = None  # the KV cache's books, last checked idle
         self.failed: str | None = None
         self.process = None
 
@@ -95,8 +102,12 @@ class EngineLoop:
         imports torch there: a few seconds."""
         ctx = torch.multiprocessing.get_context("spawn")
         self.conn, theirs = ctx.Pipe()
-        self.process = ctx.Process(target=engine_process, name="tinyllm-engine", daemon=True,
-                                   args=(self.engine, theirs, torch.get_num_threads()))
+        self.process = ctx.Process(
+            target=engine_process,
+            name="tinyllm-engine",
+            daemon=True,
+            args=(self.engine, theirs, torch.get_num_threads()),
+        )
         self.process.start()
         theirs.close()
         if not self.conn.poll(120):
@@ -105,8 +116,10 @@ class EngineLoop:
             message = self.conn.recv()
         except EOFError:
             self.process.join(5)
-            raise RuntimeError(f"the engine process failed to start (exit code "
-                               f"{self.process.exitcode}); its error is above") from None
+            raise RuntimeError(
+                f"the engine process failed to start (exit code "
+                f"{self.process.exitcode}); its error is above"
+            ) from None
         if not isinstance(message, Ready):
             raise RuntimeError(f"the engine process said {message!r} before it was Ready")
         self.loop = asyncio.get_running_loop()
@@ -131,8 +144,12 @@ class EngineLoop:
         if self.failed:
             raise APIError(500, f"the engine failed: {self.failed}", kind="server_error")
         if self.request_counts()[0] >= self.max_waiting:
-            raise APIError(429, f"the server is full: {self.max_waiting} requests already wait "
-                                f"for a slot; retry later", kind="rate_limit_error")
+            raise APIError(
+                429,
+                f"the server is full: {self.max_waiting} requests already wait "
+                f"for a slot; retry later",
+                kind="rate_limit_error",
+            )
         ticket.key, self.next_key = self.next_key, self.next_key + 1
         self.tickets[ticket.key] = ticket
         self.submitted += 1
@@ -156,7 +173,7 @@ class EngineLoop:
                         return self._fail(f"it sent {message!r}, which is no report")
         except (EOFError, OSError):
             self._fail(f"its process ended (exit code {self.process.exitcode})")
-        except Exception as e:                          # say so, rather than leave them waiting
+        except Exception as e:  # say so, rather than leave them waiting
             self._fail(f"its news could not be dispatched: {type(e).__name__}: {e}")
 
     def _take(self, report: StepReport) -> None:
@@ -171,13 +188,17 @@ class EngineLoop:
         self.failed = why
         self.loop.remove_reader(self.conn.fileno())
         for ticket in self.tickets.values():
-            ticket.events.put_nowait(APIError(500, f"the engine failed: {why}",
-                                              kind="server_error"))
+            ticket.events.put_nowait(
+                APIError(500, f"the engine failed: {why}", kind="server_error")
+            )
         self.tickets.clear()
 
 
-def dispatch(tickets: dict[int, Ticket], tokens: list[tuple[int, int, str | None]],
-             refused: list[tuple[int, str]]) -> None:
+def dispatch(
+    tickets: dict[int, Ticket],
+    tokens: list[tuple[int, int, str | None]],
+    refused: list[tuple[int, str]],
+) -> None:
     """One engine step's news, each piece to the request it belongs to.
 
     tickets: key -> Ticket of every request in flight (a ticket's `events` is its queue);
@@ -209,7 +230,7 @@ def engine_process(engine: ContinuousEngine, conn, n_threads: int) -> None:
     its books, asked whenever the engine is idle (`cache.check_integrity(idle=True)`: None
     when every request gave everything back). It blocks on the pipe when there is no work,
     and ends at a Stop, at the end of the pipe, or with a Failed that says why."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is the server's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
     torch.set_num_threads(n_threads)
     conn.send(Ready())
     keys, integrity = Keys(), None
@@ -218,24 +239,28 @@ def engine_process(engine: ContinuousEngine, conn, n_threads: int) -> None:
             conn.poll(None)
         try:
             if (news := read_messages(engine, conn, keys)) is None:
-                return                                  # a Stop, or the server is gone
+                return  # a Stop, or the server is gone
             tokens = keys.tokens_of(engine, engine.step() if engine.has_work() else [])
             if not engine.has_work():
                 integrity = engine.cache.check_integrity(idle=True)
-        except Exception as e:                          # the engine cannot go on: say why
+        except Exception as e:  # the engine cannot go on: say why
             conn.send(Failed(f"{type(e).__name__}: {e}"))
             return
         taken, refused = news
-        conn.send(StepReport(tokens, refused, taken, engine.request_counts(),
-                             engine.kv_used_frac(), integrity))
+        conn.send(
+            StepReport(
+                tokens, refused, taken, engine.request_counts(), engine.kv_used_frac(), integrity
+            )
+        )
 
 
 @dataclass
 class Keys:
     """The engine process's books: each request in flight by its key (the HTTP side's name
     for it) and by its engine id, both ways."""
-    rid_of: dict[int, int] = field(default_factory=dict)       # key -> engine id
-    key_of: dict[int, int] = field(default_factory=dict)       # engine id -> key
+
+    rid_of: dict[int, int] = field(default_factory=dict)  # key -> engine id
+    key_of: dict[int, int] = field(default_factory=dict)  # engine id -> key
 
     def add(self, key: int, rid: int) -> None:
         self.rid_of[key], self.key_of[rid] = rid, key
@@ -259,8 +284,9 @@ class Keys:
         return tokens
 
 
-def read_messages(engine: ContinuousEngine, conn,
-                  keys: Keys) -> tuple[int, list[tuple[int, str]]] | None:
+def read_messages(
+    engine: ContinuousEngine, conn, keys: Keys
+) -> tuple[int, list[tuple[int, str]]] | None:
     """Every message waiting in the pipe, acted on: an Add queues its request (or refuses it,
     with the engine's reason), an Abort drops its request. Returns (the Adds taken, the
     requests refused as (key, message)), or None at a Stop or the pipe's end."""
@@ -268,7 +294,7 @@ def read_messages(engine: ContinuousEngine, conn,
     while conn.poll():
         try:
             message = conn.recv()
-        except EOFError:                                # the server is gone: so is its engine
+        except EOFError:  # the server is gone: so is its engine
             return None
         match message:
             case Add(key, request):
@@ -283,129 +309,30 @@ def read_messages(engine: ContinuousEngine, conn,
             case Stop():
                 return None
             case _:
-                raise TypeError(f"the engine process got {message!r}, which is not a message "
-                                f"of messages.py")
+                raise TypeError(
+                    f"the engine process got {message!r}, which is not a message of messages.py"
+                )
     return taken, refused
-
-
-# ---- the API: bodies checked as the OpenAI API checks them --------------------------------------
-COMMON = {"model": str, "max_tokens": int, "temperature": (int, float), "top_p": (int, float),
-          "top_k": int, "seed": int, "stop": (str, list), "stream": bool, "n": int,
-          "stream_options": dict, "user": str}
-ONLY = {"completions": {"prompt": (str, list)},
-        "chat": {"messages": list, "max_completion_tokens": int}}
-
-
-def check_body(body, kind: str) -> dict:
-    """The request body as a dict, every field known and of its type; raises APIError(400)
-    naming the field otherwise."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object")
-    allowed = {**COMMON, **ONLY[kind]}
-    for name, value in body.items():
-        if name not in allowed:
-            raise APIError(400, f"unknown field {name!r}: this server takes "
-                                f"{', '.join(sorted(allowed))}", name)
-        if value is not None and (not isinstance(value, allowed[name]) or
-                                  (isinstance(value, bool) and allowed[name] is not bool)):
-            raise APIError(400, f"{name} has the wrong type: {type(value).__name__}", name)
-    need = "prompt" if kind == "completions" else "messages"
-    if body.get(need) is None:
-        raise APIError(400, f"{need} is required", need)
-    if body.get("n", 1) != 1:
-        raise APIError(400, "n must be 1: this server makes one choice per request", "n")
-    return body
-
-
-def sampling_of(body: dict) -> Sampling:
-    """The body's sampling settings (OpenAI's defaults: temperature 1, top_p 1)."""
-    temperature, top_p = body.get("temperature"), body.get("top_p")
-    temperature = 1.0 if temperature is None else float(temperature)
-    if not 0 <= temperature <= 2:
-        raise APIError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
-    top_p = None if top_p is None or top_p == 1 else float(top_p)
-    if top_p is not None and not 0 < top_p <= 1:
-        raise APIError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = body.get("top_k")
-    if top_k is not None and top_k < 1:
-        raise APIError(400, f"top_k must be >= 1, got {top_k}", "top_k")
-    try:
-        return Sampling(temperature, top_k, top_p, seed=body.get("seed"))
-    except ValueError as e:
-        raise APIError(400, str(e), "seed") from None
-
-
-def stops_of(body: dict) -> list[str]:
-    stop = body.get("stop")
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise APIError(400, "stop must be a string or a list of at most 4 non-empty strings",
-                       "stop")
-    return stops
 
 
 @dataclass
 class Served:
     """What the server serves: the engine loop, the tokenizer (with the model's chat template
-    and its EOS ids), the model's name and the positions a request may use."""
+    and its EOS ids), the model's name, the positions a request may use, the most characters
+    one token stands for (a longer prompt is refused by its size before it is tokenized) and
+    the largest body it reads, in bytes."""
+
     loop: EngineLoop
     tok: object
     name: str
     max_len: int
     metrics: object = None
+    token_chars: int = 1
+    max_body: int = MAX_BODY
 
-
-def chat_prompt(tok, messages: list) -> list[int]:
-    """A conversation's prompt: each message checked, then rendered with the model's chat
-    template (the bundled model's: each message a speech, its role the speaker)."""
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) - {"role", "content", "name"} or \
-                not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise APIError(400, f"messages[{i}] must be {{'role': a string, 'content': a string}}",
-                           "messages")
-    if tok.chat_template is None:
-        raise APIError(400, "this model has no chat template: send a prompt to /v1/completions",
-                       "messages")
-    try:
-        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except TemplateError as e:
-        raise APIError(400, f"the chat template refused the messages: {e}", "messages") from None
-
-
-def to_request(served: Served, body: dict, kind: str) -> tuple[Request, list[str], int]:
-    """The engine Request of a checked body, its stop strings and its prompt's length."""
-    if body.get("model") not in (None, served.name):
-        raise APIError(404, f"the model {body['model']!r} does not exist: this server serves "
-                            f"{served.name!r}", "model", "not_found_error")
-    tok = served.tok
-    if kind == "completions":
-        prompt = body["prompt"]
-        if isinstance(prompt, str):
-            ids = tok.encode(prompt)
-        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise APIError(400, "prompt must be a string or a list of token ids", "prompt")
-        field_name = "prompt"
-    else:
-        ids = chat_prompt(tok, body["messages"])
-        field_name = "messages"
-    if not ids:
-        raise APIError(400, f"{field_name} is empty", field_name)
-    if any(not 0 <= t < tok.vocab_size for t in ids):
-        raise APIError(400, f"{field_name} holds a token id outside [0, {tok.vocab_size})",
-                       field_name)
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_tokens is None:                          # OpenAI's defaults: 16, or all that fits
-        max_tokens = 16 if kind == "completions" else max(1, served.max_len - len(ids))
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-    if len(ids) + max_tokens > served.max_len:
-        raise APIError(400, f"this model's maximum context length is {served.max_len} tokens; "
-                            f"this request asks for {len(ids) + max_tokens} ({len(ids)} in the "
-                            f"{field_name}, {max_tokens} to generate)", field_name)
-    return (Request(ids, max_tokens, eos_id=tok.eos_ids or None, sampling=sampling_of(body)),
-            stops_of(body), len(ids))
+    def limit(self) -> tuple[int, int]:
+        """(positions a request may use, characters a token stands for at most)."""
+        return self.max_len, self.token_chars
 
 
 class Metrics:
@@ -416,28 +343,41 @@ class Metrics:
 
     def __init__(self, loop: EngineLoop):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.loop, r = loop, CollectorRegistry()
         self.registry = r
         self.running = Gauge("tinyllm_requests_running", "requests in a slot", registry=r)
         self.waiting = Gauge("tinyllm_requests_waiting", "requests waiting for a slot", registry=r)
-        self.kv_used = Gauge("tinyllm_kv_cache_usage_ratio",
-                             "KV positions in use / reserved", registry=r)
-        self.kv_sound = Gauge("tinyllm_kv_cache_integrity_ok", "1 when the KV cache's books "
-                              "were sound when the engine was last idle, else 0", registry=r)
+        self.kv_used = Gauge(
+            "tinyllm_kv_cache_usage_ratio", "KV positions in use / reserved", registry=r
+        )
+        self.kv_sound = Gauge(
+            "tinyllm_kv_cache_integrity_ok",
+            "1 when the KV cache's books were sound when the engine was last idle, else 0",
+            registry=r,
+        )
         self.prompt = Counter("tinyllm_prompt_tokens", "prompt tokens received", registry=r)
         self.generated = Counter("tinyllm_generation_tokens", "tokens generated", registry=r)
-        self.finished = Counter("tinyllm_requests_finished", "requests finished",
-                                ["finish_reason"], registry=r)
+        self.finished = Counter(
+            "tinyllm_requests_finished", "requests finished", ["finish_reason"], registry=r
+        )
         secs = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-        self.ttft = Histogram("tinyllm_time_to_first_token_seconds", "time to first token",
-                              buckets=secs, registry=r)
-        self.itl = Histogram("tinyllm_inter_token_latency_seconds", "gap between two tokens",
-                             buckets=secs, registry=r)
-        self.e2e = Histogram("tinyllm_e2e_request_latency_seconds", "arrival to last token",
-                             buckets=secs, registry=r)
+        self.ttft = Histogram(
+            "tinyllm_time_to_first_token_seconds", "time to first token", buckets=secs, registry=r
+        )
+        self.itl = Histogram(
+            "tinyllm_inter_token_latency_seconds",
+            "gap between two tokens",
+            buckets=secs,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tinyllm_e2e_request_latency_seconds", "arrival to last token", buckets=secs, registry=r
+        )
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
         waiting, running = self.loop.request_counts()
         self.waiting.set(waiting)
         self.running.set(running)
@@ -456,8 +396,12 @@ async def next_event(loop: EngineLoop, ticket: Ticket):
             return await asyncio.wait_for(ticket.events.get(), 1.0)
         except asyncio.TimeoutError:
             if ticket.key not in loop.tickets and ticket.events.empty() and not loop.failed:
-                raise APIError(500, "the request left the engine loop's books before its last "
-                                    "token came (see dispatch)", kind="server_error") from None
+                raise APIError(
+                    500,
+                    "the request left the engine loop's books before its last "
+                    "token came (see dispatch)",
+                    kind="server_error",
+                ) from None
 
 
 async def answer(served: Served, ticket: Ticket, stops: list[str], n_prompt: int):
@@ -484,7 +428,7 @@ async def answer(served: Served, ticket: Ticket, stops: list[str], n_prompt: int
                 if not stream.stopped:
                     piece += stream.finish()
                 elif not ev.done:
-                    served.loop.abort(ticket)           # the stop string ended it first
+                    served.loop.abort(ticket)  # the stop string ended it first
                 m.e2e.observe(now - t0)
                 m.finished.labels(reason).inc()
                 yield piece, reason, len(stream.tokens)
@@ -501,8 +445,9 @@ def as_api_error(e: Exception) -> APIError:
     failed."""
     if isinstance(e, APIError):
         return e
-    return APIError(500, f"the server failed on this request: {type(e).__name__}: {e}",
-                    kind="server_error")
+    return APIError(
+        500, f"the server failed on this request: {type(e).__name__}: {e}", kind="server_error"
+    )
 
 
 async def failing_plainly(awaitable):
@@ -516,8 +461,7 @@ async def failing_plainly(awaitable):
 
 
 def usage(n_prompt: int, n_out: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-            "total_tokens": n_prompt + n_out}
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
 def sse_event(data) -> str:
@@ -544,15 +488,32 @@ async def sse_events(pieces, kind: str, head: dict, n_prompt: int, include_usage
     data: {..head, "choices": [{"index": 0, "text": " morrow", "finish_reason": "length", ...}]},
     data: [DONE]."""
     if kind == "chat":
-        yield sse_event({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                     "content": ""},
-                                              "finish_reason": None, "logprobs": None}]})
+        yield sse_event(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None,
+                        "logprobs": None,
+                    }
+                ],
+            }
+        )
     n_out = 0
     async for piece, reason, n_out in pieces:
-        content = {"text": piece} if kind == "completions" else \
-            {"delta": {"content": piece} if piece else {}}
-        yield sse_event({**head, "choices": [{"index": 0, **content, "finish_reason": reason,
-                                              "logprobs": None}]})
+        content = (
+            {"text": piece}
+            if kind == "completions"
+            else {"delta": {"content": piece} if piece else {}}
+        )
+        yield sse_event(
+            {
+                **head,
+                "choices": [{"index": 0, **content, "finish_reason": reason, "logprobs": None}],
+            }
+        )
     if include_usage:
         yield sse_event({**head, "choices": [], "usage": usage(n_prompt, n_out)})
     yield sse_event("[DONE]")
@@ -588,36 +549,98 @@ def health(loop: EngineLoop) -> tuple[int, dict]:
     return 200, {"status": "ok", "kv_cache": "ok"}
 
 
-async def json_body(http) -> object:
-    """The HTTP request's body, parsed; a 400 when it is not JSON."""
-    try:
-        return json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the body is not valid JSON: {e}") from None
+async def json_body(http, limit: int) -> object:
+    """The HTTP request's body, parsed (parse_json: a 400 when it is not JSON or nests too
+    deep); a 413 when it is over limit bytes, as its Content-Length says or as it is read, a
+    chunk at a time: a huge body is refused without being held."""
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    data = bytearray()
+    async for chunk in http.stream():
+        data += chunk
+        if len(data) > limit:
+            raise too_large(limit)
+    return await asyncio.to_thread(parse_json, bytes(data))  # a big one takes a while
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the body is over {limit:,} bytes, the most this server reads")
 
 
 async def serve_completion(served: Served, http, kind: str):
     """POST /v1/completions (kind "completions") or /v1/chat/completions ("chat"): the body
-    checked, its Request submitted, and the answer streamed as server-sent events, or
-    collected into one JSON body."""
-    body = check_body(await json_body(http), kind)
-    req, stops, n_prompt = to_request(served, body, kind)
+    checked, its prompt tokenized off the event loop, its Request submitted, and the answer
+    streamed as server-sent events, or collected into one JSON body."""
+    body = check_body(await json_body(http, served.max_body), kind)
+    check_model(body, served.name)
+    ids = await asyncio.to_thread(prompt_ids, served.tok, body, kind, served.limit())
+    req, stops = to_request(body, kind, ids, served.tok, served.max_len)
+    n_prompt = len(ids)
     ticket = Ticket(req)
     served.loop.submit(ticket)
-    head = {"id": ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24],
-            "object": {"completions": "text_completion", "chat": "chat.completion"}[kind],
-            "created": int(time.time()), "model": served.name}
+    head = {
+        "id": ("cmpl-" if kind == COMPLETIONS else "chatcmpl-") + uuid.uuid4().hex[:24],
+        "object": {COMPLETIONS: "text_completion", CHAT: "chat.completion"}[kind],
+        "created": int(time.time()),
+        "model": served.name,
+    }
     pieces = answer(served, ticket, stops, n_prompt)
     if not body.get("stream"):
         return await collected(http, pieces, kind, head, n_prompt)
     from fastapi.responses import StreamingResponse
-    if kind == "chat":
+
+    if kind == CHAT:
         head["object"] += ".chunk"
     usage_too = bool((body.get("stream_options") or {}).get("include_usage"))
     # the stream starts with its first piece: a refusal before it is still a plain error
     first = await failing_plainly(pieces.__anext__())
     events = sse_events(starting_with(first, pieces), kind, head, n_prompt, usage_too)
     return StreamingResponse(errors_as_events(events), media_type="text/event-stream")
+
+
+async def serve_tokenize(served: Served, http):
+    """POST /tokenize, as vLLM has it: {"prompt": text, "add_special_tokens": true} or
+    {"messages": [...], "add_generation_prompt": true} -> {"count", "max_model_len",
+    "tokens", "token_strs"} (the tokens' strings with "return_token_strs": true, else null).
+    A prompt of any size is counted, and its answer written, off the event loop."""
+    body = check_body(await json_body(http, served.max_body), TOKENIZE)
+    check_model(body, served.name)
+    if (body.get("prompt") is None) == (body.get("messages") is None):
+        raise APIError(400, "send a prompt or messages (one of them)", "prompt")
+    if body.get("prompt") is not None and not isinstance(body["prompt"], str):
+        raise APIError(400, "prompt must be a string", "prompt")
+    return json_response(await asyncio.to_thread(tokenized, served, body))
+
+
+def tokenized(served: Served, body: dict) -> bytes:
+    """/tokenize's answer to a checked body, as JSON."""
+    kind = COMPLETIONS if body.get("prompt") is not None else CHAT
+    ids = prompt_ids(served.tok, body, kind, None)
+    strs = [served.tok.id_to_token(t) for t in ids] if body.get("return_token_strs") else None
+    return json.dumps(
+        {"count": len(ids), "max_model_len": served.max_len, "tokens": ids, "token_strs": strs}
+    ).encode()
+
+
+async def serve_detokenize(served: Served, http):
+    """POST /detokenize, as vLLM has it: {"tokens": [...]} -> {"prompt": their text}, special
+    tokens and all; a 400 naming tokens when one is no token id. Off the event loop."""
+    body = check_body(await json_body(http, served.max_body), DETOKENIZE)
+    check_model(body, served.name)
+    return json_response(await asyncio.to_thread(detokenized, served.tok, body["tokens"]))
+
+
+def detokenized(tok, tokens: list) -> bytes:
+    """/detokenize's answer to a body's tokens, as JSON."""
+    check_token_ids(tokens, "tokens", tok.vocab_size)
+    return json.dumps({"prompt": tok.decode(tokens, False)}).encode()
+
+
+def json_response(content: bytes, status: int = 200):
+    from fastapi.responses import Response
+
+    return Response(content, status_code=status, media_type="application/json")
 
 
 async def collected(http, pieces, kind: str, head: dict, n_prompt: int):
@@ -633,14 +656,32 @@ async def collected(http, pieces, kind: str, head: dict, n_prompt: int):
 
     task = asyncio.ensure_future(collect())
     while not (await asyncio.wait([task], timeout=0.25))[0]:
-        if await http.is_disconnected():                # the client went away: abort
+        if await http.is_disconnected():  # the client went away: abort
             task.cancel()
             return Response(status_code=499)
     text, reason, n_out = await failing_plainly(task)
-    choice = ({"text": text} if kind == "completions" else
-              {"message": {"role": "assistant", "content": text}})
-    return {**head, "choices": [{"index": 0, **choice, "finish_reason": reason,
-                                 "logprobs": None}], "usage": usage(n_prompt, n_out)}
+    choice = (
+        {"text": text}
+        if kind == "completions"
+        else {"message": {"role": "assistant", "content": text}}
+    )
+    return {
+        **head,
+        "choices": [{"index": 0, **choice, "finish_reason": reason, "logprobs": None}],
+        "usage": usage(n_prompt, n_out),
+    }
+
+
+def error_response(e: APIError):
+    """An error's JSON response, every character escaped: a message may quote a client's
+    text, lone surrogates and all."""
+    return json_response(json.dumps(e.body()).encode(), e.status)
+
+
+def model_list(served: Served) -> dict:
+    """GET /v1/models: the one model this server serves, with the positions a request may use."""
+    model = {"id": served.name, "object": "model", "created": 0, "owned_by": "tinyllm"}
+    return {"object": "list", "data": [{**model, "max_model_len": served.max_len}]}
 
 
 def make_app(served: Served):
@@ -661,7 +702,11 @@ def make_app(served: Served):
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error_response(exc)
+
+    @app.exception_handler(Exception)  # the server's fault: still a JSON 500
+    async def server_error(request, exc: Exception):
+        return error_response(as_api_error(exc))
 
     @app.get("/health")
     async def get_health():
@@ -670,9 +715,7 @@ def make_app(served: Served):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
-                                            "owned_by": "tinyllm",
-                                            "max_model_len": served.max_len}]}
+        return model_list(served)
 
     @app.get("/metrics")
     async def metrics():
@@ -681,11 +724,19 @@ def make_app(served: Served):
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
-        return await serve_completion(served, http, "completions")
+        return await serve_completion(served, http, COMPLETIONS)
 
     @app.post("/v1/chat/completions")
     async def chat(http: HTTPRequest):
-        return await serve_completion(served, http, "chat")
+        return await serve_completion(served, http, CHAT)
+
+    @app.post("/tokenize")
+    async def tokenize(http: HTTPRequest):
+        return await serve_tokenize(served, http)
+
+    @app.post("/detokenize")
+    async def detokenize(http: HTTPRequest):
+        return await serve_detokenize(served, http)
 
     return app
 
@@ -695,21 +746,35 @@ def serve_parser():
     (EngineConfig.add_arguments)."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m tinyllm serve", description=(
-        "Serve a checkpoint over the OpenAI API (completions and chat completions, streamed or "
-        "not) with the continuous engine, in a process of its own; Ctrl-C stops it."))
+    ap = argparse.ArgumentParser(
+        prog="python -m tinyllm serve",
+        description=(
+            "Serve a checkpoint over the OpenAI API (completions and chat completions, streamed or "
+            "not) with the continuous engine, in a process of its own; Ctrl-C stops it."
+        ),
+    )
     g = ap.add_argument_group("the server")
-    g.add_argument("--model", default="default", metavar="DIR",
-                   help="a checkpoint directory, a .gguf file, or smollm2 (SmolLM2-135M-Instruct, "
-                        "fetched once) (default: the bundled model)")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="the address to listen on (default: 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000,
-                   help="the port to listen on (default: 8000)")
-    g.add_argument("--device", default=None,
-                   help="cpu, cuda, ... (default: cuda when there is one)")
-    g.add_argument("--max-waiting", type=int, default=64, metavar="N",
-                   help="requests that may wait for a slot; more get a 429 (default: 64)")
+    g.add_argument(
+        "--model",
+        default="default",
+        metavar="DIR",
+        help="a checkpoint directory, a .gguf file, or smollm2 (SmolLM2-135M-Instruct, "
+        "fetched once) (default: the bundled model)",
+    )
+    g.add_argument(
+        "--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)"
+    )
+    g.add_argument("--port", type=int, default=8000, help="the port to listen on (default: 8000)")
+    g.add_argument(
+        "--device", default=None, help="cpu, cuda, ... (default: cuda when there is one)"
+    )
+    g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=64,
+        metavar="N",
+        help="requests that may wait for a slot; more get a 429 (default: 64)",
+    )
     EngineConfig.add_arguments(ap)
     return ap
 
@@ -734,8 +799,9 @@ def serve_main(argv=None) -> None:
         ap.error(str(e))
     name = "tinyllm-" + resolve(args.model).name.removesuffix(".gguf")
     served = build(engine, tok, name, args.max_waiting)
-    uv = uvicorn.Server(uvicorn.Config(make_app(served), host=args.host, port=args.port,
-                                       log_level="warning"))
+    uv = uvicorn.Server(
+        uvicorn.Config(make_app(served), host=args.host, port=args.port, log_level="warning")
+    )
     # uvicorn runs in a thread, so Ctrl-C reaches this one: it asks for a graceful stop
     thread = threading.Thread(target=uv.run, name="uvicorn")
     thread.start()
@@ -744,9 +810,12 @@ def serve_main(argv=None) -> None:
     if not thread.is_alive():
         raise SystemExit(f"could not serve on {args.host}:{args.port}")
     kv_mib = engine.stats.kv_reserved_tokens * engine.stats.kv_bytes_per_token / 2**20
-    print(f"serving {served.name} at http://{args.host}:{args.port}/v1 ({config.n_slots} "
-          f"slots, kv {config.kv}: {kv_mib:.0f} MiB, up to {engine.max_len} positions a "
-          f"request); Ctrl-C stops", flush=True)
+    print(
+        f"serving {served.name} at http://{args.host}:{args.port}/v1 ({config.n_slots} "
+        f"slots, kv {config.kv}: {kv_mib:.0f} MiB, up to {engine.max_len} positions a "
+        f"request); Ctrl-C stops",
+        flush=True,
+    )
     try:
         while thread.is_alive():
             thread.join(0.5)
@@ -756,7 +825,12 @@ def serve_main(argv=None) -> None:
         thread.join()
 
 
-def build(engine: ContinuousEngine, tok, name: str, max_waiting: int = 64) -> Served:
-    """What make_app serves: an engine loop around engine (not started), with its metrics."""
+def build(
+    engine: ContinuousEngine, tok, name: str, max_waiting: int = 64, max_body: int = MAX_BODY
+) -> Served:
+    """What make_app serves: an engine loop around engine (not started), with its metrics; a
+    body over max_body bytes is refused."""
     loop = EngineLoop(engine, max_waiting)
-    return Served(loop, tok, name, engine.max_len, Metrics(loop))
+    return Served(
+        loop, tok, name, engine.max_len, Metrics(loop), longest_token_chars(tok), max_body
+    )

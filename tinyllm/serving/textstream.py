@@ -11,7 +11,7 @@ string appears, the text ends just before it and so does the request.
 Seam: `next_piece` (exercise 10).
 """
 
-REPLACEMENT = "\ufffd"                                  # what a split character decodes to
+REPLACEMENT = "\ufffd"  # what a split character decodes to
 
 
 def next_piece(text: str, sent: int, stops: list[str], final: bool = False) -> tuple[str, bool]:
@@ -32,15 +32,16 @@ def next_piece(text: str, sent: int, stops: list[str], final: bool = False) -> t
     ("caf\ufffd", 0, []) -> ("caf", False), and with final=True ("caf\ufffd", False)."""
     found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     if found:
-        return text[sent:max(sent, min(found))], True
+        return text[sent : max(sent, min(found))], True
     end = len(text)
     if not final:
         while end > sent and text[end - 1] == REPLACEMENT:
             end -= 1
-        hold = max((k for s in stops for k in range(1, len(s)) if text[:end].endswith(s[:k])),
-                   default=0)                       # the longest end of text that begins a stop
+        hold = max(
+            (k for s in stops for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0
+        )  # the longest end of text that begins a stop
         end -= hold
-    return text[sent:max(sent, end)], False
+    return text[sent : max(sent, end)], False
 
 
 class TextStream:
@@ -51,14 +52,15 @@ class TextStream:
     def __init__(self, decode, stops: list[str] | None = None):
         self.decode, self.stops = decode, list(stops or [])
         self.tokens: list[int] = []
-        self.text = ""                                  # sent so far
+        self.text = ""  # sent so far
         self.stopped = False
 
     def _piece(self, final: bool) -> str:
         if self.stopped:
             return ""
-        piece, self.stopped = next_piece(self.decode(self.tokens), len(self.text), self.stops,
-                                         final)
+        piece, self.stopped = next_piece(
+            self.decode(self.tokens), len(self.text), self.stops, final
+        )
         self.text += piece
         return piece
 

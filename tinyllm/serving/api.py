@@ -1,0 +1,500 @@
+"""Step 10 - the API's request bodies, checked as the OpenAI API checks them.
+
+A body's fields are of three kinds. Those the server reads (`FIELDS`: the prompt or messages,
+max_tokens, temperature, ...). Those OpenAI's API or vLLM's define that it takes only at a
+value that changes nothing (`NO_OPS`: `repetition_penalty: 1.0`, `logprobs: null`, `n: 1`,
+`tools: []`, ...), as clients and benchmarks send them: any other value gets a 400 that names
+the field and says it is not supported. Any other field gets a 400 that names it. A chat
+message's content is a string or a list of text parts, joined with newlines as vLLM joins them.
+
+A prompt is refused by its size before it is tokenized: no token covers more characters than
+the tokenizer's longest, so a text longer than max_len times that cannot fit. Tokenizing and
+rendering the chat template (`prompt_ids`) is slow for a long prompt: the server calls it off
+its event loop. Used by server.py; builds on the engine's Request and Sampling.
+"""
+
+import json
+import reprlib
+
+from jinja2.exceptions import TemplateError
+
+from tinyllm.requests import Request
+from tinyllm.sampling import Sampling
+
+COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE = "completions", "chat", "tokenize", "detokenize"
+GENERATE = {COMPLETIONS, CHAT}
+NUMBER = (int, float)
+MAX_BODY = 4 * 2**20  # bytes: a million characters of text, more than 128k tokens' worth
+
+
+class APIError(Exception):
+    """An error the client is told of, as the OpenAI API words it."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+        }
+
+
+# the fields the server reads: name -> (the JSON types it takes, the endpoints that read it)
+FIELDS = {
+    "model": (str, GENERATE | {TOKENIZE, DETOKENIZE}),
+    "prompt": ((str, list), {COMPLETIONS, TOKENIZE}),
+    "messages": (list, {CHAT, TOKENIZE}),
+    "max_tokens": (int, GENERATE),
+    "max_completion_tokens": (int, {CHAT}),
+    "temperature": (NUMBER, GENERATE),
+    "top_p": (NUMBER, GENERATE),
+    "top_k": (int, GENERATE),
+    "seed": (int, GENERATE),
+    "stop": ((str, list), GENERATE),
+    "stream": (bool, GENERATE),
+    "stream_options": (dict, GENERATE),
+    "ignore_eos": (bool, GENERATE),
+    "add_special_tokens": (bool, GENERATE | {TOKENIZE}),
+    "add_generation_prompt": (bool, {CHAT, TOKENIZE}),
+    "return_token_strs": (bool, {TOKENIZE}),
+    "tokens": (list, {DETOKENIZE}),
+}
+REQUIRED = {COMPLETIONS: "prompt", CHAT: "messages", DETOKENIZE: "tokens"}
+
+# the fields taken only where they change nothing: name -> (the endpoints that know it, the
+# values that change nothing (null always does), or a type whose every value changes nothing,
+# and what another value would ask for)
+CHAT_T = {CHAT, TOKENIZE}
+NO_OPS = {
+    # OpenAI's, both endpoints
+    "n": (GENERATE, (1,), "several choices per request"),
+    "echo": (GENERATE, (False,), "the prompt echoed in the answer"),
+    "frequency_penalty": (GENERATE, (0.0,), "a frequency penalty"),
+    "presence_penalty": (GENERATE, (0.0,), "a presence penalty"),
+    "logit_bias": (GENERATE, ({},), "a logit bias"),
+    "logprobs": (GENERATE, (False,), "log probabilities"),
+    "response_format": (GENERATE, ({"type": "text"},), "structured output"),
+    "user": (GENERATE, str, ""),
+    # OpenAI's, completions
+    "best_of": ({COMPLETIONS}, (1,), "the best of several answers"),
+    "suffix": ({COMPLETIONS}, ("",), "a suffix to fill in before"),
+    # OpenAI's, chat
+    "top_logprobs": ({CHAT}, (0,), "log probabilities"),
+    "tools": (CHAT_T, ([],), "tool calls"),
+    "tool_choice": ({CHAT}, ("none", "auto"), "tool calls"),
+    "parallel_tool_calls": ({CHAT}, bool, ""),  # without tools, either way
+    "functions": ({CHAT}, ([],), "function calls"),
+    "function_call": ({CHAT}, ("none", "auto"), "function calls"),
+    "modalities": ({CHAT}, (["text"],), "audio output"),
+    "audio": ({CHAT}, (), "audio output"),
+    "prediction": ({CHAT}, (), "a predicted output"),
+    "reasoning_effort": ({CHAT}, (), "a reasoning effort"),
+    "verbosity": ({CHAT}, (), "a verbosity"),
+    "web_search_options": ({CHAT}, (), "web search"),
+    "store": ({CHAT}, (False,), "stored completions"),
+    "metadata": ({CHAT}, dict, ""),
+    "service_tier": ({CHAT}, str, ""),
+    "prompt_cache_key": ({CHAT}, str, ""),
+    "safety_identifier": ({CHAT}, str, ""),
+    # vLLM's sampling parameters
+    "repetition_penalty": (GENERATE, (1.0,), "a repetition penalty"),
+    "min_p": (GENERATE, (0.0,), "min-p sampling"),
+    "min_tokens": (GENERATE, (0,), "a least number of tokens"),
+    "stop_token_ids": (GENERATE, ([],), "stop token ids"),
+    "include_stop_str_in_output": (GENERATE, (False,), "the stop string in the answer"),
+    "skip_special_tokens": (GENERATE, (True,), "special tokens in the answer's text"),
+    "spaces_between_special_tokens": (GENERATE, (True,), "special tokens in the answer's text"),
+    "use_beam_search": (GENERATE, (False,), "beam search"),
+    "length_penalty": (GENERATE, (1.0,), "beam search"),
+    "bad_words": (GENERATE, ([],), "bad words"),
+    "allowed_token_ids": (GENERATE, (), "a set of allowed tokens"),
+    "truncate_prompt_tokens": (GENERATE, (), "prompt truncation"),
+    "prompt_logprobs": (GENERATE, (), "the prompt's log probabilities"),
+    "logits_processors": (GENERATE, (), "logits processors"),
+    # vLLM's other parameters
+    **{
+        name: (GENERATE, (), "structured output")
+        for name in (
+            "structured_outputs",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "guided_decoding_backend",
+            "guided_whitespace_pattern",
+        )
+    },
+    "priority": (GENERATE, (0,), "priority scheduling"),
+    "request_id": (GENERATE, str, ""),
+    "cache_salt": (GENERATE, (), "a salted prefix cache"),
+    "kv_transfer_params": (GENERATE, (), "disaggregated serving"),
+    "vllm_xargs": (GENERATE, ({},), "extension arguments"),
+    "return_tokens_as_token_ids": (GENERATE, (False,), "token ids as logprobs' tokens"),
+    "return_token_ids": (GENERATE, (False,), "token ids in the answer"),
+    "prompt_embeds": ({COMPLETIONS}, (), "prompt embeddings"),
+    "continue_final_message": (CHAT_T, (False,), "the last message continued"),
+    "documents": (CHAT_T, (), "documents for the chat template"),
+    "chat_template": (CHAT_T, (), "a chat template of the request's own"),
+    "chat_template_kwargs": (CHAT_T, ({},), "arguments to the chat template"),
+    "mm_processor_kwargs": (CHAT_T, ({},), "multimodal input"),
+    "media_io_kwargs": (CHAT_T, ({},), "multimodal input"),
+    "include_reasoning": ({CHAT}, (True,), "reasoning left out of the answer"),
+}
+# stream_options' keys, as NO_OPS has them (include_usage is read)
+STREAM_OPTIONS = {
+    "include_usage": bool,
+    "include_obfuscation": bool,
+    "continuous_usage_stats": (False,),
+}
+# the keys a chat message may hold besides role, content and name, where they change nothing
+MESSAGE_NO_OPS = {"tool_calls": ([],), "function_call": (), "refusal": (), "audio": ()}
+
+
+SHORT = reprlib.Repr()  # a short repr: two levels deep, strings cut at 40
+SHORT.maxlevel, SHORT.maxstring, SHORT.maxother = 2, 40, 40
+
+
+def shown(value) -> str:
+    """A value as an error message quotes it: JSON for a scalar, a short repr for the rest."""
+    if isinstance(value, str) and len(value) > 40:
+        value = value[:40] + "..."
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return json.dumps(value)
+    return SHORT.repr(value)
+
+
+def same(value, noop) -> bool:
+    """value is noop as JSON means it: 1 and 1.0 alike, true never 1."""
+    return isinstance(value, bool) == isinstance(noop, bool) and value == noop
+
+
+def changes_nothing(value, noop) -> bool:
+    """value is null, one of the values of noop (a tuple), or of its type (noop a type)."""
+    if value is None:
+        return True
+    if isinstance(noop, type):
+        return isinstance(value, noop) and (noop is bool or not isinstance(value, bool))
+    return any(same(value, v) for v in noop)
+
+
+def check_no_op(name: str, value, noop, what: str) -> None:
+    """A 400 naming the field unless its value changes nothing."""
+    if changes_nothing(value, noop):
+        return
+    if isinstance(noop, type):
+        raise APIError(400, f"{name} has the wrong type: {type(value).__name__}", name)
+    takes = " or ".join([shown(v) for v in noop] + ["null"])
+    raise APIError(
+        400,
+        f"{name}={shown(value)} is not supported ({what}): this server takes only {takes}",
+        name,
+    )
+
+
+def check_field(name: str, value, kind: str) -> None:
+    """A 400 naming the field when this endpoint does not know it, or its value is not one it
+    takes: of its type, if the server reads it; else one that changes nothing."""
+    if name in FIELDS and kind in FIELDS[name][1]:
+        types = FIELDS[name][0]
+        if value is not None and (
+            not isinstance(value, types) or (isinstance(value, bool) and types is not bool)
+        ):
+            raise APIError(400, f"{name} has the wrong type: {type(value).__name__}", name)
+    elif name in NO_OPS and kind in NO_OPS[name][0]:
+        _, noop, what = NO_OPS[name]
+        check_no_op(name, value, noop, what)
+    else:
+        reads = sorted(n for n, (_, endpoints) in FIELDS.items() if kind in endpoints)
+        raise APIError(
+            400,
+            f"unknown field {name!r}: this server reads {', '.join(reads)}, and "
+            f"takes OpenAI's and vLLM's other fields where they change nothing",
+            name,
+        )
+
+
+def check_stream_options(body: dict) -> None:
+    """stream_options, given only with stream: true (as vLLM says), each key one it takes."""
+    options = body.get("stream_options")
+    if options and not body.get("stream"):
+        raise APIError(400, "stream_options can only be given with stream: true", "stream_options")
+    for key, value in (options or {}).items():
+        if key not in STREAM_OPTIONS:
+            raise APIError(
+                400,
+                f"unknown field 'stream_options.{key}': this server takes "
+                f"{', '.join(STREAM_OPTIONS)}",
+                "stream_options",
+            )
+        check_no_op(f"stream_options.{key}", value, STREAM_OPTIONS[key], "usage in every chunk")
+
+
+def check_body(body, kind: str) -> dict:
+    """The request body as a dict, every field known to the endpoint `kind` ("completions",
+    "chat", "tokenize", "detokenize") and taken at its value; raises APIError(400) naming the
+    field otherwise."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    for name, value in body.items():
+        check_field(name, value, kind)
+    need = REQUIRED.get(kind)
+    if need is not None and body.get(need) is None:
+        raise APIError(400, f"{need} is required", need)
+    check_stream_options(body)
+    return body
+
+
+def check_model(body: dict, name: str) -> None:
+    """A 404 when the body names a model this server does not serve."""
+    if body.get("model") not in (None, name):
+        raise APIError(
+            404,
+            f"the model {body['model']!r} does not exist: this server serves {name!r}",
+            "model",
+            "not_found_error",
+        )
+
+
+def parse_json(data: bytes):
+    """A body's JSON; a 400 when it is not JSON, or nests too deep for the parser."""
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(
+            400,
+            "the body is nested too deep: its arrays and objects lie within "
+            "each other deeper than the JSON parser goes",
+        ) from None
+
+
+# ---- the prompt: its size, its text, its tokens ------------------------------------------------
+def longest_token_chars(tok) -> int:
+    """The most characters one token of tok stands for. A vocabulary entry spells its token in
+    at least as many characters as the text it covers (a byte-level BPE spells each byte as
+    one; `<0x41>` stands for one byte), so its longest entry bounds every token's text."""
+    return max(map(len, tok.tok.get_vocab(with_added_tokens=True)))
+
+
+def encode(tok, text: str, add_special_tokens: bool) -> list[int]:
+    """tok.encode(text), through encode_batch: the tokenizers library lets go of Python's lock
+    while it encodes a batch, though not while it encodes one text, so the event loop runs on
+    while a long prompt is tokenized in a thread."""
+    return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+
+def check_size(n_chars: int, param: str, limit: tuple[int, int] | None) -> None:
+    """A 400 naming param when a text of n_chars characters cannot fit; limit is (the positions
+    a request may use, the tokenizer's longest token in characters), or None for no bound."""
+    if limit is not None and n_chars > limit[0] * limit[1]:
+        raise APIError(
+            400,
+            f"{param} is {n_chars:,} characters long: it cannot fit in this "
+            f"model's {limit[0]} positions, since no token of its tokenizer "
+            f"is longer than {limit[1]} characters",
+            param,
+        )
+
+
+def checked_text(text: str, param: str) -> str:
+    """text, if it is Unicode text; a 400 naming param when it holds a lone UTF-16 surrogate
+    (JSON's `\\ud800`, valid JSON, is no character: no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(
+            400,
+            f"{param} holds a lone UTF-16 surrogate ({text[e.start]!r} at "
+            f"character {e.start}), which is no Unicode text",
+            param,
+        ) from None
+    return text
+
+
+def check_token_ids(ids: list, param: str, vocab_size: int) -> None:
+    """A 400 naming param unless every id is a token id of the vocabulary."""
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise APIError(
+                400, f"{param}[{j}] is {shown(t)}, which is no token id in [0, {vocab_size})", param
+            )
+
+
+def content_text(content, param: str) -> str:
+    """A message's content as text: a string, or a list of text parts
+    ({"type": "text", "text": ...}) joined with newlines, as vLLM joins them."""
+    if isinstance(content, str):
+        return checked_text(content, param)
+    if not isinstance(content, list):
+        raise APIError(400, f"{param} must be a string or a list of text parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise APIError(
+                400,
+                f"{param}[{j}] is a {shown(kind)} part: this server takes text "
+                f"parts only ({{'type': 'text', 'text': ...}})",
+                param,
+            )
+        if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{param}[{j}] must be {{'type': 'text', 'text': a string}}", param)
+        texts.append(checked_text(part["text"], param))
+    return "\n".join(texts)
+
+
+def chat_messages(messages: list) -> list[dict]:
+    """The conversation as the chat template takes it: each message {"role", "content"} (and
+    its "name"), its content one string; a 400 naming the message or its field otherwise."""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(
+                400,
+                f"{where} must be {{'role': a string, 'content': a string or a "
+                f"list of text parts}}",
+                where,
+            )
+        for key, value in m.items():
+            if key not in ("role", "content", "name"):
+                if key not in MESSAGE_NO_OPS:
+                    raise APIError(400, f"unknown field {where}.{key}", f"{where}.{key}")
+                check_no_op(f"{where}.{key}", value, MESSAGE_NO_OPS[key], "tool calls")
+        message = {
+            "role": checked_text(m["role"], f"{where}.role"),
+            "content": content_text(m.get("content"), f"{where}.content"),
+        }
+        if m.get("name") is not None:
+            if not isinstance(m["name"], str):
+                raise APIError(400, f"{where}.name must be a string", f"{where}.name")
+            message["name"] = checked_text(m["name"], f"{where}.name")
+        out.append(message)
+    return out
+
+
+def chat_prompt(
+    tok, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = False
+) -> list[int]:
+    """A conversation's prompt: rendered with the model's chat template (the bundled model's:
+    each message a speech, its role the speaker), then encoded; the template writes its own
+    special tokens, so none are added unless asked."""
+    if tok.chat_template is None:
+        raise APIError(
+            400, "this model has no chat template: send a prompt to /v1/completions", "messages"
+        )
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except TemplateError as e:
+        raise APIError(400, f"the chat template refused the messages: {e}", "messages") from None
+    return encode(tok, text, add_special_tokens)
+
+
+def completion_ids(
+    tok, prompt, add_special_tokens: bool, limit: tuple[int, int] | None
+) -> list[int]:
+    """A completion's prompt as token ids: a string (refused by its size, then encoded), token
+    ids, or a list of one of those."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        check_size(len(prompt), "prompt", limit)
+        return encode(tok, checked_text(prompt, "prompt"), add_special_tokens)
+    if all(isinstance(t, int) for t in prompt):
+        check_token_ids(prompt, "prompt", tok.vocab_size)
+        return list(prompt)
+    raise APIError(
+        400, "prompt must be a string or a list of token ids (one prompt a request)", "prompt"
+    )
+
+
+def prompt_ids(tok, body: dict, kind: str, limit: tuple[int, int] | None) -> list[int]:
+    """The token ids of a checked body's prompt (kind "completions") or messages ("chat"),
+    refused by size before any tokenizing when limit, (max_len, longest token in characters),
+    says it cannot fit. Slow for a long prompt: call it off the event loop."""
+    if kind == COMPLETIONS:
+        return completion_ids(
+            tok, body["prompt"], body.get("add_special_tokens") is not False, limit
+        )
+    messages = chat_messages(body["messages"])
+    check_size(sum(len(m["content"]) for m in messages), "messages", limit)
+    return chat_prompt(
+        tok,
+        messages,
+        body.get("add_generation_prompt") is not False,
+        bool(body.get("add_special_tokens")),
+    )
+
+
+# ---- the engine's request -----------------------------------------------------------------------
+def sampling_of(body: dict) -> Sampling:
+    """The body's sampling settings (OpenAI's defaults: temperature 1, top_p 1; top_k 0 or -1
+    is none, as vLLM has it)."""
+    temperature, top_p = body.get("temperature"), body.get("top_p")
+    temperature = 1.0 if temperature is None else float(temperature)
+    if not 0 <= temperature <= 2:
+        raise APIError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
+    top_p = None if top_p is None or top_p == 1 else float(top_p)
+    if top_p is not None and not 0 < top_p <= 1:
+        raise APIError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = body.get("top_k")
+    if top_k is not None and top_k < -1:
+        raise APIError(400, f"top_k must be >= 1 (or 0 or -1 for none), got {top_k}", "top_k")
+    try:
+        return Sampling(
+            temperature, top_k if top_k and top_k > 0 else None, top_p, seed=body.get("seed")
+        )
+    except ValueError as e:
+        raise APIError(400, str(e), "seed") from None
+
+
+def stops_of(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(
+            400, "stop must be a string or a list of at most 4 non-empty strings", "stop"
+        )
+    return stops
+
+
+def max_tokens_of(body: dict, kind: str, n_prompt: int, max_len: int) -> int:
+    """The tokens to generate at most: max_completion_tokens (chat) or max_tokens, at least 1
+    as OpenAI checks; when neither is given, OpenAI's defaults: 16, or all that fits (chat)."""
+    name = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    n = body.get(name)
+    if n is None:
+        return 16 if kind == COMPLETIONS else max(1, max_len - n_prompt)
+    if n < 1:
+        raise APIError(400, f"{name} must be at least 1, got {n}", name)
+    return n
+
+
+def to_request(
+    body: dict, kind: str, ids: list[int], tok, max_len: int
+) -> tuple[Request, list[str]]:
+    """The engine Request of a checked body whose prompt is ids, and its stop strings."""
+    param = "prompt" if kind == COMPLETIONS else "messages"
+    if not ids:
+        raise APIError(400, f"{param} is empty", param)
+    max_tokens = max_tokens_of(body, kind, len(ids), max_len)
+    if len(ids) + max_tokens > max_len:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_len} tokens; this "
+            f"request asks for {len(ids) + max_tokens} ({len(ids)} in the "
+            f"{param}, {max_tokens} to generate)",
+            param,
+        )
+    eos = None if body.get("ignore_eos") else (tok.eos_ids or None)
+    return (Request(ids, max_tokens, eos_id=eos, sampling=sampling_of(body)), stops_of(body))
