@@ -87,9 +87,11 @@ test: $(STAMP) lint               ## every test: lint, package, exercises (solut
 	if [ $$notebooks -eq 0 ] && [ $$status -eq 0 ]; then echo "make test: everything passed"; \
 	else echo "make test: FAILED (see above)"; exit 1; fi
 
-# ruff, at 100 columns (pyproject.toml's [tool.ruff]); the notebooks are checked by running them
-lint: $(STAMP)                    ## the linter: ruff check (make test runs it first)
-	@$(BIN)/ruff check --quiet . && echo "ruff: the code is clean"
+# ruff at 100 columns (pyproject.toml's [tool.ruff]): the linter everywhere, the formatter where
+# the layout is not hand-aligned (tests, tools, serving); notebooks are checked by running them
+lint: $(STAMP)                    ## ruff: the linter, and the formatter's check (make test runs it first)
+	@$(BIN)/ruff check --quiet . && $(BIN)/ruff format --check --quiet . && \
+		echo "ruff: the code is clean and formatted"
 
 test-fast: $(STAMP)               ## the package and exercise tests only
 	$(PYTEST) tests

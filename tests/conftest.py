@@ -8,12 +8,25 @@ from tinyllm.model import ModelConfig, Transformer
 
 
 def pytest_addoption(parser):
-    parser.addoption("--impl", choices=["solutions", "exercises"], default="solutions",
-                     help="exercise tests: run solutions/ (default) or exercises/ (your code)")
+    parser.addoption(
+        "--impl",
+        choices=["solutions", "exercises"],
+        default="solutions",
+        help="exercise tests: run solutions/ (default) or exercises/ (your code)",
+    )
 
 
-TINY = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                   head_dim=16, d_ff=160, max_seq_len=96, tie_embeddings=False)
+TINY = ModelConfig(
+    vocab_size=97,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    d_ff=160,
+    max_seq_len=96,
+    tie_embeddings=False,
+)
 
 
 def make_tiny(seed: int = 0, dtype=torch.float64, **overrides) -> Transformer:

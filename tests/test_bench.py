@@ -64,15 +64,22 @@ def test_bench_table_and_bad_names(bundled, capsys, monkeypatch):
         bench.run(model, tok, "poisson", EngineConfig(2), n=2, static=True)
     with pytest.raises(ValueError, match="unknown workload"):
         workloads.workload("bursty", tok)
-    for bad, why in [("static+chunked", "static batching has no token budget"),
-                     ("continuous+prefix", "use paged\\+prefix"), ("paged+fast", "unknown engine"),
-                     ("vllm", "unknown engine")]:
+    for bad, why in [
+        ("static+chunked", "static batching has no token budget"),
+        ("continuous+prefix", "use paged\\+prefix"),
+        ("paged+fast", "unknown engine"),
+        ("vllm", "unknown engine"),
+    ]:
         with pytest.raises(ValueError, match=why):
             bench.engine_config(bad, flags())
     monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("a run began"))
-    for argv, why in [(["--engines", "continuous,paged+fast"], "unknown engine 'paged+fast'"),
-                      (["--engines", "continuous+chunked", "--slots", "128"],
-                       "max_step_tokens 64 is less than n_slots 128")]:
+    for argv, why in [
+        (["--engines", "continuous,paged+fast"], "unknown engine 'paged+fast'"),
+        (
+            ["--engines", "continuous+chunked", "--slots", "128"],
+            "max_step_tokens 64 is less than n_slots 128",
+        ),
+    ]:
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert why in capsys.readouterr().err
@@ -92,28 +99,39 @@ def test_an_engine_name_parses_once_into_its_config():
     longest request; +chunked is a budget of --max-step-tokens or 64; static is a batch size."""
     plain = EngineConfig(16, max_len=100)
     assert bench.engine_config("continuous", flags(), 100) == ("continuous", plain)
-    assert bench.engine_config("continuous", flags("--slots", "4", "--kv-mib", "8"), 100) == \
-        ("continuous", EngineConfig(4, max_len=100, kv_mib=8))
-    assert bench.engine_config("continuous+chunked", flags(), 100) == \
-        ("continuous", replace(plain, max_step_tokens=64))
-    assert bench.engine_config("paged+prefix+chunked", flags("--max-step-tokens", "32"), 100) \
-        == ("paged", replace(plain, kv="paged", kv_blocks=16 * 7, prefix_cache=True,
-                             max_step_tokens=32))
-    assert bench.engine_config("static", flags("--slots", "8", "--max-step-tokens", "32",
-                                               "--prefix-cache"), 100) == \
-        ("static", EngineConfig(8)), "static batching reads its batch size alone"
+    assert bench.engine_config("continuous", flags("--slots", "4", "--kv-mib", "8"), 100) == (
+        "continuous",
+        EngineConfig(4, max_len=100, kv_mib=8),
+    )
+    assert bench.engine_config("continuous+chunked", flags(), 100) == (
+        "continuous",
+        replace(plain, max_step_tokens=64),
+    )
+    assert bench.engine_config("paged+prefix+chunked", flags("--max-step-tokens", "32"), 100) == (
+        "paged",
+        replace(plain, kv="paged", kv_blocks=16 * 7, prefix_cache=True, max_step_tokens=32),
+    )
+    assert bench.engine_config(
+        "static", flags("--slots", "8", "--max-step-tokens", "32", "--prefix-cache"), 100
+    ) == ("static", EngineConfig(8)), "static batching reads its batch size alone"
     assert bench.engine_config("continuous", flags())[1].max_len is None, "run sizes it"
 
 
 def test_the_budget_is_every_continuous_engines_unless_one_is_chunked():
     """With no +chunked engine named, --max-step-tokens gives every continuous engine (not
     static) that budget; beside a +chunked engine the budget is its own."""
-    budgets = lambda names, *argv: {n: c.max_step_tokens for n, (_, c) in
-                                    bench.engine_configs(names, flags(*argv), 100).items()}
-    assert budgets(["static", "continuous", "paged"], "--max-step-tokens", "32") == \
-        {"static": None, "continuous": 32, "paged": 32}
-    assert budgets(["continuous", "continuous+chunked"], "--max-step-tokens", "32") == \
-        {"continuous": None, "continuous+chunked": 32}
+    budgets = lambda names, *argv: {
+        n: c.max_step_tokens for n, (_, c) in bench.engine_configs(names, flags(*argv), 100).items()
+    }
+    assert budgets(["static", "continuous", "paged"], "--max-step-tokens", "32") == {
+        "static": None,
+        "continuous": 32,
+        "paged": 32,
+    }
+    assert budgets(["continuous", "continuous+chunked"], "--max-step-tokens", "32") == {
+        "continuous": None,
+        "continuous+chunked": 32,
+    }
     assert budgets(["continuous", "paged"]) == {"continuous": None, "paged": None}
 
 
@@ -129,8 +147,9 @@ def test_paged_engines_get_their_slots_pool_and_prefix_cache():
     assert config("paged", "--slots", "4").n_slots == 4
     assert config("paged", "--prefix-cache").prefix_cache
     assert not config("paged").prefix_cache and config("paged+prefix").prefix_cache
-    assert config("continuous", "--prefix-cache") == EngineConfig(16, max_len=100), \
+    assert config("continuous", "--prefix-cache") == EngineConfig(16, max_len=100), (
         "a slot engine has no prefix cache"
+    )
     assert bench.engine_config("paged", flags())[1].kv_blocks is None, "no workload: the default"
 
 
@@ -139,7 +158,8 @@ def test_decoders_and_the_compile_mode_by_name_and_flag():
     paged keeps the eager step (the bucketed decoders read slots); --compile-mode is the
     compiled decoder's alone."""
     step = lambda name, *argv: (lambda c: (c.decoder, c.compile_mode))(
-        bench.engine_config(name, flags(*argv), 100)[1])
+        bench.engine_config(name, flags(*argv), 100)[1]
+    )
     autotune = ("--compile-mode", "max-autotune")
     assert step("continuous", "--decoder", "compiled") == ("compiled", "default")
     assert step("continuous", "--decoder", "graphs", *autotune) == ("graphs", "default")
@@ -156,14 +176,29 @@ def test_chunked_and_prefix_engines_serve_the_same_tokens(bundled, capsys, monke
     fewer prompt tokens; --json keeps its shape."""
     model, tok = bundled
     monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
-    bench.main(["--workload", "shared-prefix", "--requests", "4", "--slots", "2", "--json",
-                "--engines", "paged,paged+prefix,continuous+chunked", "--block-size", "8"])
+    bench.main(
+        [
+            "--workload",
+            "shared-prefix",
+            "--requests",
+            "4",
+            "--slots",
+            "2",
+            "--json",
+            "--engines",
+            "paged,paged+prefix,continuous+chunked",
+            "--block-size",
+            "8",
+        ]
+    )
     runs = json.loads(capsys.readouterr().out)["runs"]
     assert list(runs) == ["paged", "paged+prefix", "continuous+chunked"]
     assert len({r["useful_tokens"] for r in runs.values()}) == 1
     assert runs["paged"]["prefill_tokens"] == runs["paged"]["prompt_tokens"] == 4 * 400
-    assert runs["paged+prefix"]["prefill_tokens"] + runs["paged+prefix"]["cached_prompt_tokens"] \
+    assert (
+        runs["paged+prefix"]["prefill_tokens"] + runs["paged+prefix"]["cached_prompt_tokens"]
         == 4 * 400
+    )
 
 
 def test_paged_and_graph_engines_and_the_decode_step_table(bundled, capsys, monkeypatch):
@@ -171,8 +206,10 @@ def test_paged_and_graph_engines_and_the_decode_step_table(bundled, capsys, monk
     prints one row per batch size."""
     model, tok = bundled
     monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
-    engines = bench.engine_configs(["continuous", "paged", "graphs"],
-                                   flags("--slots", "3", "--paged-slots", "6", "--kv-blocks", "12"))
+    engines = bench.engine_configs(
+        ["continuous", "paged", "graphs"],
+        flags("--slots", "3", "--paged-slots", "6", "--kv-blocks", "12"),
+    )
     runs = {e: bench.run(model, tok, "longtail", config, n=6) for e, (_, config) in engines.items()}
     assert len({r["useful_tokens"] for r in runs.values()}) == 1
     assert runs["paged"]["peak_active"] > 3 and runs["paged"]["kv_allocated_at_end"] == 0
@@ -207,6 +244,7 @@ def test_the_compiled_decoder_in_the_bench(bundled, tiny, monkeypatch):
         decoder.compile_s = {W: 0.5 for W in decoder.buckets}
         built.append(config)
         return decoder
+
     monkeypatch.setattr(bench, "CompiledDecoder", EagerStandIn)
     monkeypatch.setattr(bench, "compiled_decoder", compiled_stand_in)
     model, tok = bundled
@@ -216,14 +254,16 @@ def test_the_compiled_decoder_in_the_bench(bundled, tiny, monkeypatch):
     assert summary["compile_s"] == 0.5 * len(cuda_graph.default_buckets(80))
     text = bench.table({"continuous": {"tok_s": 1.0}, "compiled": {"tok_s": 2.0, "compile_s": 3.0}})
     assert text.splitlines()[-1].split() == ["compile_s", "-", "3.000"], text
-    rows = bench.decode_step_times(tiny, batch_sizes=(2, 3), context=20, iters=3,
-                                   compile_mode="max-autotune")
+    rows = bench.decode_step_times(
+        tiny, batch_sizes=(2, 3), context=20, iters=3, compile_mode="max-autotune"
+    )
     assert modes == ["max-autotune"] * 2, "one compiled decoder per batch size, in the mode asked"
     assert [r["batch"] for r in rows] == [2, 3]
     assert set(rows[0]) == {"batch", "eager_ms", "bucketed_ms", "compiled_ms", "compile_s"}
     assert rows[0]["compile_s"] == 0.5 and rows[0]["compiled_ms"] > 0
-    text = bench.decode_steps_table([{**rows[0], "eager_ms": 2.0, "compiled_ms": 1.5,
-                                      "compile_s": 3.0}])
+    text = bench.decode_steps_table(
+        [{**rows[0], "eager_ms": 2.0, "compiled_ms": 1.5, "compile_s": 3.0}]
+    )
     assert "6000 steps" in text, text
     assert "never" in bench.decode_steps_table([{**rows[0], "eager_ms": 1.0, "compiled_ms": 1.5}])
 
@@ -232,6 +272,7 @@ def test_llamacpp_batches_a_group_as_its_server_does():
     """peers.greedy_group (llama.cpp's batching, without llama.cpp): one call of every prompt,
     logits at each prompt's end, then one call a step of the sequences still running."""
     from tinyllm.course import peers
+
     calls = []
     group = [Request([5, 6, 7], 2), Request([8], 3)]
     tokens = peers.greedy_group(group, calls.append, lambda row: 100 * len(calls) + row)
@@ -246,6 +287,7 @@ def test_progress_is_told_of_every_request():
 
         def update(self, k):
             self.n += k
+
     tiny = make_tiny(seed=7)
     reqs = [Request([1, 2], n) for n in (1, 4, 2, 6, 3)]
     for runner in (run_static, run_continuous):
@@ -268,12 +310,13 @@ def test_timeline_colours_each_cell_by_its_request():
 def test_block_pool_colours_exactly_the_allocated_blocks():
     """Step 05's picture: a block is coloured by the request holding it, a free one is white."""
     from tinyllm.paged_kv import PagedKVCache
+
     cache = PagedKVCache(1, 3, 1, 2, n_blocks=6, block_size=2, max_len=8)
-    for s, n_tokens in ((0, 3), (2, 1)):                # blocks for the context + 1: 2, then 1
+    for s, n_tokens in ((0, 3), (2, 1)):  # blocks for the context + 1: 2, then 1
         cache.admit(s, n_tokens)
         cache.lens[s] = n_tokens
     ax = viz.block_pool(cache, holders=[4, None, 7])
-    grid = ax.images[0].get_array()                         # (1, 6 blocks * 2 positions)
+    grid = ax.images[0].get_array()  # (1, 6 blocks * 2 positions)
     owners = [None if np.ma.is_masked(grid[0, 2 * b]) else int(grid[0, 2 * b]) for b in range(6)]
     assert cache.tables == [[0, 1], [], [2]] and owners == [4, 4, 7, None, None, None]
     free = np.ma.getmaskarray(grid).reshape(6, 2).all(1).tolist()

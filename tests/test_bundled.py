@@ -18,8 +18,10 @@ def test_tokenizer_round_trips_text(bundled):
 def test_greedy_speeches_end_by_themselves(bundled):
     """The point of the checkpoint: answers stop at <|endoftext|>, at varied lengths."""
     model, tok = bundled
-    outs = [generate(model, tok.encode(f"{s}\n"), 400, eos_id=tok.eos_id)
-            for s in ["Ham.", "Oph.", "King.", "Rom.", "Jul.", "Nurse.", "Lear.", "Iago."]]
+    outs = [
+        generate(model, tok.encode(f"{s}\n"), 400, eos_id=tok.eos_id)
+        for s in ["Ham.", "Oph.", "King.", "Rom.", "Jul.", "Nurse.", "Lear.", "Iago."]
+    ]
     ended = [o for o in outs if o[-1] == tok.eos_id]
     assert len(ended) >= 7, f"only {len(ended)} of 8 greedy speeches ended by themselves"
     assert len({len(o) for o in ended}) >= 4, f"lengths barely vary: {[len(o) for o in ended]}"

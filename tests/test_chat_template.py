@@ -18,8 +18,14 @@ from tinyllm.checkpoints.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-           "<|im_start|>", "<|im_end|>"]
+SPECIAL = [
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|im_start|>",
+    "<|im_end|>",
+]
 
 CHATML = """{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}\
 {{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}\
@@ -75,10 +81,12 @@ TOOLS = """{% set ns = namespace(turns=0) %}
 {% endfor %}
 turns={{ ns.turns }}"""
 
-CHAT = [{"role": "system", "content": "  Be brief.  "},
-        {"role": "user", "content": "What is 2 + 2?"},
-        {"role": "assistant", "content": "4, écrit <b>quatre</b> & \"vier\""},
-        {"role": "user", "content": "And 3 + 3?"}]
+CHAT = [
+    {"role": "system", "content": "  Be brief.  "},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": '4, écrit <b>quatre</b> & "vier"'},
+    {"role": "user", "content": "And 3 + 3?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +98,18 @@ def pair():
     ids = {s: tok.token_to_id(s) for s in SPECIAL}
     ours = Tokenizer(tok, bos_id=ids["<|begin_of_text|>"], eos_ids=[ids["<|eot_id|>"]])
     theirs = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
+    )
     return ours, theirs
 
 
 def render_both(pair, template, messages, **kwargs):
     ours, theirs = pair
     ours.chat_template = theirs.chat_template = template
-    return (ours.apply_chat_template(messages, **kwargs),
-            theirs.apply_chat_template(messages, tokenize=False, **kwargs))
+    return (
+        ours.apply_chat_template(messages, **kwargs),
+        theirs.apply_chat_template(messages, tokenize=False, **kwargs),
+    )
 
 
 @pytest.mark.parametrize("template", [CHATML, LLAMA3, TOOLS], ids=["chatml", "llama3", "tools"])
@@ -137,8 +148,14 @@ def test_raise_exception_refuses_as_transformers_does(pair):
 
 def test_a_none_value_counts_as_missing(pair):
     """An OpenAI-style assistant turn with "content": None renders as one without content."""
-    messages = [CHAT[1], {"role": "assistant", "content": None,
-                          "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 2}}]}]
+    messages = [
+        CHAT[1],
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 2}}],
+        },
+    ]
     ours, theirs = render_both(pair, TOOLS, messages)
     assert ours == theirs and 'calls: [{"name": "add"' in ours
 
@@ -151,6 +168,7 @@ def test_no_template_is_a_clear_error():
 
 
 # ---- a checkpoint directory ---------------------------------------------------------------
+
 
 @pytest.fixture
 def ckpt(tmp_path):
@@ -171,8 +189,13 @@ def test_load_reads_the_template_of_a_directory(ckpt):
     assert tinyllm.load(ckpt, device="cpu")[1].chat_template is None
     edit_json(ckpt / "tokenizer_config.json", chat_template=CHATML)
     assert tinyllm.load(ckpt, device="cpu")[1].chat_template == CHATML
-    edit_json(ckpt / "tokenizer_config.json", chat_template=[
-        {"name": "tool_use", "template": TOOLS}, {"name": "default", "template": LLAMA3}])
+    edit_json(
+        ckpt / "tokenizer_config.json",
+        chat_template=[
+            {"name": "tool_use", "template": TOOLS},
+            {"name": "default", "template": LLAMA3},
+        ],
+    )
     assert tinyllm.load(ckpt, device="cpu")[1].chat_template == LLAMA3
     (ckpt / "chat_template.jinja").write_text(ALTERNATING)
     _, tok = tinyllm.load(ckpt, device="cpu")
@@ -186,17 +209,31 @@ def test_a_bad_template_field_is_named(ckpt):
         tinyllm.load(ckpt, device="cpu")
 
 
-@pytest.mark.parametrize("template, words", [
-    ("{% for %}", r"tokenizer_config\.json: chat_template is not a valid Jinja template \(line 1: "
-                  r"Expected an expression"),
-    ("{{ messages | nosuchfilter }}", r"chat_template is not a valid Jinja template .*"
-                                      r"No filter named 'nosuchfilter'"),
-    ([5], r"tokenizer_config\.json: chat_template\[0\] must be \{\"name\": \.\.\., "
-          r"\"template\": \.\.\.\} with strings, got 5"),
-    ([{"name": "default"}], r"chat_template\[0\] must be .* got \{'name': 'default'\}"),
-    ([{"name": "default", "template": "{{ x"}],
-     r"tokenizer_config\.json: chat_template 'default' is not a valid Jinja template"),
-])
+@pytest.mark.parametrize(
+    "template, words",
+    [
+        (
+            "{% for %}",
+            r"tokenizer_config\.json: chat_template is not a valid Jinja template \(line 1: "
+            r"Expected an expression",
+        ),
+        (
+            "{{ messages | nosuchfilter }}",
+            r"chat_template is not a valid Jinja template .*"
+            r"No filter named 'nosuchfilter'",
+        ),
+        (
+            [5],
+            r"tokenizer_config\.json: chat_template\[0\] must be \{\"name\": \.\.\., "
+            r"\"template\": \.\.\.\} with strings, got 5",
+        ),
+        ([{"name": "default"}], r"chat_template\[0\] must be .* got \{'name': 'default'\}"),
+        (
+            [{"name": "default", "template": "{{ x"}],
+            r"tokenizer_config\.json: chat_template 'default' is not a valid Jinja template",
+        ),
+    ],
+)
 def test_a_broken_template_is_refused_at_load(ckpt, template, words):
     """A template that cannot compile, or named templates that are not {"name", "template"},
     fail at load with the file and the field, not at the first chat."""
@@ -205,24 +242,33 @@ def test_a_broken_template_is_refused_at_load(ckpt, template, words):
         tinyllm.load(ckpt, device="cpu")
 
 
-@pytest.mark.parametrize("data, words", [
-    (b"{% for %}", r"chat_template\.jinja: not a valid Jinja template \(line 1: Expected"),
-    (b"{% if x %}\nhi\n{% endfor %}", r"chat_template\.jinja: not a valid Jinja template "
-                                     r"\(line 3: Encountered unknown tag 'endfor'"),
-    (b"\xff\xfe{{ messages }}", r"chat_template\.jinja: not UTF-8 text"),
-])
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"{% for %}", r"chat_template\.jinja: not a valid Jinja template \(line 1: Expected"),
+        (
+            b"{% if x %}\nhi\n{% endfor %}",
+            r"chat_template\.jinja: not a valid Jinja template "
+            r"\(line 3: Encountered unknown tag 'endfor'",
+        ),
+        (b"\xff\xfe{{ messages }}", r"chat_template\.jinja: not UTF-8 text"),
+    ],
+)
 def test_a_broken_template_file_is_refused_at_load(ckpt, data, words):
     (ckpt / "chat_template.jinja").write_bytes(data)
     with pytest.raises(CheckpointError, match=words):
         tinyllm.load(ckpt, device="cpu")
 
 
-@pytest.mark.parametrize("config_eos, generation_eos, want", [
-    (1001, [1001, 1008, 1009], (1001, 1008, 1009)),     # as Llama 3.1 Instruct lists them
-    ([2, 7], 7, (2, 7)),
-    (5, None, (5,)),
-    (None, [9, 4], (9, 4)),
-])
+@pytest.mark.parametrize(
+    "config_eos, generation_eos, want",
+    [
+        (1001, [1001, 1008, 1009], (1001, 1008, 1009)),  # as Llama 3.1 Instruct lists them
+        ([2, 7], 7, (2, 7)),
+        (5, None, (5,)),
+        (None, [9, 4], (9, 4)),
+    ],
+)
 def test_every_eos_id_is_collected_in_order(ckpt, config_eos, generation_eos, want):
     """config.json's eos_token_id then generation_config.json's, without duplicates; eos_id is
     the first."""
@@ -238,7 +284,10 @@ def test_a_bad_generation_config_eos_is_named(ckpt):
     with pytest.raises(CheckpointError, match=r"generation_config\.json: eos_token_id must be"):
         tinyllm.load(ckpt, device="cpu")
     edit_json(ckpt / "generation_config.json", eos_token_id=[2, 128009])
-    with pytest.raises(CheckpointError, match=r"generation_config\.json: eos_token_id 128009 "
-                                              r"is not a token of the model \(its vocab_size "
-                                              r"is 2048\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"generation_config\.json: eos_token_id 128009 "
+        r"is not a token of the model \(its vocab_size "
+        r"is 2048\)",
+    ):
         tinyllm.load(ckpt, device="cpu")

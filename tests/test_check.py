@@ -5,8 +5,10 @@ from tinyllm.course.check import check_exercise, divergence
 
 def test_divergence_names_request_token_and_values():
     assert divergence("request 3", [1, 2, 3], [1, 2, 3]) is None
-    assert divergence("request 3", [5, 104, 7], [5, 32, 7]) == \
-        "request 3 diverged from solo generate at token 1: expected 104, got 32"
+    assert (
+        divergence("request 3", [5, 104, 7], [5, 32, 7])
+        == "request 3 diverged from solo generate at token 1: expected 104, got 32"
+    )
     assert "gave 3 tokens, got 2" in divergence("request 0", [1, 2, 3], [1, 2])
 
 
@@ -35,6 +37,7 @@ def test_near_tie_excuses_only_a_close_second_choice():
     from tests.conftest import make_tiny
     from tinyllm.course.check import near_tie
     from tinyllm.generate import generate
+
     model = make_tiny(seed=4, dtype=torch.float32)
     prompt = [3, 1, 4, 1, 5]
     solo = generate(model, prompt, 8)

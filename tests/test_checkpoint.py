@@ -12,8 +12,10 @@ from tinyllm.checkpoints.checkpoint import DEFAULT, CheckpointError, resolve, sa
 from tinyllm.checkpoints.tokenizer import Tokenizer
 from tinyllm.checkpoints.train import train_tokenizer
 
-TEXT = ["Ham.\nTo be, or not to be, that is the question.",
-        "Oph.\nGood my lord, how does your honour for this many a day?"] * 20
+TEXT = [
+    "Ham.\nTo be, or not to be, that is the question.",
+    "Oph.\nGood my lord, how does your honour for this many a day?",
+] * 20
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +64,16 @@ def test_round_trip_keeps_every_eos_id_and_the_chat_template(tmp_path, tokenizer
 def test_config_uses_llama_field_names(ckpt):
     cfg = json.loads((ckpt[0] / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
-    for field in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "intermediate_size",
-                  "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings"):
+    for field in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_key_value_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+        "rope_theta",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+    ):
         assert field in cfg
 
 
@@ -76,8 +86,12 @@ def expect_error(path, *words):
 
 def test_missing_files_are_named(ckpt):
     path, _ = ckpt
-    expect_error(path.parent / "nowhere", "nowhere", "no such file or directory",
-                 "python -m tinyllm fetch smollm2")
+    expect_error(
+        path.parent / "nowhere",
+        "nowhere",
+        "no such file or directory",
+        "python -m tinyllm fetch smollm2",
+    )
     (path.parent / "notes.txt").write_text("not a model")
     expect_error(path.parent / "notes.txt", "notes.txt", "not a checkpoint directory or .gguf file")
     (path / "model.safetensors").unlink()
@@ -107,7 +121,7 @@ def test_corrupt_safetensors_is_named(ckpt):
 def test_truncated_safetensors_is_named(ckpt):
     path, _ = ckpt
     data = (path / "model.safetensors").read_bytes()
-    (path / "model.safetensors").write_bytes(data[:len(data) // 2])
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
     expect_error(path, "model.safetensors", "corrupt or truncated")
 
 
@@ -121,15 +135,18 @@ def test_bad_config_json_is_named(ckpt):
     expect_error(ckpt[0], "config.json", "not valid JSON")
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(model_type="gpt2"), ["unsupported architecture", "gpt2"]),
-    (dict(hidden_act="gelu"), ["unsupported hidden_act"]),
-    (dict(mlp_bias=True), ["mlp_bias"]),
-    (dict(model_type="qwen2", use_sliding_window=True), ["use_sliding_window"]),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["RoPE scaling", "yarn"]),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), ["llama3", "low_freq_factor"]),
-    (dict(num_hidden_layers=None), ["num_hidden_layers"]),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(model_type="gpt2"), ["unsupported architecture", "gpt2"]),
+        (dict(hidden_act="gelu"), ["unsupported hidden_act"]),
+        (dict(mlp_bias=True), ["mlp_bias"]),
+        (dict(model_type="qwen2", use_sliding_window=True), ["use_sliding_window"]),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["RoPE scaling", "yarn"]),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), ["llama3", "low_freq_factor"]),
+        (dict(num_hidden_layers=None), ["num_hidden_layers"]),
+    ],
+)
 def test_unsupported_config_is_named(ckpt, change, words):
     path, _ = ckpt
     cfg = json.loads((path / "config.json").read_text())
@@ -166,8 +183,12 @@ def test_weights_that_are_not_floats_are_named(ckpt, dtype):
     tensors = load_file(path / "model.safetensors")
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(dtype)
     save_file(tensors, path / "model.safetensors")
-    expect_error(path, "'model.norm.weight'", f"has dtype {str(dtype).removeprefix('torch.')}",
-                 "float32, float64, bfloat16, float16")
+    expect_error(
+        path,
+        "'model.norm.weight'",
+        f"has dtype {str(dtype).removeprefix('torch.')}",
+        "float32, float64, bfloat16, float16",
+    )
 
 
 def test_non_finite_weights_are_named(ckpt):
@@ -212,6 +233,7 @@ def test_weights_load_in_the_asked_dtype_without_a_float32_model(monkeypatch):
     """The model is built on the meta device (no storage) and each tensor goes straight to the
     asked dtype: no float32 copy of the weights on the way. Tied weights stay tied."""
     from tinyllm.checkpoints import checkpoint
+
     built_on = []
 
     class Watched(checkpoint.Transformer):
@@ -236,8 +258,9 @@ def test_a_hub_id_needs_download_true():
 def test_max_seq_len_caps_the_positions_served(tmp_path):
     model, _ = tinyllm.load(device="cpu", max_seq_len=128)
     assert model.cfg.max_seq_len == 128 and model.rope_cos.shape[0] == 128
-    with pytest.raises(CheckpointError,
-                       match="exceeds the checkpoint's max_position_embeddings 512"):
+    with pytest.raises(
+        CheckpointError, match="exceeds the checkpoint's max_position_embeddings 512"
+    ):
         tinyllm.load(device="cpu", max_seq_len=1024)
 
 
@@ -248,23 +271,30 @@ def test_max_seq_len_must_be_a_positive_int(ckpt, bad):
         tinyllm.load(ckpt[0], device="cpu", max_seq_len=bad)
 
 
-@pytest.mark.parametrize("bad", [torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn,
-                                 "float32", 5])
+@pytest.mark.parametrize(
+    "bad", [torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn, "float32", 5]
+)
 def test_dtype_must_be_a_float_dtype(bad):
     """A dtype other than float32, float64, bfloat16 or float16 is refused by name before any
     file is read (here the path does not even exist)."""
-    with pytest.raises(ValueError, match=r"dtype must be one of torch\.float32, torch\.float64, "
-                                         r"torch\.bfloat16, torch\.float16 or None") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"dtype must be one of torch\.float32, torch\.float64, "
+        r"torch\.bfloat16, torch\.float16 or None",
+    ) as e:
         tinyllm.load("nowhere", device="cpu", dtype=bad)
     assert f"got {bad!r}" in str(e.value)
     if isinstance(bad, str):
         assert "pass torch.float32" in str(e.value)
 
 
-@pytest.mark.parametrize("device, words", [
-    ("gpu", r"device must be 'cpu', 'cuda', 'cuda:N' or None, got 'gpu'"),
-    ("cuda:99", r"device 'cuda:99': this machine has"),
-])
+@pytest.mark.parametrize(
+    "device, words",
+    [
+        ("gpu", r"device must be 'cpu', 'cuda', 'cuda:N' or None, got 'gpu'"),
+        ("cuda:99", r"device 'cuda:99': this machine has"),
+    ],
+)
 def test_device_must_be_one_torch_can_use(device, words):
     """A device torch does not know, or a GPU the machine does not have, is refused by name
     before any file is read."""
@@ -286,11 +316,17 @@ def test_config_json_must_hold_an_object(ckpt, text):
         tinyllm.load(ckpt[0], device="cpu")
 
 
-@pytest.mark.parametrize("index, words", [
-    ([], r"index\.json: must hold a JSON object, got an array"),
-    ({"weight_map": []}, r"index\.json: weight_map must map tensor names to file names"),
-    ({"weight_map": {"model.norm.weight": 3}}, r"index\.json: weight_map must map tensor names"),
-])
+@pytest.mark.parametrize(
+    "index, words",
+    [
+        ([], r"index\.json: must hold a JSON object, got an array"),
+        ({"weight_map": []}, r"index\.json: weight_map must map tensor names to file names"),
+        (
+            {"weight_map": {"model.norm.weight": 3}},
+            r"index\.json: weight_map must map tensor names",
+        ),
+    ],
+)
 def test_bad_safetensors_index_is_named(ckpt, index, words):
     """An index that is not {"weight_map": {name: file}} is refused with the file's name."""
     (ckpt[0] / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -298,41 +334,69 @@ def test_bad_safetensors_index_is_named(ckpt, index, words):
         tinyllm.load(ckpt[0], device="cpu")
 
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(hidden_size="64"), r"hidden_size must be an int >= 1, got '64'"),
-    (dict(num_attention_heads=0), r"num_attention_heads must be an int >= 1, got 0"),
-    (dict(vocab_size=None), r"vocab_size must be an int >= 1, got None"),
-    (dict(head_dim=16.0), r"head_dim must be an int >= 1, got 16\.0"),
-    (dict(rms_norm_eps="1e-5"), r"rms_norm_eps must be a number > 0, got '1e-5'"),
-    (dict(rope_theta=-1), r"rope_theta must be a number > 0, got -1"),
-    (dict(rope_scaling="llama3"), r"rope_scaling must be a JSON object, got 'llama3'"),
-    (dict(model_type=["llama"]), r"unsupported architecture model_type=\['llama'\]"),
-    (dict(eos_token_id=[]), r"eos_token_id must be a token id \(an int >= 0\) or a non-empty "
-                            r"list of them, got \[\]"),
-    (dict(eos_token_id=[2, "3"]), r"eos_token_id must be a token id .*, got \[2, '3'\]"),
-    (dict(bos_token_id="0"), r"bos_token_id must be a token id \(an int >= 0\), got '0'"),
-    (dict(bos_token_id=300), r"bos_token_id 300 is not a token of the model \(its vocab_size "
-                             r"is 300\)"),
-    (dict(eos_token_id=[0, 5000]), r"eos_token_id 5000 is not a token of the model"),
-    (dict(tie_word_embeddings="false"), r"tie_word_embeddings must be true or false, got 'false'"),
-    (dict(attention_bias="false"), r"attention_bias must be true or false, got 'false'"),
-    (dict(mlp_bias="false"), r"mlp_bias must be true or false, got 'false'"),
-    (dict(num_key_value_heads=3), r"num_attention_heads 4 is not a multiple of "
-                                  r"num_key_value_heads 3"),
-    (dict(head_dim=15), r"head_dim 15 is odd"),
-    (dict(rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": "1e4"}),
-     r"rope_parameters' rope_theta must be a number > 0, got '1e4'"),
-    (dict(rope_scaling={**LLAMA3, "factor": "8"}),
-     r"llama3 RoPE scaling's factor must be a number > 0, got '8'"),
-    (dict(rope_scaling={**LLAMA3, "original_max_position_embeddings": -1}),
-     r"llama3 RoPE scaling's original_max_position_embeddings must be a number > 0, got -1"),
-    (dict(rope_scaling={**LLAMA3, "low_freq_factor": 4.0}),
-     r"llama3 RoPE scaling's low_freq_factor 4\.0 must be below its high_freq_factor 4\.0"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(hidden_size="64"), r"hidden_size must be an int >= 1, got '64'"),
+        (dict(num_attention_heads=0), r"num_attention_heads must be an int >= 1, got 0"),
+        (dict(vocab_size=None), r"vocab_size must be an int >= 1, got None"),
+        (dict(head_dim=16.0), r"head_dim must be an int >= 1, got 16\.0"),
+        (dict(rms_norm_eps="1e-5"), r"rms_norm_eps must be a number > 0, got '1e-5'"),
+        (dict(rope_theta=-1), r"rope_theta must be a number > 0, got -1"),
+        (dict(rope_scaling="llama3"), r"rope_scaling must be a JSON object, got 'llama3'"),
+        (dict(model_type=["llama"]), r"unsupported architecture model_type=\['llama'\]"),
+        (
+            dict(eos_token_id=[]),
+            r"eos_token_id must be a token id \(an int >= 0\) or a non-empty "
+            r"list of them, got \[\]",
+        ),
+        (dict(eos_token_id=[2, "3"]), r"eos_token_id must be a token id .*, got \[2, '3'\]"),
+        (dict(bos_token_id="0"), r"bos_token_id must be a token id \(an int >= 0\), got '0'"),
+        (
+            dict(bos_token_id=300),
+            r"bos_token_id 300 is not a token of the model \(its vocab_size "
+            r"is 300\)",
+        ),
+        (dict(eos_token_id=[0, 5000]), r"eos_token_id 5000 is not a token of the model"),
+        (
+            dict(tie_word_embeddings="false"),
+            r"tie_word_embeddings must be true or false, got 'false'",
+        ),
+        (dict(attention_bias="false"), r"attention_bias must be true or false, got 'false'"),
+        (dict(mlp_bias="false"), r"mlp_bias must be true or false, got 'false'"),
+        (
+            dict(num_key_value_heads=3),
+            r"num_attention_heads 4 is not a multiple of "
+            r"num_key_value_heads 3",
+        ),
+        (dict(head_dim=15), r"head_dim 15 is odd"),
+        (
+            dict(rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": "1e4"}),
+            r"rope_parameters' rope_theta must be a number > 0, got '1e4'",
+        ),
+        (
+            dict(rope_scaling={**LLAMA3, "factor": "8"}),
+            r"llama3 RoPE scaling's factor must be a number > 0, got '8'",
+        ),
+        (
+            dict(rope_scaling={**LLAMA3, "original_max_position_embeddings": -1}),
+            r"llama3 RoPE scaling's original_max_position_embeddings must be a number > 0, got -1",
+        ),
+        (
+            dict(rope_scaling={**LLAMA3, "low_freq_factor": 4.0}),
+            r"llama3 RoPE scaling's low_freq_factor 4\.0 must be below its high_freq_factor 4\.0",
+        ),
+    ],
+)
 def test_config_value_of_wrong_type_is_named(ckpt, change, words):
     """A config.json value of the wrong type or range is refused with its field and value."""
     cfg = json.loads((ckpt[0] / "config.json").read_text())
@@ -347,6 +411,7 @@ def test_the_command_line_names_a_missing_model_and_the_fix(tmp_path, capsys, mo
     fetch the real model, without a traceback; "smollm2" names the fetched file."""
     from tinyllm import __main__ as cli
     from tinyllm.checkpoints import smollm2
+
     missing = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", "--model", str(missing)])

@@ -27,8 +27,9 @@ def check_prefix_pool(cache: PagedKVCache) -> None:
     pc = cache.prefix
     held = [b for table in cache.tables for b in table]
     for b in range(cache.n_blocks):
-        assert pc.refs[b] == held.count(b), \
+        assert pc.refs[b] == held.count(b), (
             f"block {b}: count {pc.refs[b]}, held {held.count(b)} times"
+        )
     free, evictable = set(cache.allocator.free_list), set(pc.evictable)
     assert len(free) == len(cache.allocator.free_list), "a block is on the free list twice"
     assert free.isdisjoint(evictable) and free.isdisjoint(held) and evictable.isdisjoint(held)
@@ -49,6 +50,7 @@ def budget_kept(trace: Trace, budget: int) -> None:
 
 # ---- 07: chunked prefill -----------------------------------------------------------------------
 
+
 def seq_left(rid: int, left: int, slot: int) -> Sequence:
     """A Sequence in `slot` with `left` tokens of its context still to compute."""
     seq = Sequence(rid, Request(list(range(1, left + 1)), 4), 0.0, Sampling(), None)
@@ -63,6 +65,7 @@ def test_plan_step_decodes_first_then_chunks_first_come_first_served():
     def admit():
         calls.append(1)
         return [d]
+
     assert plan_step([a, b, c], 8, admit) == ([a, c], [(b, 6)]) and not calls
     assert plan_step([a, b, c], 16, admit) == ([a, c], [(b, 10), (d, 4)]) and len(calls) == 1
     assert plan_step([a, b, c], None, admit) == ([a, c], [(b, 10), (d, 4)]) and len(calls) == 2
@@ -79,37 +82,66 @@ def test_next_chunk_samples_only_at_the_end_of_the_context():
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=requests_st, n_slots=st.integers(1, 5), extra=st.integers(0, 12),
-       kv=st.sampled_from(["slots", "paged"]))
+@given(
+    requests=requests_st,
+    n_slots=st.integers(1, 5),
+    extra=st.integers(0, 12),
+    kv=st.sampled_from(["slots", "paged"]),
+)
 def test_chunked_engine_matches_solo_generate_within_the_budget(requests, n_slots, extra, kv):
     """Any budget from n_slots up (1 token of prefill a step at the least), slots or blocks:
     solo tokens, and no step computes more than the budget."""
     budget = n_slots + extra
     trace = Trace()
-    results, summary = run_continuous(TINY, requests, n_slots, kv=kv, block_size=4,
-                                      max_step_tokens=budget, trace=trace)
+    results, summary = run_continuous(
+        TINY, requests, n_slots, kv=kv, block_size=4, max_step_tokens=budget, trace=trace
+    )
     assert_oracle(requests, results)
     budget_kept(trace, budget)
-    assert summary["prefill_tokens"] == summary["prompt_tokens"] == sum(len(r.prompt)
-                                                                        for r in requests)
+    assert (
+        summary["prefill_tokens"]
+        == summary["prompt_tokens"]
+        == sum(len(r.prompt) for r in requests)
+    )
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
-@given(requests=requests_st, n_slots=st.integers(1, 4), block_size=st.sampled_from([1, 3, 8]),
-       data=st.data())
-def test_chunked_engine_online_with_preemption_aborts_and_sampling(requests, n_slots, block_size,
-                                                                   data):
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example],
+)
+@given(
+    requests=requests_st,
+    n_slots=st.integers(1, 4),
+    block_size=st.sampled_from([1, 3, 8]),
+    data=st.data(),
+)
+def test_chunked_engine_online_with_preemption_aborts_and_sampling(
+    requests, n_slots, block_size, data
+):
     """Arrivals between steps, aborts, seeded sampling and a tight pool, so that preempted
     requests are recomputed in chunks too: every finished request equals solo."""
-    reqs = [Request(r.prompt, r.max_new_tokens, r.eos_id,
-                    data.draw(st.sampled_from([None, Sampling(0.9, 20, None, seed=i)])))
-            for i, r in enumerate(requests)]
+    reqs = [
+        Request(
+            r.prompt,
+            r.max_new_tokens,
+            r.eos_id,
+            data.draw(st.sampled_from([None, Sampling(0.9, 20, None, seed=i)])),
+        )
+        for i, r in enumerate(requests)
+    ]
     n_blocks = max(need_blocks(r, block_size) for r in reqs) + data.draw(st.integers(0, 4))
     budget = n_slots + data.draw(st.integers(0, 6))
     trace = Trace()
-    eng = ContinuousEngine(TINY, n_slots, kv="paged", block_size=block_size, kv_blocks=n_blocks,
-                           max_step_tokens=budget, trace=trace)
+    eng = ContinuousEngine(
+        TINY,
+        n_slots,
+        kv="paged",
+        block_size=block_size,
+        kv_blocks=n_blocks,
+        max_step_tokens=budget,
+        trace=trace,
+    )
     done, aborted = drive(eng, reqs, data, abort_odds=8)
     assert set(done) | aborted == set(range(len(reqs)))
     for i, tokens in done.items():
@@ -122,8 +154,9 @@ def test_chunked_engine_online_with_preemption_aborts_and_sampling(requests, n_s
 def test_chunked_engine_with_the_graph_decoder(requests, n_slots, extra):
     """The graph decoder's step (eager bucketed on a CPU) writes every slot, a slot halfway
     through its prefill too; that slot's next chunk overwrites the stray key: solo tokens."""
-    results, _ = run_continuous(TINY, requests, n_slots, decoder="graphs",
-                                max_step_tokens=n_slots + extra)
+    results, _ = run_continuous(
+        TINY, requests, n_slots, decoder="graphs", max_step_tokens=n_slots + extra
+    )
     assert_oracle(requests, results)
 
 
@@ -135,12 +168,12 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode():
     eng = ContinuousEngine(TINY, 4, max_step_tokens=16, trace=trace)
     for r in reqs[:3]:
         eng.add_request(r)
-    eng.step()                                          # the short prompts' prefill
+    eng.step()  # the short prompts' prefill
     eng.add_request(reqs[3])
     while eng.has_work():
         eng.step()
     chunks = [c[3] for c in trace.computed[1:] if c[3] > 1]
-    assert chunks == [13, 13, 13, 13, 8], chunks        # 16 - 3 decodes, until 60 are done
+    assert chunks == [13, 13, 13, 13, 8], chunks  # 16 - 3 decodes, until 60 are done
     assert all(c[:3] == [1, 1, 1] for c in trace.computed[1:6]), "the short ones kept decoding"
     assert_oracle(reqs, [eng.results[i] for i in range(4)])
 
@@ -154,6 +187,7 @@ def test_budget_below_the_slots_is_refused():
 
 # ---- 08: prefix caching ------------------------------------------------------------------------
 
+
 def test_block_hashes_name_prefixes_not_blocks():
     a = block_hashes([1, 2, 3, 4, 5, 6, 7], 2)
     assert len(a) == 3, "three full blocks, the partial fourth unnamed"
@@ -164,7 +198,7 @@ def test_block_hashes_name_prefixes_not_blocks():
 
 
 def test_match_prefix_stops_at_the_first_miss_and_leaves_a_token():
-    ctx = list(range(1, 13))                            # 12 tokens, blocks of 4
+    ctx = list(range(1, 13))  # 12 tokens, blocks of 4
     h = block_hashes(ctx, 4)
     cached = {h[0]: 7, h[1]: 3, h[2]: 5}
     assert match_prefix(ctx, 4, cached) == [7, 3], "the third block holds the last token"
@@ -178,7 +212,7 @@ def test_evictable_blocks_go_least_recently_used_first():
     for blk, name in zip(a + b, [b"a0", b"a1", b"b0", b"b1"]):
         pc.register(blk, name)
     pc.free(b)
-    pc.free(a)                                          # b's blocks were let go first,
+    pc.free(a)  # b's blocks were let go first,
     assert pc.n_free() == 4 and pc.allocator.n_free() == 0
     assert list(pc.evictable) == [b[1], b[0], a[1], a[0]], "each table's from its end"
     got = pc.allocate(2)
@@ -190,10 +224,17 @@ def test_evictable_blocks_go_least_recently_used_first():
 prefixes_st = st.lists(st.integers(1, V - 1), min_size=0, max_size=40)
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
-@given(systems=st.lists(prefixes_st, min_size=1, max_size=3),
-       block_size=st.sampled_from([1, 2, 4, 8]), n_slots=st.integers(1, 5), data=st.data())
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example],
+)
+@given(
+    systems=st.lists(prefixes_st, min_size=1, max_size=3),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    n_slots=st.integers(1, 5),
+    data=st.data(),
+)
 def test_prefix_cache_matches_solo_generate(systems, block_size, n_slots, data):
     """Prompts that share system prompts (a few, some empty), arriving between steps, greedy and
     seeded, some aborted, pools from tight to ample, with and without a budget: solo tokens,
@@ -201,15 +242,28 @@ def test_prefix_cache_matches_solo_generate(systems, block_size, n_slots, data):
     reqs = []
     for i in range(data.draw(st.integers(1, 10))):
         system = data.draw(st.sampled_from(systems))
-        question = data.draw(st.lists(st.integers(1, V - 1), min_size=1 if not system else 0,
-                                      max_size=8))
-        reqs.append(Request(system + question, data.draw(st.integers(1, 12)),
-                            data.draw(st.sampled_from([None, 3])),
-                            data.draw(st.sampled_from([None, Sampling(0.9, 20, None, seed=i)]))))
+        question = data.draw(
+            st.lists(st.integers(1, V - 1), min_size=1 if not system else 0, max_size=8)
+        )
+        reqs.append(
+            Request(
+                system + question,
+                data.draw(st.integers(1, 12)),
+                data.draw(st.sampled_from([None, 3])),
+                data.draw(st.sampled_from([None, Sampling(0.9, 20, None, seed=i)])),
+            )
+        )
     n_blocks = max(need_blocks(r, block_size) for r in reqs) + data.draw(st.integers(0, 24))
     budget = data.draw(st.sampled_from([None, n_slots + 3]))
-    eng = ContinuousEngine(TINY, n_slots, kv="paged", block_size=block_size, kv_blocks=n_blocks,
-                           prefix_cache=True, max_step_tokens=budget)
+    eng = ContinuousEngine(
+        TINY,
+        n_slots,
+        kv="paged",
+        block_size=block_size,
+        kv_blocks=n_blocks,
+        prefix_cache=True,
+        max_step_tokens=budget,
+    )
     done, aborted = drive(eng, reqs, data, abort_odds=10, check=check_prefix_pool)
     assert set(done) | aborted == set(range(len(reqs)))
     for i, tokens in done.items():
@@ -235,14 +289,14 @@ def test_later_requests_reuse_the_system_prompt_and_a_whole_conversation():
         eng.step()
     assert eng.results.pop(rid).tokens == solo(second)
     summary = eng.stats.summary([])
-    ctx = len(first.prompt) + len(answer)               # in the cache after turn 1 (the last
-    reusable = (ctx - 1) // 4 * 4                       # answer token was never computed)
+    ctx = len(first.prompt) + len(answer)  # in the cache after turn 1 (the last
+    reusable = (ctx - 1) // 4 * 4  # answer token was never computed)
     assert summary["cached_prompt_tokens"] == reusable
     assert summary["prefill_tokens"] == len(first.prompt) + len(second.prompt) - reusable
     assert sum(eng.cache.prefix.refs) == 0
 
 
-SYSTEM = [(3 * j) % (V - 1) + 1 for j in range(12)]       # a system prompt of 3 blocks of 4
+SYSTEM = [(3 * j) % (V - 1) + 1 for j in range(12)]  # a system prompt of 3 blocks of 4
 
 
 def test_newcomers_of_one_step_share_a_prefix_without_a_budget():
@@ -260,10 +314,11 @@ def test_newcomers_of_one_step_share_a_prefix_without_a_budget():
     assert summary["prefill_tokens"] == 2 * 14 - 12
     assert eng.cache.check_integrity(idle=True) is None
     assert_oracle(reqs, [eng.results[r] for r in rids])
-    reqs = [Request(SYSTEM + [20 + i] * (i + 1), 9) for i in range(3)]      # longer answers
+    reqs = [Request(SYSTEM + [20 + i] * (i + 1), 9) for i in range(3)]  # longer answers
     trace = Trace()
-    results, summary = run_continuous(TINY, reqs, 3, kv="paged", block_size=4, prefix_cache=True,
-                                      trace=trace)
+    results, summary = run_continuous(
+        TINY, reqs, 3, kv="paged", block_size=4, prefix_cache=True, trace=trace
+    )
     assert_oracle(reqs, results)
     assert trace.computed[0] == [13, 2, 3], "all three admitted in the first step"
     assert summary["cached_prompt_tokens"] == 2 * 12
@@ -275,8 +330,9 @@ def test_under_a_budget_newcomers_of_one_step_compute_their_prefix_each():
     shared prefix, and one admitted a step later shares it; solo tokens throughout."""
     reqs = [Request(SYSTEM + [20 + i], 3) for i in range(3)]
     trace = Trace()
-    eng = ContinuousEngine(TINY, 3, kv="paged", block_size=4, prefix_cache=True,
-                           max_step_tokens=40, trace=trace)
+    eng = ContinuousEngine(
+        TINY, 3, kv="paged", block_size=4, prefix_cache=True, max_step_tokens=40, trace=trace
+    )
     rids = [eng.add_request(r) for r in reqs[:2]]
     eng.step()
     assert trace.computed[0] == [13, 13, 0], "both admitted in the first step, and computed whole"
@@ -287,8 +343,9 @@ def test_under_a_budget_newcomers_of_one_step_compute_their_prefix_each():
     summary = eng.stats.summary([])
     assert summary["cached_prompt_tokens"] == 12, "only the third, a step later, shares"
     assert_oracle(reqs, [eng.results[r] for r in rids])
-    chunked, _ = run_continuous(TINY, reqs, 3, kv="paged", block_size=4, prefix_cache=True,
-                                max_step_tokens=5)
+    chunked, _ = run_continuous(
+        TINY, reqs, 3, kv="paged", block_size=4, prefix_cache=True, max_step_tokens=5
+    )
     assert_oracle(reqs, chunked)
 
 
@@ -296,14 +353,18 @@ def test_with_no_budget_a_plan_computes_every_context_whole(monkeypatch):
     """With no budget a newcomer's blocks are named as it is admitted, for the step's forward
     pass to write: a plan that leaves part of a context, or a whole newcomer, for later is
     refused by name."""
+
     def planned(change):
-        monkeypatch.setattr(chunked_prefill, "plan_step",
-                            lambda running, budget, admit: change(*plan_step(running, budget,
-                                                                             admit)))
+        monkeypatch.setattr(
+            chunked_prefill,
+            "plan_step",
+            lambda running, budget, admit: change(*plan_step(running, budget, admit)),
+        )
         eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
         for i in range(2):
             eng.add_request(Request(SYSTEM + [20 + i], 3))
         eng.step()
+
     with pytest.raises(ValueError, match="a chunk of 6 tokens with no budget; it has 13 left"):
         planned(lambda decodes, chunks: (decodes, [(s, n // 2) for s, n in chunks]))
     with pytest.raises(ValueError, match=r"plan_step left requests \[1\] out with no budget"):
@@ -312,24 +373,42 @@ def test_with_no_budget_a_plan_computes_every_context_whole(monkeypatch):
 
 # ---- 08: admission looks the prefix up first ---------------------------------------------------
 
+
 def prefix_pool(n_blocks: int, n_slots: int = 2, **kw) -> PagedKVCache:
     cfg = TINY.cfg
-    return PagedKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, n_blocks, 4, 32,
-                        torch.float64, prefix_cache=True, **kw)
+    return PagedKVCache(
+        cfg.n_layers,
+        n_slots,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        n_blocks,
+        4,
+        32,
+        torch.float64,
+        prefix_cache=True,
+        **kw,
+    )
 
 
 def prefill(cache: PagedKVCache, slot: int, context: list[int]) -> None:
     """Compute the rest of a slot's context into it (one ragged step), then name its blocks."""
     cache.plan_step([slot], [len(context) - cache.lens[slot]])
     with torch.no_grad():
-        TINY(torch.tensor([context[cache.lens[slot]:]]), cache=cache)
+        TINY(torch.tensor([context[cache.lens[slot] :]]), cache=cache)
     cache.cache_blocks(slot, context)
 
 
 def books(cache: PagedKVCache) -> tuple:
     pc = cache.prefix
-    return ([list(t) for t in cache.tables], list(cache.lens), list(cache.active), list(pc.refs),
-            list(pc.evictable), list(pc.allocator.free_list), dict(pc.cached))
+    return (
+        [list(t) for t in cache.tables],
+        list(cache.lens),
+        list(cache.active),
+        list(pc.refs),
+        list(pc.evictable),
+        list(pc.allocator.free_list),
+        dict(pc.cached),
+    )
 
 
 def test_admission_takes_fresh_blocks_only_for_what_the_cache_lacks():
@@ -337,7 +416,7 @@ def test_admission_takes_fresh_blocks_only_for_what_the_cache_lacks():
     running request holds: can_admit counts only its fresh blocks, and afterwards its slot
     holds the cached tokens (lens)."""
     cache = prefix_pool(4)
-    a, b = SYSTEM[:8] + [50], SYSTEM[:8] + [60]       # 2 shared blocks, 3 blocks each
+    a, b = SYSTEM[:8] + [50], SYSTEM[:8] + [60]  # 2 shared blocks, 3 blocks each
     assert cache.can_admit([9], [a])
     cache.admit(0, 9, a)
     assert cache.lens[0] == 0 and len(cache.tables[0]) == 3, "nothing cached yet"
@@ -359,8 +438,8 @@ def test_a_matched_block_nobody_holds_counts_as_free_until_shared():
     a, b = SYSTEM[:8] + [50], SYSTEM[:8] + [60]
     cache.admit(0, 9, a)
     prefill(cache, 0, a)
-    cache.release(0)                                  # its 2 named blocks wait, evictable
-    cache.admit(1, 5, [90, 91, 92, 93, 94])           # 2 fresh blocks: the free ones
+    cache.release(0)  # its 2 named blocks wait, evictable
+    cache.admit(1, 5, [90, 91, 92, 93, 94])  # 2 fresh blocks: the free ones
     assert cache.n_free() == 2 and len(cache.prefix.evictable) == 2
     assert not cache.can_admit([9], [b]), "sharing the 2 evictable blocks leaves none for the 3rd"
     before = books(cache)
@@ -384,12 +463,16 @@ def test_a_bad_match_is_named_at_admission(monkeypatch):
     named, unnamed = cache.tables[0][:2], cache.tables[0][2]
     monkeypatch.setattr(prefix_cache, "match_prefix", lambda context, bs, cached: named)
     for ask in (lambda: cache.can_admit([8], [SYSTEM[:8]]), lambda: cache.admit(1, 8, SYSTEM[:8])):
-        with pytest.raises(ValueError, match="for a context of 8 tokens: the last token must be "
-                                             "left to compute"):
+        with pytest.raises(
+            ValueError, match="for a context of 8 tokens: the last token must be left to compute"
+        ):
             ask()
     monkeypatch.setattr(prefix_cache, "match_prefix", lambda context, bs, cached: [unnamed])
-    with pytest.raises(ValueError, match=rf"match_prefix gave blocks \[{unnamed}\], which hold no "
-                                         r"cached prefix"):
+    with pytest.raises(
+        ValueError,
+        match=rf"match_prefix gave blocks \[{unnamed}\], which hold no "
+        r"cached prefix",
+    ):
         cache.admit(1, 9, SYSTEM[:8] + [60])
     assert not cache.active[1] and cache.check_integrity() is None
 
@@ -404,12 +487,13 @@ def test_named_at_admission_a_newcomer_of_the_same_step_reads_them_written():
     assert len(cache.hashes[0]) == 3 and len(cache.prefix.cached) == 3, "named at admission"
     cache.admit(1, 14, b)
     assert cache.lens == [0, 12] and cache.tables[1][:3] == cache.tables[0][:3]
-    cache.plan_step([1, 0], [2, 13])                 # the sharer's row first
+    cache.plan_step([1, 0], [2, 13])  # the sharer's row first
     with torch.no_grad():
         logits, _ = TINY(torch.tensor([[60, 61] + [0] * 11, a]), cache=cache)
         for row, (ctx, last) in enumerate([(b, 1), (a, 12)]):
-            torch.testing.assert_close(logits[row, last], TINY(torch.tensor([ctx]))[0][0, -1],
-                                       rtol=0, atol=1e-10)
+            torch.testing.assert_close(
+                logits[row, last], TINY(torch.tensor([ctx]))[0][0, -1], rtol=0, atol=1e-10
+            )
     check_prefix_pool(cache)
 
 
@@ -418,14 +502,15 @@ def test_check_integrity_names_each_broken_book_of_the_prefix_cache():
     evictable, and held), a reference count off, a named block on the free list, an evictable
     block with no name, the two maps apart, a table's name that is not its block's, a named
     block not yet written, and a block lost. Each is one sentence; sound books give None."""
+
     def broken(how) -> str | None:
         cache = prefix_pool(6, n_slots=3)
         a, b = SYSTEM[:8] + [50], SYSTEM[:8] + [60]
         cache.admit(0, 9, a)
-        prefill(cache, 0, a)                          # blocks 0, 1 named, 2 not
-        cache.admit(1, 9, b)                          # shares 0 and 1, takes 3
-        cache.admit(2, 2, [7, 8])                     # takes 4; block 5 is free
-        cache.release(2)                              # 4 goes back, unnamed
+        prefill(cache, 0, a)  # blocks 0, 1 named, 2 not
+        cache.admit(1, 9, b)  # shares 0 and 1, takes 3
+        cache.admit(2, 2, [7, 8])  # takes 4; block 5 is free
+        cache.release(2)  # 4 goes back, unnamed
         assert cache.check_integrity() is None
         how(cache, cache.prefix)
         return cache.check_integrity()
@@ -433,30 +518,43 @@ def test_check_integrity_names_each_broken_book_of_the_prefix_cache():
     def free_and_held(c, pc):
         pc.allocator.free_list.append(2)
         pc.allocator.allocated[2] = False
+
     assert "blocks [2] are free, yet a block table holds them" in broken(free_and_held)
     assert "are evictable, yet block tables hold them" in broken(
-        lambda c, pc: pc.evictable.__setitem__(0, None))
+        lambda c, pc: pc.evictable.__setitem__(0, None)
+    )
     assert "block 0 has refs 3, but 2 block tables hold it" in broken(
-        lambda c, pc: pc.refs.__setitem__(0, 3))
+        lambda c, pc: pc.refs.__setitem__(0, 3)
+    )
     assert "block 1 has refs 1, but 2 block tables hold it" in broken(
-        lambda c, pc: pc.refs.__setitem__(1, 1))
+        lambda c, pc: pc.refs.__setitem__(1, 1)
+    )
     assert "blocks [5] are free but still named" in broken(lambda c, pc: pc.register(5, b"x" * 32))
+
     def unnamed_evictable(c, pc):
         c.tables[1].remove(3)
         pc.refs[3] = 0
         pc.evictable[3] = None
+
     assert "blocks [3] are evictable but hold no named prefix" in broken(unnamed_evictable)
     assert "cached (name -> block) and hash_of (block -> name) disagree" in broken(
-        lambda c, pc: pc.cached.__setitem__(b"y" * 32, 2))
+        lambda c, pc: pc.cached.__setitem__(b"y" * 32, 2)
+    )
     assert "is cached under another name than the table gives it" in broken(
-        lambda c, pc: c.hashes[1].__setitem__(1, b"z" * 32))
+        lambda c, pc: c.hashes[1].__setitem__(1, b"z" * 32)
+    )
     assert "slot 1 names 3 blocks, but it holds 8 tokens" in broken(
-        lambda c, pc: c.hashes[1].append(b"w" * 32))
+        lambda c, pc: c.hashes[1].append(b"w" * 32)
+    )
+
     def lost(c, pc):
         c.tables[1].remove(3)
         pc.refs[3] = 0
-    assert "blocks [3] are allocated, yet no block table holds them and none waits cached: " \
-           "blocks leaked" in broken(lost)
+
+    assert (
+        "blocks [3] are allocated, yet no block table holds them and none waits cached: "
+        "blocks leaked" in broken(lost)
+    )
 
 
 def test_prefix_cache_needs_a_paged_cache():

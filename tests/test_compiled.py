@@ -18,7 +18,7 @@ from tinyllm.generate import generate
 from tinyllm.slot_cache import SlotKVCache
 from tinyllm.static import run_static
 
-BUCKETS = (16,)                   # over slots of 48 positions: above 16 the step runs eagerly
+BUCKETS = (16,)  # over slots of 48 positions: above 16 the step runs eagerly
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +64,15 @@ def test_each_bucket_compiles_once_and_is_replayed(compiled):
 def test_compiled_decoder_settings_are_checked(compiled):
     with pytest.raises(ValueError, match="decoder must be one of 'eager', 'graphs', 'compiled'"):
         ContinuousEngine(TINY, 2, decoder="fast")
-    with pytest.raises(ValueError,
-                       match="the compiled decoder decodes a slot cache: use kv='slots'"):
+    with pytest.raises(
+        ValueError, match="the compiled decoder decodes a slot cache: use kv='slots'"
+    ):
         ContinuousEngine(TINY, 2, kv="paged", decoder="compiled")
-    with pytest.raises(TypeError, match="cuda_graph"):     # one keyword per idea: decoder=
+    with pytest.raises(TypeError, match="cuda_graph"):  # one keyword per idea: decoder=
         ContinuousEngine(TINY, 2, cuda_graph=True)
-    with pytest.raises(ValueError,
-                       match="compile_mode must be one of 'default', 'max-autotune', got 'fast'"):
+    with pytest.raises(
+        ValueError, match="compile_mode must be one of 'default', 'max-autotune', got 'fast'"
+    ):
         ContinuousEngine(TINY, 2, decoder="compiled", compile_mode="fast")
     with pytest.raises(ValueError, match="compile_mode is the compiled decoder's"):
         ContinuousEngine(TINY, 2, compile_mode="max-autotune")
@@ -99,8 +101,14 @@ def low(request):
     time."""
     model = make_tiny(seed=3, dtype=request.param, d_ff=64, n_kv_heads=4)
     rng = random.Random(1)
-    reqs = [Request([rng.randrange(V) for _ in range(rng.randint(1, 20))], rng.randint(8, 40),
-                    eos_id=rng.choice([None, 5, (3, 11)])) for _ in range(12)]
+    reqs = [
+        Request(
+            [rng.randrange(V) for _ in range(rng.randint(1, 20))],
+            rng.randint(8, 40),
+            eos_id=rng.choice([None, 5, (3, 11)]),
+        )
+        for _ in range(12)
+    ]
     return model, reqs
 
 
@@ -117,8 +125,13 @@ def test_float32_is_exact_and_bf16_parts_only_at_near_ties(low, path):
     if path == "static":
         results = run_static(model, reqs, 3)[0]
     else:
-        kw = dict(kv="paged") if path == "paged" else \
-            dict(decoder=path, max_len=64, buckets=(32,)) if path != "continuous" else {}
+        kw = (
+            dict(kv="paged")
+            if path == "paged"
+            else dict(decoder=path, max_len=64, buckets=(32,))
+            if path != "continuous"
+            else {}
+        )
         if path == "compiled" and dtype == torch.float32:
             kw["compile_mode"] = "max-autotune"
         results = run_continuous(model, reqs, 3, **kw)[0]

@@ -25,8 +25,9 @@ def gpu():
 
 def requests(tok, n=24):
     reqs, _ = workload("longtail", tok, n=n, seed=1)
-    return [Request(r.prompt, min(r.max_new_tokens, 120)) for r in reqs] + \
-           [Request(tok.encode("Ham.\n"), 200, eos_id=tok.eos_id)]
+    return [Request(r.prompt, min(r.max_new_tokens, 120)) for r in reqs] + [
+        Request(tok.encode("Ham.\n"), 200, eos_id=tok.eos_id)
+    ]
 
 
 def assert_solo_up_to_ties(model, reqs, results, label):
@@ -41,9 +42,11 @@ def assert_solo_up_to_ties(model, reqs, results, label):
         print(f"{label}: " + "; ".join(ties))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(kv="paged", block_size=16),
-                                dict(kv="paged", block_size=8, kv_blocks=40)],
-                         ids=["slots", "paged", "paged-under-pressure"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(kv="paged", block_size=16), dict(kv="paged", block_size=8, kv_blocks=40)],
+    ids=["slots", "paged", "paged-under-pressure"],
+)
 def test_engines_on_cuda_match_solo(gpu, kw):
     model, tok = gpu
     reqs = requests(tok)
@@ -56,8 +59,9 @@ def test_engines_on_cuda_match_solo(gpu, kw):
 def test_graphs_are_captured_and_replayed(gpu):
     model, tok = gpu
     cfg = model.cfg
-    slots = SlotKVCache(cfg.n_layers, 8, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len,
-                        gpu_dtype("cuda"), "cuda")
+    slots = SlotKVCache(
+        cfg.n_layers, 8, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, gpu_dtype("cuda"), "cuda"
+    )
     decoder = SlotGraphDecoder(model, slots, buckets=(32, 64, 128))
     assert decoder.capture and sorted(decoder.graphs) == [32, 64, 128]
     reqs = requests(tok)

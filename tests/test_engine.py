@@ -33,8 +33,16 @@ V = TINY.cfg.vocab_size
 def solo(req: Request, model=TINY) -> list[int]:
     s = req.sampling or Sampling()
     g = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
-    return generate(model, req.prompt, req.max_new_tokens, eos_id=req.eos_id,
-                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=g)
+    return generate(
+        model,
+        req.prompt,
+        req.max_new_tokens,
+        eos_id=req.eos_id,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        generator=g,
+    )
 
 
 def assert_oracle(requests, results, skip=()):
@@ -46,14 +54,19 @@ def assert_oracle(requests, results, skip=()):
 
 
 requests_st = st.lists(
-    st.builds(Request,
-              prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=24),
-              max_new_tokens=st.integers(1, 24),
-              eos_id=st.sampled_from([None, 3, 11, 40, (3, 11), [40, 7, 11]])),
-    min_size=1, max_size=12)
+    st.builds(
+        Request,
+        prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=24),
+        max_new_tokens=st.integers(1, 24),
+        eos_id=st.sampled_from([None, 3, 11, 40, (3, 11), [40, 7, 11]]),
+    ),
+    min_size=1,
+    max_size=12,
+)
 
 
 # ---- 02: padded prefill ------------------------------------------------------------------------
+
 
 def test_padded_prefill_last_logits_match_each_prompt_alone():
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8], [9, 10, 11]]
@@ -66,13 +79,25 @@ def test_padded_prefill_last_logits_match_each_prompt_alone():
 
 # ---- 03: static batching -----------------------------------------------------------------------
 
+
 def test_static_batching_serves_mixed_sampling_like_solo():
     """Per-request settings and seeds in static batches: each request gets its solo tokens."""
     rng = random.Random(0)
-    reqs = [Request([rng.randrange(V) for _ in range(rng.randint(1, 12))], rng.randint(1, 20),
-                    sampling=rng.choice([None, Sampling(0.8, 30, None, seed=i), Sampling(seed=i),
-                                         Sampling(1.1, None, 0.9, seed=50 + i)]))
-            for i in range(12)]
+    reqs = [
+        Request(
+            [rng.randrange(V) for _ in range(rng.randint(1, 12))],
+            rng.randint(1, 20),
+            sampling=rng.choice(
+                [
+                    None,
+                    Sampling(0.8, 30, None, seed=i),
+                    Sampling(seed=i),
+                    Sampling(1.1, None, 0.9, seed=50 + i),
+                ]
+            ),
+        )
+        for i in range(12)
+    ]
     results, _ = run_static(TINY, reqs, 4)
     assert_oracle(reqs, results)
 
@@ -89,6 +114,7 @@ def test_static_batching_matches_solo_generate(requests, batch_size):
 
 # ---- 04: continuous batching -------------------------------------------------------------------
 
+
 @settings(max_examples=30, deadline=None)
 @given(requests=requests_st, n_slots=st.integers(1, 6))
 def test_continuous_batching_matches_solo_generate(requests, n_slots):
@@ -98,16 +124,28 @@ def test_continuous_batching_matches_solo_generate(requests, n_slots):
     assert summary["peak_active"] <= n_slots
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example],
+)
 @given(requests=requests_st, n_slots=st.integers(1, 5), data=st.data())
 def test_online_engine_with_arrivals_aborts_and_mixed_sampling(requests, n_slots, data):
     """Requests arrive between steps, some are aborted, greedy and seeded sampled mixed:
     every finished request equals solo generate, every other one finishes, no slot stays busy."""
-    reqs = [Request(r.prompt, r.max_new_tokens, r.eos_id,
-                    data.draw(st.sampled_from([None, Sampling(0.9, 20, None, seed=i),
-                                               Sampling(1.2, None, 0.8, seed=100 + i)])))
-            for i, r in enumerate(requests)]
+    reqs = [
+        Request(
+            r.prompt,
+            r.max_new_tokens,
+            r.eos_id,
+            data.draw(
+                st.sampled_from(
+                    [None, Sampling(0.9, 20, None, seed=i), Sampling(1.2, None, 0.8, seed=100 + i)]
+                )
+            ),
+        )
+        for i, r in enumerate(requests)
+    ]
     eng = ContinuousEngine(TINY, n_slots)
     pending = list(enumerate(reqs))
     rid_of, aborted, streamed = {}, set(), {}
@@ -148,11 +186,18 @@ def test_bundled_model_static_and_continuous(bundled64):
 
 # ---- bad input ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("req, words", [
-    (Request([], 5), "empty prompt"), (Request([1, V], 5), f"token id {V} is outside"),
-    (Request([1, 2.5], 5), "token id 2.5"), (Request(["a"], 5), "token id 'a'"),
-    (Request([1], 0), "max_new_tokens"), (Request([1] * 90, 10), "exceeds max_seq_len"),
-])
+
+@pytest.mark.parametrize(
+    "req, words",
+    [
+        (Request([], 5), "empty prompt"),
+        (Request([1, V], 5), f"token id {V} is outside"),
+        (Request([1, 2.5], 5), "token id 2.5"),
+        (Request(["a"], 5), "token id 'a'"),
+        (Request([1], 0), "max_new_tokens"),
+        (Request([1] * 90, 10), "exceeds max_seq_len"),
+    ],
+)
 def test_bad_requests_are_rejected_and_others_still_served(req, words):
     eng = ContinuousEngine(TINY, 2)
     good = Request([4, 5, 6], 8)
@@ -167,10 +212,16 @@ def test_bad_requests_are_rejected_and_others_still_served(req, words):
         run_static(TINY, [good, req], 2)
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(temperature=float("nan")), "temperature"), (dict(temperature=-1), "temperature"),
-    (dict(top_k=0), "top_k"), (dict(top_p=0), "top_p"), (dict(seed=1.5), "seed"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_p=0), "top_p"),
+        (dict(seed=1.5), "seed"),
+    ],
+)
 def test_bad_sampling_is_named(kw, words):
     with pytest.raises(ValueError, match=words):
         Sampling(**kw)
@@ -194,11 +245,12 @@ def test_the_kv_cache_stays_within_its_budget():
     pool shrink to fit it; settings given explicitly that need more are refused, naming kv_mib;
     a request longer than the budgeted max_len is refused and the engine serves the rest."""
     per_token = kv_bytes_per_token(TINY, torch.device("cpu"))
-    mib = 40 * 4 * per_token / 2**20                    # room for 4 slots of 40 positions
+    mib = 40 * 4 * per_token / 2**20  # room for 4 slots of 40 positions
     eng = ContinuousEngine(TINY, 4, kv_mib=mib)
     assert eng.max_len == 40 and eng.cache.reserved_tokens() == 160
-    assert ContinuousEngine(TINY, 4).max_len == TINY.cfg.max_seq_len, \
+    assert ContinuousEngine(TINY, 4).max_len == TINY.cfg.max_seq_len, (
         "the default budget is ample here"
+    )
     paged = ContinuousEngine(TINY, 4, kv="paged", block_size=8, kv_mib=mib)
     assert paged.cache.n_blocks == 20 and paged.max_len == TINY.cfg.max_seq_len
     with pytest.raises(ValueError, match="prompt of 30 tokens \\+ 20 new tokens"):
@@ -208,10 +260,11 @@ def test_the_kv_cache_stays_within_its_budget():
         eng.step()
     assert eng.results[rid].tokens == solo(Request([1, 2, 3], 5))
     for kw in (dict(max_len=41), dict(kv="paged", block_size=8, kv_blocks=21)):
-        with pytest.raises(ValueError,
-                           match=r"needs [\d.]+ MiB, over kv_mib=[\d.e-]+ \(160 positions"):
+        with pytest.raises(
+            ValueError, match=r"needs [\d.]+ MiB, over kv_mib=[\d.e-]+ \(160 positions"
+        ):
             ContinuousEngine(TINY, 4, kv_mib=mib, **kw)
-    for bad in (0, -1.0, "64", True, float("inf"), float("nan")):    # inf was an OverflowError
+    for bad in (0, -1.0, "64", True, float("inf"), float("nan")):  # inf was an OverflowError
         with pytest.raises(ValueError, match="kv_mib must be a finite number of MiB > 0"):
             ContinuousEngine(TINY, 4, kv_mib=bad)
     results, summary = run_continuous(TINY, [Request([1, 2], 4)], 4, kv_mib=mib)
@@ -262,8 +315,11 @@ def test_static_trace_shows_the_wasted_rows():
 
 # ---- bad input, and odd input that is fine -----------------------------------------------------
 
-ENGINE_KINDS = {"slots": dict(), "paged": dict(kv="paged", block_size=4, kv_blocks=12),
-                "graph": dict(decoder="graphs")}
+ENGINE_KINDS = {
+    "slots": dict(),
+    "paged": dict(kv="paged", block_size=4, kv_blocks=12),
+    "graph": dict(decoder="graphs"),
+}
 
 
 def assert_idle(eng: ContinuousEngine) -> None:
@@ -284,13 +340,21 @@ def assert_refused_without_trace(kind: str, bad_call, exc, words: str) -> None:
     rids = [eng.add_request(good[0])]
     eng.step()
     rids.append(eng.add_request(good[1]))
-    before = (eng.request_counts(), eng.holders(), list(eng.cache.lens),
-              eng.cache.allocated_tokens())
+    before = (
+        eng.request_counts(),
+        eng.holders(),
+        list(eng.cache.lens),
+        eng.cache.allocated_tokens(),
+    )
     assert before[0] == (1, 1)
     with pytest.raises(exc, match=words):
         bad_call(eng)
-    assert (eng.request_counts(), eng.holders(), list(eng.cache.lens),
-            eng.cache.allocated_tokens()) == before
+    assert (
+        eng.request_counts(),
+        eng.holders(),
+        list(eng.cache.lens),
+        eng.cache.allocated_tokens(),
+    ) == before
     good.append(Request([9], 6))
     rids.append(eng.add_request(good[2]))
     assert rids == [0, 1, 2], "a refused request takes no id"
@@ -306,8 +370,11 @@ def serve_all(kind: str, reqs: list[Request], n_slots: int = 2) -> list[list[int
     return [r.tokens for r in run_continuous(TINY, reqs, n_slots, **ENGINE_KINDS[kind])[0]]
 
 
-@pytest.mark.parametrize("make", [iter, lambda p: (t for t in p), tuple, np.array],
-                         ids=["iter", "generator-expression", "tuple", "numpy"])
+@pytest.mark.parametrize(
+    "make",
+    [iter, lambda p: (t for t in p), tuple, np.array],
+    ids=["iter", "generator-expression", "tuple", "numpy"],
+)
 def test_a_prompt_given_as_an_iterable_is_served_like_the_list(make):
     """A prompt given as an iterator (consumed once), a generator expression, a tuple or a numpy
     array is served exactly like the list: by generate(), run_static and every continuous
@@ -342,21 +409,27 @@ def test_a_tiny_temperature_is_greedy_everywhere():
         assert got == greedy, kw
     assert torch.equal(g.get_state(), state), "a greedy pick draws no random number"
     reqs = [Request(p, 12) for p in prompts]
-    mixed = [Request(prompts[0], 12, sampling=Sampling(1e-40)),
-             Request(prompts[1], 12, sampling=Sampling(1e-40, 5, 0.9, seed=3)),
-             Request(prompts[2], 12, sampling=Sampling(temperature=1e-40, seed=2**64 - 1))]
-    runs = {"static": [r.tokens for r in run_static(TINY, reqs, 2, temperature=1e-40, top_k=4)[0]],
-            "static, per request": [r.tokens for r in run_static(TINY, mixed, 3)[0]]}
+    mixed = [
+        Request(prompts[0], 12, sampling=Sampling(1e-40)),
+        Request(prompts[1], 12, sampling=Sampling(1e-40, 5, 0.9, seed=3)),
+        Request(prompts[2], 12, sampling=Sampling(temperature=1e-40, seed=2**64 - 1)),
+    ]
+    runs = {
+        "static": [r.tokens for r in run_static(TINY, reqs, 2, temperature=1e-40, top_k=4)[0]],
+        "static, per request": [r.tokens for r in run_static(TINY, mixed, 3)[0]],
+    }
     for kind in ENGINE_KINDS:
-        runs[kind] = [r.tokens for r in run_continuous(TINY, reqs, 2, temperature=1e-40,
-                                                       **ENGINE_KINDS[kind])[0]]
+        runs[kind] = [
+            r.tokens
+            for r in run_continuous(TINY, reqs, 2, temperature=1e-40, **ENGINE_KINDS[kind])[0]
+        ]
         runs[f"{kind}, per request"] = serve_all(kind, mixed)
     for name, got in runs.items():
         assert all(0 <= t < V for toks in got for t in toks), name
         assert got == greedy, name
 
 
-@pytest.mark.parametrize("seed", [2**64, -2**63 - 1, True, "7", 1.0])
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, True, "7", 1.0])
 def test_a_seed_out_of_range_is_named(seed):
     with pytest.raises(ValueError, match=r"seed must be an int in \[-2\*\*63, 2\*\*64\) or None"):
         Sampling(seed=seed)
@@ -367,13 +440,21 @@ def test_a_refused_sampling_leaves_no_trace(kind):
     """A request with a seed out of range, or a sampling that is not a Sampling, is refused
     and the engine serves the others as before; the extreme seeds are served like solo."""
     assert_refused_without_trace(
-        kind, lambda eng: eng.add_request(Request([1], 3, sampling=Sampling(0.8, seed=2**64))),
-        ValueError, "seed")
+        kind,
+        lambda eng: eng.add_request(Request([1], 3, sampling=Sampling(0.8, seed=2**64))),
+        ValueError,
+        "seed",
+    )
     assert_refused_without_trace(
-        kind, lambda eng: eng.add_request(Request([1], 3, sampling="greedy")),
-        TypeError, "sampling must be a Sampling, got str")
-    edge = [Request([5, 6], 10, sampling=Sampling(1.0, seed=2**64 - 1)),
-            Request([5, 6], 10, sampling=Sampling(1.0, seed=-2**63))]
+        kind,
+        lambda eng: eng.add_request(Request([1], 3, sampling="greedy")),
+        TypeError,
+        "sampling must be a Sampling, got str",
+    )
+    edge = [
+        Request([5, 6], 10, sampling=Sampling(1.0, seed=2**64 - 1)),
+        Request([5, 6], 10, sampling=Sampling(1.0, seed=-(2**63))),
+    ]
     assert serve_all(kind, edge) == [solo(r) for r in edge]
 
 
@@ -383,7 +464,7 @@ def test_numpy_token_ids_and_eos_are_accepted():
     p = [12, 30, 5, 77]
     full = generate(TINY, p, 20)
     eos = full[5]
-    want = full[:full.index(eos) + 1]
+    want = full[: full.index(eos) + 1]
     for prompt in ([np.int64(t) for t in p], np.array(p), np.array(p, dtype=np.int32)):
         for eos_id in (np.int64(eos), np.int32(eos), np.uint8(eos)):
             assert generate(TINY, prompt, 20, eos_id=eos_id) == want
@@ -404,7 +485,7 @@ def test_several_eos_ids_end_a_request_at_the_first_of_them():
     full = generate(TINY, p, 20)
     first = next(i for i in range(2, 20) if full[i] not in full[:i])
     eos = [full[-1], full[first], 0]
-    want = full[:first + 1]
+    want = full[: first + 1]
     assert generate(TINY, p, 20, eos_id=eos) == want
     reqs = [Request(p, 20, eos_id=eos), Request([3], 6, eos_id=tuple(eos))]
     expected = [want, solo(Request([3], 6, eos_id=tuple(eos)))]
@@ -414,9 +495,11 @@ def test_several_eos_ids_end_a_request_at_the_first_of_them():
         assert serve_all(kind, reqs) == expected, kind
 
 
-@pytest.mark.parametrize("eos_id", [V, -1, "3", 2.0, True, [3, V], [], ("3",), np.int64(V)],
-                         ids=["V", "negative", "str", "float", "bool", "list-V", "empty",
-                              "tuple-str", "numpy-V"])
+@pytest.mark.parametrize(
+    "eos_id",
+    [V, -1, "3", 2.0, True, [3, V], [], ("3",), np.int64(V)],
+    ids=["V", "negative", "str", "float", "bool", "list-V", "empty", "tuple-str", "numpy-V"],
+)
 def test_a_bad_eos_id_is_named(eos_id):
     """eos_id out of range, negative, a string (or anything not a token id) raises naming
     eos_id, in generate(), run_static (naming the request) and add_request (no trace left)."""
@@ -427,7 +510,8 @@ def test_a_bad_eos_id_is_named(eos_id):
         run_static(TINY, [Request([1], 2), Request([1, 2], 3, eos_id=eos_id)], 2)
     for kind in ENGINE_KINDS:
         assert_refused_without_trace(
-            kind, lambda eng: eng.add_request(Request([1, 2], 3, eos_id=eos_id)), ValueError, words)
+            kind, lambda eng: eng.add_request(Request([1, 2], 3, eos_id=eos_id)), ValueError, words
+        )
 
 
 @pytest.mark.parametrize("max_len", [0, -1, 2.5, True, "64"])
@@ -467,14 +551,17 @@ def test_a_bad_generator_is_named(generator):
             run_continuous(TINY, [Request([1], 2)], 2, generator=generator, **ENGINE_KINDS[kind])
 
 
-@pytest.mark.parametrize("bad, exc, words", [
-    (Request([1, 2], 3, eos_id=V), ValueError, "eos_id must be a token id"),
-    (Request([], 3), ValueError, "empty prompt"),
-    (Request([1, V + 3], 3), ValueError, f"token id {V + 3} is outside the vocabulary"),
-    (Request([1], 0), ValueError, "max_new_tokens must be an int >= 1"),
-    (Request([1], 3, sampling="greedy"), TypeError, "sampling must be a Sampling"),
-    ("not a request", TypeError, "expected a Request, got str"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, words",
+    [
+        (Request([1, 2], 3, eos_id=V), ValueError, "eos_id must be a token id"),
+        (Request([], 3), ValueError, "empty prompt"),
+        (Request([1, V + 3], 3), ValueError, f"token id {V + 3} is outside the vocabulary"),
+        (Request([1], 0), ValueError, "max_new_tokens must be an int >= 1"),
+        (Request([1], 3, sampling="greedy"), TypeError, "sampling must be a Sampling"),
+        ("not a request", TypeError, "expected a Request, got str"),
+    ],
+)
 def test_run_continuous_names_the_bad_request(bad, exc, words):
     """run_continuous says which request is bad, whenever it arrives; run_static too."""
     good = Request([4, 5], 3)

@@ -15,8 +15,11 @@ FILES = exercise_files()
 
 
 def public_functions(module) -> dict:
-    return {n: f for n, f in inspect.getmembers(module, inspect.isfunction)
-            if f.__module__ == module.__name__ and not n.startswith("_")}
+    return {
+        n: f
+        for n, f in inspect.getmembers(module, inspect.isfunction)
+        if f.__module__ == module.__name__ and not n.startswith("_")
+    }
 
 
 def test_every_exercise_of_the_table_has_its_files():
@@ -47,10 +50,12 @@ def test_the_exercise_functions_are_the_seams_of_the_table(nn):
     sol = importlib.import_module(f"solutions.{FILES[nn].stem}")
     assert sorted(public_functions(sol)) == sorted(seam_names(nn))
     for name, ref in reference(nn).items():
-        assert inspect.signature(ref) == inspect.signature(getattr(sol, name)), \
+        assert inspect.signature(ref) == inspect.signature(getattr(sol, name)), (
             f"{name}: signature differs"
-        assert ref.__doc__ == getattr(sol, name).__doc__, \
+        )
+        assert ref.__doc__ == getattr(sol, name).__doc__, (
             f"{name}: docstring differs from the reference"
+        )
 
 
 @pytest.mark.parametrize("nn", sorted(FILES))
@@ -68,8 +73,11 @@ def test_no_module_imports_a_seam_by_name():
     for path in sorted((ROOT / "tinyllm").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                found += [f"{path.name}: from {node.module} import {a.name}"
-                          for a in node.names if a.name in names]
+                found += [
+                    f"{path.name}: from {node.module} import {a.name}"
+                    for a in node.names
+                    if a.name in names
+                ]
     assert not found, f"seams imported by name: {found}"
 
 

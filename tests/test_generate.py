@@ -20,8 +20,9 @@ def test_greedy_is_argmax():
 def test_top_k_1_and_tiny_top_p_are_greedy(kw):
     """Cutting to one candidate leaves nothing to chance, at any temperature."""
     for seed in range(5):
-        got = sample_next(LOGITS, temperature=1.7, generator=torch.Generator().manual_seed(seed),
-                          **kw)
+        got = sample_next(
+            LOGITS, temperature=1.7, generator=torch.Generator().manual_seed(seed), **kw
+        )
         assert got.squeeze(-1).tolist() == LOGITS.argmax(-1).tolist()
 
 
@@ -34,7 +35,7 @@ def test_top_k_and_top_p_only_draw_from_their_set():
         assert (top3 == t).any(-1).all()
     probs = LOGITS[0].softmax(-1)
     order = probs.argsort(descending=True)
-    nucleus = set(order[:int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
     for _ in range(50):
         assert sample_next(LOGITS[:1], temperature=1.0, top_p=0.5, generator=g).item() in nucleus
 
@@ -63,26 +64,35 @@ def test_a_row_draws_the_same_token_alone_or_in_a_batch():
     g = torch.Generator().manual_seed(3)
     batch = sample_next(LOGITS, temperature=1.0, generator=g).squeeze(-1).tolist()
     g.manual_seed(3)
-    alone = [sample_next(LOGITS[i:i + 1], temperature=1.0, generator=g).item() for i in range(4)]
+    alone = [sample_next(LOGITS[i : i + 1], temperature=1.0, generator=g).item() for i in range(4)]
     assert batch == alone
 
 
 def test_seeded_generator_is_deterministic():
     kw = dict(temperature=1.0, top_k=50, top_p=0.9)
-    runs = [generate(TINY, [1, 2, 3], 25, generator=torch.Generator().manual_seed(7), **kw)
-            for _ in range(2)]
+    runs = [
+        generate(TINY, [1, 2, 3], 25, generator=torch.Generator().manual_seed(7), **kw)
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
     other = generate(TINY, [1, 2, 3], 25, generator=torch.Generator().manual_seed(8), **kw)
     assert other != runs[0], "a different seed should give a different sample"
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=float("inf")), "temperature"), (dict(temperature="hot"), "temperature"),
-    (dict(temperature=1.0, top_k=0), "top_k"), (dict(temperature=1.0, top_k=2.5), "top_k"),
-    (dict(temperature=1.0, top_p=0.0), "top_p"), (dict(temperature=1.0, top_p=1.5), "top_p"),
-    (dict(temperature=1.0, top_p=-0.1), "top_p"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature="hot"), "temperature"),
+        (dict(temperature=1.0, top_k=0), "top_k"),
+        (dict(temperature=1.0, top_k=2.5), "top_k"),
+        (dict(temperature=1.0, top_p=0.0), "top_p"),
+        (dict(temperature=1.0, top_p=1.5), "top_p"),
+        (dict(temperature=1.0, top_p=-0.1), "top_p"),
+    ],
+)
 def test_invalid_sampling_settings_are_named(kw, words):
     with pytest.raises(ValueError, match=words):
         sample_next(LOGITS, **kw)
@@ -90,12 +100,19 @@ def test_invalid_sampling_settings_are_named(kw, words):
         generate(TINY, [1, 2], 3, **kw)
 
 
-@pytest.mark.parametrize("prompt, max_new, words", [
-    ([], 5, "empty prompt"), ([1, 97], 5, "token id 97 is outside the vocabulary"),
-    ([-1], 5, "token id -1 is outside"), ([1, 2.0], 5, "token id 2.0"),
-    ([1] * 90, 7, "exceeds max_seq_len 96"), ([1] * 97, 1, "exceeds max_seq_len"),
-    ([1], 0, "max_new_tokens"), ([1], -3, "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "prompt, max_new, words",
+    [
+        ([], 5, "empty prompt"),
+        ([1, 97], 5, "token id 97 is outside the vocabulary"),
+        ([-1], 5, "token id -1 is outside"),
+        ([1, 2.0], 5, "token id 2.0"),
+        ([1] * 90, 7, "exceeds max_seq_len 96"),
+        ([1] * 97, 1, "exceeds max_seq_len"),
+        ([1], 0, "max_new_tokens"),
+        ([1], -3, "max_new_tokens"),
+    ],
+)
 def test_bad_prompts_are_named(prompt, max_new, words):
     with pytest.raises(ValueError, match=words):
         generate(TINY, prompt, max_new)
@@ -105,7 +122,7 @@ def test_eos_ends_generation_and_is_returned():
     full = generate(TINY, [4, 5, 6], 20)
     eos = full[6]
     got = generate(TINY, [4, 5, 6], 20, eos_id=eos)
-    assert got == full[:full.index(eos) + 1] and got[-1] == eos
+    assert got == full[: full.index(eos) + 1] and got[-1] == eos
 
 
 def test_max_new_tokens_exactly():

@@ -22,33 +22,42 @@ transformers = pytest.importorskip("transformers")
 Q = gguf.GGMLQuantizationType
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-TEXTS = ["Hello world", "The year 2024 had 366 days; 3.14159 is pi.", "a\n\nb  c\t d\n",
-         "héllo wörld, 日本語 and 🎉", "don't I'LL we've", " leading space", "x = 12 + 7",
-         "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"]
+TEXTS = [
+    "Hello world",
+    "The year 2024 had 366 days; 3.14159 is pi.",
+    "a\n\nb  c\t d\n",
+    "héllo wörld, 日本語 and 🎉",
+    "don't I'LL we've",
+    " leading space",
+    "x = 12 + 7",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+]
 
 
 # ---- SmolLM2-135M-Instruct, the real model ------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def smollm2_file():
     try:
         return smollm2.gguf_path()
     except RuntimeError as e:
-        if os.environ.get("CI"):                        # CI reaches the package index: run it
+        if os.environ.get("CI"):  # CI reaches the package index: run it
             pytest.fail(f"CI must run the SmolLM2 tests, but the model could not be fetched: {e}")
         pytest.skip(f"SmolLM2-135M-Instruct is not cached and could not be fetched: {e}")
 
 
 @pytest.fixture(scope="module")
 def smollm2_model(smollm2_file):
-    return tinyllm.load(smollm2_file, device="cpu")             # float32
+    return tinyllm.load(smollm2_file, device="cpu")  # float32
 
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(smollm2_file):
     with peers.quick_gguf_reads():
-        return transformers.AutoTokenizer.from_pretrained(smollm2_file.parent,
-                                                          gguf_file=smollm2_file.name)
+        return transformers.AutoTokenizer.from_pretrained(
+            smollm2_file.parent, gguf_file=smollm2_file.name
+        )
 
 
 def test_smollm2_config_comes_from_the_metadata(smollm2_model):
@@ -59,7 +68,7 @@ def test_smollm2_config_comes_from_the_metadata(smollm2_model):
     assert cfg.max_seq_len == 2048, "context_length 8192, served up to MAX_SEQ_LEN"
     assert cfg.rope_theta == 100000.0 and cfg.norm_eps == pytest.approx(1e-5)
     assert cfg.tie_embeddings and model.lm_head.weight is model.embed_tokens.weight
-    assert (tok.bos_id, tok.eos_id, tok.eos_ids) == (1, 2, (2,))         # <|im_start|>, <|im_end|>
+    assert (tok.bos_id, tok.eos_id, tok.eos_ids) == (1, 2, (2,))  # <|im_start|>, <|im_end|>
     assert tok.chat_template.startswith("{% for message in messages %}")
 
 
@@ -71,8 +80,9 @@ def test_smollm2_tokenizer_encodes_like_transformers(smollm2_model, hf_tokenizer
         assert ours == theirs, f"{text!r}: tinyllm {ours} vs transformers {theirs}"
         assert tok.decode(ours) == hf_tokenizer.decode(theirs, skip_special_tokens=True)
     chat = tok.apply_chat_template(QUESTION)
-    assert chat == hf_tokenizer.apply_chat_template(QUESTION, tokenize=False,
-                                                    add_generation_prompt=True)
+    assert chat == hf_tokenizer.apply_chat_template(
+        QUESTION, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_smollm2_cuts_digits_off_as_llama_cpp_does(smollm2_model):
@@ -88,7 +98,7 @@ def test_smollm2_logits_equal_transformers(smollm2_file, smollm2_model):
     """The same GGUF in transformers (which de-quantises and un-permutes on its own): the same
     logits for a chat prompt, in float32."""
     model, tok = smollm2_model
-    peer = peers.peer_model(smollm2_file, "cpu")                 # transformers' read, float32
+    peer = peers.peer_model(smollm2_file, "cpu")  # transformers' read, float32
     ids = torch.tensor([tok.apply_chat_template(QUESTION, tokenize=True)])
     with torch.no_grad():
         ours, theirs = model(ids)[0], peer(ids).logits
@@ -107,17 +117,22 @@ def test_smollm2_knows_the_capital_of_france(smollm2_model):
 
 # ---- GGUF files written here --------------------------------------------------------------
 
+
 def bundled_vocabulary() -> dict:
     """The bundled byte-level BPE as GGUF tokenizer metadata (2,048 tokens, one control)."""
     spec = json.loads((DEFAULT / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     special = {t["content"] for t in spec["added_tokens"] if t["special"]}
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
-            "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.merges": [" ".join(m) for m in spec["model"]["merges"]],
-            "tokenizer.ggml.token_type": [3 if t in special else 1 for t in tokens],
-            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 0}
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [" ".join(m) for m in spec["model"]["merges"]],
+        "tokenizer.ggml.token_type": [3 if t in special else 1 for t in tokens],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 0,
+    }
 
 
 def write_gguf(path, arch: str, meta: dict, tensors: dict) -> None:
@@ -134,7 +149,7 @@ def write_gguf(path, arch: str, meta: dict, tensors: dict) -> None:
             w.add_float32(key, value)
         elif isinstance(value, str):
             w.add_string(key, value)
-        elif isinstance(value, bytes):                  # a string's raw bytes, UTF-8 or not
+        elif isinstance(value, bytes):  # a string's raw bytes, UTF-8 or not
             w.add_key_value(key, value, gguf.GGUFValueType.STRING)
         else:
             w.add_array(key, value)
@@ -149,19 +164,35 @@ def write_gguf(path, arch: str, meta: dict, tensors: dict) -> None:
 
 def arch_metadata(arch: str, cfg) -> dict:
     """A transformers config as llama.cpp's {arch}.* keys."""
-    return {f"{arch}.{k}": v for k, v in {
-        "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
-        "block_count": cfg.num_hidden_layers, "feed_forward_length": cfg.intermediate_size,
-        "attention.head_count": cfg.num_attention_heads,
-        "attention.head_count_kv": cfg.num_key_value_heads,
-        "rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
-        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps)}.items()}
+    return {
+        f"{arch}.{k}": v
+        for k, v in {
+            "context_length": cfg.max_position_embeddings,
+            "embedding_length": cfg.hidden_size,
+            "block_count": cfg.num_hidden_layers,
+            "feed_forward_length": cfg.intermediate_size,
+            "attention.head_count": cfg.num_attention_heads,
+            "attention.head_count_kv": cfg.num_key_value_heads,
+            "rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+            "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        }.items()
+    }
 
 
-GGUF_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
-              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-              "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+GGUF_NAMES = {
+    "embed_tokens": "token_embd",
+    "norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_output",
+    "gate_proj": "ffn_gate",
+    "up_proj": "ffn_up",
+    "down_proj": "ffn_down",
+}
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -177,12 +208,14 @@ def llama3_rope_factors(cfg) -> np.ndarray:
     rope, hd = cfg.rope_parameters, cfg.head_dim
     inv_freq = 1.0 / rope["rope_theta"] ** (np.arange(0, hd, 2) / hd)
     wavelen = 2 * np.pi / inv_freq
-    old, low, high = (rope[k] for k in ("original_max_position_embeddings", "low_freq_factor",
-                                        "high_freq_factor"))
+    old, low, high = (
+        rope[k] for k in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor")
+    )
     smooth = (old / wavelen - low) / (high - low)
     blended = 1 / ((1 - smooth) / rope["factor"] + smooth)
-    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, rope["factor"],
-                                                        blended)).astype(np.float32)
+    return np.where(
+        wavelen < old / high, 1.0, np.where(wavelen > old / low, rope["factor"], blended)
+    ).astype(np.float32)
 
 
 def gguf_name(name: str) -> str:
@@ -211,17 +244,35 @@ def gguf_tensors(peer, arch: str) -> dict[str, np.ndarray]:
     return out
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-            rms_norm_eps=1e-6)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+TINY = dict(
+    vocab_size=2048,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
-    "llama-biases": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, rope_theta=500.0,
-                                                             tie_word_embeddings=True)),
-    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0,
-                                                            rope_scaling=LLAMA3_ROPE)),
+    "llama-biases": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(attention_bias=True, rope_theta=500.0, tie_word_embeddings=True),
+    ),
+    "llama3-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
+    ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
 }
 
@@ -236,7 +287,7 @@ def tiny_peer(name: str, **overrides):
     torch.manual_seed(0)
     cfg = getattr(transformers, config_cls)(**copy.deepcopy({**TINY, **extra, **overrides}))
     peer = getattr(transformers, model_cls)(cfg).float().eval()
-    with torch.no_grad():                           # larger weights: logits far from ties
+    with torch.no_grad():  # larger weights: logits far from ties
         for p in peer.parameters():
             p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
     return peer
@@ -286,8 +337,11 @@ def test_quick_gguf_reads_change_only_the_speed(tmp_path):
 def test_gguf_tokenizer_encodes_like_transformers(tmp_path, pre):
     """The bundled vocabulary under three pre-tokenizers (GPT-2's, Llama 3's and Qwen2's
     splits), with bos added in front: the ids transformers' GGUF tokenizer gives."""
-    write_tiny(tmp_path / "tiny.gguf", "qwen2", {"tokenizer.ggml.pre": pre,
-                                                 "tokenizer.ggml.add_bos_token": True})
+    write_tiny(
+        tmp_path / "tiny.gguf",
+        "qwen2",
+        {"tokenizer.ggml.pre": pre, "tokenizer.ggml.add_bos_token": True},
+    )
     _, tok = tinyllm.load(tmp_path / "tiny.gguf", device="cpu")
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
     for text in TEXTS[:-1] + ["<|endoftext|>Ham.\n  To be, or not 42 be"]:
@@ -299,9 +353,15 @@ def test_gguf_tokenizer_encodes_like_transformers(tmp_path, pre):
 def test_gguf_end_of_turn_ids_and_template_are_read(tmp_path):
     """eos, then eot and eom (Llama 3's <|eot_id|> and <|eom_id|>) all end a turn; the chat
     template comes from tokenizer.chat_template; without add_bos_token nothing is added."""
-    write_tiny(tmp_path / "tiny.gguf", "llama", {
-        "tokenizer.ggml.eot_token_id": 5, "tokenizer.ggml.eom_token_id": 7,
-        "tokenizer.chat_template": "{{ bos_token }}{{ messages[0]['content'] }}"})
+    write_tiny(
+        tmp_path / "tiny.gguf",
+        "llama",
+        {
+            "tokenizer.ggml.eot_token_id": 5,
+            "tokenizer.ggml.eom_token_id": 7,
+            "tokenizer.chat_template": "{{ bos_token }}{{ messages[0]['content'] }}",
+        },
+    )
     _, tok = tinyllm.load(tmp_path / "tiny.gguf", device="cpu")
     assert (tok.bos_id, tok.eos_id, tok.eos_ids) == (0, 0, (0, 5, 7))
     assert tok.apply_chat_template([{"role": "user", "content": "Ham."}]) == "<|endoftext|>Ham."
@@ -310,9 +370,9 @@ def test_gguf_end_of_turn_ids_and_template_are_read(tmp_path):
 
 # ---- tensor types -------------------------------------------------------------------------
 
-QUANTISED = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]       # gguf can quantise these
+QUANTISED = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # gguf can quantise these
 K_QUANTS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-SCALE = np.float16(0.01).tobytes()      # the f16 scales of a K-quant block, at the offsets above
+SCALE = np.float16(0.01).tobytes()  # the f16 scales of a K-quant block, at the offsets above
 
 
 def encode_as(w: np.ndarray, kind, rng) -> tuple[np.ndarray, Q | None]:
@@ -322,7 +382,7 @@ def encode_as(w: np.ndarray, kind, rng) -> tuple[np.ndarray, Q | None]:
         block, size = gguf.GGML_QUANT_SIZES[kind]
         raw = rng.integers(0, 256, (w.shape[0], w.shape[1] // block, size), dtype=np.uint8)
         for at in K_QUANTS[kind]:
-            raw[:, :, at:at + 2] = np.frombuffer(SCALE, np.uint8)
+            raw[:, :, at : at + 2] = np.frombuffer(SCALE, np.uint8)
         return raw.reshape(w.shape[0], -1), kind
     data = gguf.quants.quantize(w, kind)
     return data, (kind if data.dtype == np.uint8 else None)
@@ -338,8 +398,12 @@ def test_every_tensor_type_dequantises_like_gguf(tmp_path):
     matrices = [n for n, p in peer.state_dict().items() if p.dim() == 2 and n != "lm_head.weight"]
     kinds = dict(zip(matrices, itertools.cycle(QUANTISED + list(K_QUANTS))))
     stored = {gguf_name(n): encode_as(floats[gguf_name(n)], kind, rng) for n, kind in kinds.items()}
-    write_gguf(tmp_path / "q.gguf", "qwen2", {**arch_metadata("qwen2", peer.config),
-                                              **bundled_vocabulary()}, {**floats, **stored})
+    write_gguf(
+        tmp_path / "q.gguf",
+        "qwen2",
+        {**arch_metadata("qwen2", peer.config), **bundled_vocabulary()},
+        {**floats, **stored},
+    )
     model, _ = tinyllm.load(tmp_path / "q.gguf", device="cpu")
     params = dict(model.named_parameters())
     assert set(kinds.values()) == set(QUANTISED) | set(K_QUANTS)
@@ -358,20 +422,28 @@ def test_a_dequantised_copy_holds_the_same_values(tmp_path):
     quantised tensors loads to the same weights and tokenizer; the BF16 copy to the weights
     rounded to bf16, norms kept in F32; the metadata is carried over."""
     from tinyllm.checkpoints.gguf_file import write_dequantized
+
     rng = np.random.default_rng(1)
     peer = tiny_peer("llama", hidden_size=256, intermediate_size=512)
     floats = gguf_tensors(peer, "llama")
     quantised = {n: encode_as(w, Q.Q4_1, rng) for n, w in floats.items() if w.ndim == 2}
-    write_gguf(tmp_path / "q.gguf", "llama", {**arch_metadata("llama", peer.config),
-                                              **bundled_vocabulary()}, {**floats, **quantised})
+    write_gguf(
+        tmp_path / "q.gguf",
+        "llama",
+        {**arch_metadata("llama", peer.config), **bundled_vocabulary()},
+        {**floats, **quantised},
+    )
     model, tok = tinyllm.load(tmp_path / "q.gguf", device="cpu")
-    f32, _ = tinyllm.load(write_dequantized(tmp_path / "q.gguf", tmp_path / "f32.gguf"),
-                          device="cpu")
-    bf16, tok16 = tinyllm.load(write_dequantized(tmp_path / "q.gguf", tmp_path / "bf16.gguf",
-                                                 "BF16"), device="cpu")
+    f32, _ = tinyllm.load(
+        write_dequantized(tmp_path / "q.gguf", tmp_path / "f32.gguf"), device="cpu"
+    )
+    bf16, tok16 = tinyllm.load(
+        write_dequantized(tmp_path / "q.gguf", tmp_path / "bf16.gguf", "BF16"), device="cpu"
+    )
     assert f32.cfg == bf16.cfg == model.cfg and tok16.encode("Ham.\nO") == tok.encode("Ham.\nO")
-    for (name, w), w32, w16 in zip(model.state_dict().items(), f32.state_dict().values(),
-                                   bf16.state_dict().values()):
+    for (name, w), w32, w16 in zip(
+        model.state_dict().items(), f32.state_dict().values(), bf16.state_dict().values()
+    ):
         assert torch.equal(w32, w), f"F32 copy: {name} differs"
         want = w.bfloat16().float() if w.dim() == 2 else w
         assert torch.equal(w16, want), f"BF16 copy: {name} is not the weight rounded to bf16"
@@ -383,27 +455,44 @@ def test_a_dequantised_copy_holds_the_same_values(tmp_path):
 
 # ---- refusals -----------------------------------------------------------------------------
 
+
 def iq4_blocks(rows: int, cols: int) -> np.ndarray:
     block, size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
     return np.zeros((rows, cols // block * size), dtype=np.uint8)
 
 
-@pytest.mark.parametrize("meta, tensors, words", [
-    ({"general.architecture": "phi3"}, {}, ["unsupported architecture", "'phi3'"]),
-    ({}, {"blk.0.ffn_up.weight": (iq4_blocks(160, 64), Q.IQ4_NL)},
-     ["'blk.0.ffn_up.weight'", "type IQ4_NL", "does not de-quantise"]),
-    ({"tokenizer.ggml.model": "llama"}, {}, ["unsupported tokenizer", "'llama'"]),
-    ({"tokenizer.ggml.pre": "tekken"}, {}, ["unsupported pre-tokenizer", "'tekken'"]),
-    ({"llama.rope.scaling.type": "yarn"}, {}, ["unsupported RoPE scaling", "yarn"]),
-    ({}, {"rope_freqs.weight": np.full(8, 2.0, np.float32)}, ["RoPE scaling", "rope_freqs.weight"]),
-    ({}, {"blk.0.attn_qkv.weight": np.ones((4, 64), np.float32)},
-     ["unexpected tensor", "'blk.0.attn_qkv.weight'"]),
-    ({"llama.block_count": 0}, {}, ["llama.block_count must be an int >= 1, got 0"]),
-    ({"tokenizer.ggml.eos_token_id": 5000}, {}, ["tokenizer.ggml.eos_token_id", "5000"]),
-    ({"llama.attention.head_count_kv": 3}, {},
-     ["llama.attention.head_count 4 is not a multiple of llama.attention.head_count_kv 3"]),
-    ({"general.name": b"\xff\xfetiny"}, {}, ["metadata key 'general.name'", "not UTF-8"]),
-])
+@pytest.mark.parametrize(
+    "meta, tensors, words",
+    [
+        ({"general.architecture": "phi3"}, {}, ["unsupported architecture", "'phi3'"]),
+        (
+            {},
+            {"blk.0.ffn_up.weight": (iq4_blocks(160, 64), Q.IQ4_NL)},
+            ["'blk.0.ffn_up.weight'", "type IQ4_NL", "does not de-quantise"],
+        ),
+        ({"tokenizer.ggml.model": "llama"}, {}, ["unsupported tokenizer", "'llama'"]),
+        ({"tokenizer.ggml.pre": "tekken"}, {}, ["unsupported pre-tokenizer", "'tekken'"]),
+        ({"llama.rope.scaling.type": "yarn"}, {}, ["unsupported RoPE scaling", "yarn"]),
+        (
+            {},
+            {"rope_freqs.weight": np.full(8, 2.0, np.float32)},
+            ["RoPE scaling", "rope_freqs.weight"],
+        ),
+        (
+            {},
+            {"blk.0.attn_qkv.weight": np.ones((4, 64), np.float32)},
+            ["unexpected tensor", "'blk.0.attn_qkv.weight'"],
+        ),
+        ({"llama.block_count": 0}, {}, ["llama.block_count must be an int >= 1, got 0"]),
+        ({"tokenizer.ggml.eos_token_id": 5000}, {}, ["tokenizer.ggml.eos_token_id", "5000"]),
+        (
+            {"llama.attention.head_count_kv": 3},
+            {},
+            ["llama.attention.head_count 4 is not a multiple of llama.attention.head_count_kv 3"],
+        ),
+        ({"general.name": b"\xff\xfetiny"}, {}, ["metadata key 'general.name'", "not UTF-8"]),
+    ],
+)
 def test_what_tinyllm_cannot_read_is_named(tmp_path, meta, tensors, words):
     write_tiny(tmp_path / "bad.gguf", "llama", meta, tensors)
     with pytest.raises(CheckpointError) as e:
@@ -412,27 +501,56 @@ def test_what_tinyllm_cannot_read_is_named(tmp_path, meta, tensors, words):
         assert w in str(e.value), f"{w!r} not in: {e.value}"
 
 
-@pytest.mark.parametrize("meta, words", [
-    ({"tokenizer.ggml.tokens": list(range(2048))},
-     ["tokenizer.ggml.tokens must be a list of strings, but entry 0 is 0"]),
-    ({"tokenizer.ggml.tokens": "Ham."}, ["tokenizer.ggml.tokens must be a list of strings, got"]),
-    ({"tokenizer.ggml.merges": ["Ġt", "h e"]},
-     ["tokenizer.ggml.merges must be a list of strings 'a b'", "entry 0 is 'Ġt'"]),
-    ({"tokenizer.ggml.merges": ["zzq qqz"]},
-     ["tokenizer.ggml.merges do not fit tokenizer.ggml.tokens", "zzq"]),
-    ({"tokenizer.ggml.token_type": [3]},
-     ["tokenizer.ggml.token_type holds 1 token types for 2048 tokens"]),
-    ({"tokenizer.ggml.token_type": ["control"] * 2048},
-     ["tokenizer.ggml.token_type must be a list of token types", "entry 0 is 'control'"]),
-    ({"tokenizer.ggml.pre": ["gpt-2"]}, ["unsupported pre-tokenizer", "['gpt-2']"]),
-    ({"tokenizer.ggml.add_bos_token": 1}, ["tokenizer.ggml.add_bos_token must be true or false"]),
-    ({"tokenizer.ggml.bos_token_id": 2048}, ["tokenizer.ggml.bos_token_id must be a token id "
-                                             "below 2048, got 2048"]),
-    ({"tokenizer.chat_template": 5}, ["tokenizer.chat_template must be a string"]),
-    ({"tokenizer.chat_template": ["{{ messages }}"]}, ["tokenizer.chat_template must be a string"]),
-    ({"tokenizer.chat_template": "{% for %}"},
-     ["tokenizer.chat_template is not a valid Jinja template (line 1: Expected an expression"]),
-])
+@pytest.mark.parametrize(
+    "meta, words",
+    [
+        (
+            {"tokenizer.ggml.tokens": list(range(2048))},
+            ["tokenizer.ggml.tokens must be a list of strings, but entry 0 is 0"],
+        ),
+        (
+            {"tokenizer.ggml.tokens": "Ham."},
+            ["tokenizer.ggml.tokens must be a list of strings, got"],
+        ),
+        (
+            {"tokenizer.ggml.merges": ["Ġt", "h e"]},
+            ["tokenizer.ggml.merges must be a list of strings 'a b'", "entry 0 is 'Ġt'"],
+        ),
+        (
+            {"tokenizer.ggml.merges": ["zzq qqz"]},
+            ["tokenizer.ggml.merges do not fit tokenizer.ggml.tokens", "zzq"],
+        ),
+        (
+            {"tokenizer.ggml.token_type": [3]},
+            ["tokenizer.ggml.token_type holds 1 token types for 2048 tokens"],
+        ),
+        (
+            {"tokenizer.ggml.token_type": ["control"] * 2048},
+            ["tokenizer.ggml.token_type must be a list of token types", "entry 0 is 'control'"],
+        ),
+        ({"tokenizer.ggml.pre": ["gpt-2"]}, ["unsupported pre-tokenizer", "['gpt-2']"]),
+        (
+            {"tokenizer.ggml.add_bos_token": 1},
+            ["tokenizer.ggml.add_bos_token must be true or false"],
+        ),
+        (
+            {"tokenizer.ggml.bos_token_id": 2048},
+            ["tokenizer.ggml.bos_token_id must be a token id below 2048, got 2048"],
+        ),
+        ({"tokenizer.chat_template": 5}, ["tokenizer.chat_template must be a string"]),
+        (
+            {"tokenizer.chat_template": ["{{ messages }}"]},
+            ["tokenizer.chat_template must be a string"],
+        ),
+        (
+            {"tokenizer.chat_template": "{% for %}"},
+            [
+                "tokenizer.chat_template is not a valid Jinja template "
+                "(line 1: Expected an expression"
+            ],
+        ),
+    ],
+)
 def test_a_garbage_tokenizer_entry_is_named(tmp_path, meta, words):
     """Tokenizer metadata of the wrong type, length or content is a CheckpointError naming the
     file and the key, at load (never the tokenizers library's own error, nor a template that

@@ -8,8 +8,13 @@ from tinyllm.generate import generate
 
 transformers = pytest.importorskip("transformers")
 
-PROMPTS = ["Ham.\nTo be, or not to be", "Rom.\nBut soft, what light", "First Citizen.\n",
-           "Lady Macbeth.\nCome, you spirits", "Fool.\n"]
+PROMPTS = [
+    "Ham.\nTo be, or not to be",
+    "Rom.\nBut soft, what light",
+    "First Citizen.\n",
+    "Lady Macbeth.\nCome, you spirits",
+    "Fool.\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +37,14 @@ def test_same_greedy_tokens_as_transformers(bundled, peer):
     for text in PROMPTS:
         prompt = tok.encode(text)
         ours = generate(model, prompt, 40, eos_id=tok.eos_id)
-        out = peer.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
-                            eos_token_id=tok.eos_id, pad_token_id=tok.eos_id)
-        theirs = out[0, len(prompt):].tolist()
+        out = peer.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=40,
+            do_sample=False,
+            eos_token_id=tok.eos_id,
+            pad_token_id=tok.eos_id,
+        )
+        theirs = out[0, len(prompt) :].tolist()
         assert ours == theirs, f"{text!r}: tinyllm {ours} vs transformers {theirs}"
 
 
@@ -47,19 +57,28 @@ def test_peer_benchmark_agrees_with_solo(bundled, monkeypatch):
     from tinyllm.continuous import ContinuousEngine
     from tinyllm.course import peers
     from tinyllm.workloads import workload
+
     model, tok = bundled
 
     def eager_stand_in(m, config):
         decoder = ContinuousEngine(m, config, decoder="graphs", compile_mode="default").decoder
         decoder.compile_s = {W: 0.5 for W in decoder.buckets}
         return decoder
+
     monkeypatch.setattr(peers, "compiled_decoder", eager_stand_in)
     peer = peers.peer_model(DEFAULT, "cpu")
     reqs, _ = workload("longtail", tok, n=5, seed=2)
     reqs = [type(r)(r.prompt, min(r.max_new_tokens, 12)) for r in reqs]
     rows = peers.compare(model, peer, reqs, 2)
-    assert set(rows) == {"tinyllm solo", "tinyllm static", "tinyllm continuous", "tinyllm compiled",
-                         "tinyllm paged", "hf generate", "hf continuous"}
+    assert set(rows) == {
+        "tinyllm solo",
+        "tinyllm static",
+        "tinyllm continuous",
+        "tinyllm compiled",
+        "tinyllm paged",
+        "hf generate",
+        "hf continuous",
+    }
     for name, r in rows.items():
         assert r["agree"] == 5 and r["tokens"] == sum(r_.max_new_tokens for r_ in reqs), name
     assert "hf continuous" in peers.table(rows)

@@ -13,24 +13,34 @@ TINY = make_tiny(seed=1)
 
 
 @settings(max_examples=60, deadline=None)
-@given(prompt=st.lists(st.integers(0, 96), min_size=1, max_size=60), max_new=st.integers(1, 30),
-       seed=st.integers(0, 3))
+@given(
+    prompt=st.lists(st.integers(0, 96), min_size=1, max_size=60),
+    max_new=st.integers(1, 30),
+    seed=st.integers(0, 3),
+)
 def test_cached_generate_equals_uncached(prompt, max_new, seed):
     """Greedy, float64: generate() with a KVCache gives exactly generate_uncached()'s tokens."""
     model = TINY if seed == 1 else make_tiny(seed=seed)
-    msg = divergence(f"prompt {prompt}", generate_uncached(model, prompt, max_new),
-                     generate(model, prompt, max_new))
+    msg = divergence(
+        f"prompt {prompt}",
+        generate_uncached(model, prompt, max_new),
+        generate(model, prompt, max_new),
+    )
     assert msg is None, msg
 
 
 @settings(max_examples=20, deadline=None)
-@given(prompt=st.lists(st.integers(0, 96), min_size=1, max_size=40), max_new=st.integers(1, 20),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    prompt=st.lists(st.integers(0, 96), min_size=1, max_size=40),
+    max_new=st.integers(1, 20),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_cached_equals_uncached_when_sampling(prompt, max_new, seed):
     """With the same seeded generator, sampling draws the same tokens with or without cache."""
     kw = dict(temperature=0.8, top_k=40, top_p=0.95)
-    a = generate_uncached(TINY, prompt, max_new, generator=torch.Generator().manual_seed(seed),
-                          **kw)
+    a = generate_uncached(
+        TINY, prompt, max_new, generator=torch.Generator().manual_seed(seed), **kw
+    )
     b = generate(TINY, prompt, max_new, generator=torch.Generator().manual_seed(seed), **kw)
     assert a == b, divergence("sampled run", a, b)
 
@@ -42,7 +52,7 @@ def test_cached_logits_match_uncached():
     cache = KVCache(TINY.cfg.n_layers, 40)
     with torch.no_grad():
         parts = [TINY(ids[:, :13], cache=cache)[0]]
-        parts += [TINY(ids[:, t:t + 1], cache=cache)[0] for t in range(13, 40)]
+        parts += [TINY(ids[:, t : t + 1], cache=cache)[0] for t in range(13, 40)]
     assert cache.pos == 40
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-10)
 
@@ -102,10 +112,14 @@ def test_ragged_mask_sees_each_rows_own_keys():
     (q_len tokens per row) is causal within the row, and a padding column repeats the row's
     last position."""
     from tinyllm.slot_cache import ragged_mask
+
     positions, mask = ragged_mask([2, 0, 3], [1, 1, 1], "cpu")
     assert positions.tolist() == [[2], [0], [3]] and mask.shape == (3, 1, 1, 4)
-    assert mask[:, 0, 0].tolist() == [[True, True, True, False], [True, False, False, False],
-                                      [True, True, True, True]]
+    assert mask[:, 0, 0].tolist() == [
+        [True, True, True, False],
+        [True, False, False, False],
+        [True, True, True, True],
+    ]
     positions, mask = ragged_mask([1, 0], [2, 3], "cpu")
     assert positions.tolist() == [[1, 2, 2], [0, 1, 2]] and mask.shape == (2, 1, 3, 3)
     assert mask[0, 0].int().tolist() == [[1, 1, 0], [1, 1, 1], [1, 1, 1]]

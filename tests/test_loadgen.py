@@ -26,8 +26,11 @@ def test_percentile_and_summary_count_right():
     xs = [0.3, 0.1, 0.2, 0.4, 0.9]
     for p in (0, 50, 90, 99, 100):
         assert loadgen.percentile(xs, p) == pytest.approx(float(np.percentile(xs, p)))
-    recs = [loadgen.Record(0.0, [0.1, 0.2, 0.3], 3), loadgen.Record(1.0, [1.5, 1.6], 2),
-            loadgen.Record(2.0, error="APIConnectionError: refused")]
+    recs = [
+        loadgen.Record(0.0, [0.1, 0.2, 0.3], 3),
+        loadgen.Record(1.0, [1.5, 1.6], 2),
+        loadgen.Record(2.0, error="APIConnectionError: refused"),
+    ]
     out = loadgen.summarize(recs, duration=4.0, slo_ttft=200)
     assert (out["requests"], out["completed"], out["failed"]) == (3, 2, 1)
     assert out["request_throughput"] == 0.5 and out["output_tok_s"] == 5 / 4
@@ -51,16 +54,18 @@ def test_loadgen_measures_the_tinyllm_server(served):
     assert all(r.error is None for r in records), [r.error for r in records]
     assert all(r.chunks and 0 < r.tokens <= n for r, (_, n) in zip(records, prompts))
     out = loadgen.summarize(records, duration)
-    assert (out["completed"] == 9 and out["ttft_p50_ms"] > 0
-            and out["e2e_p99_ms"] >= out["e2e_p50_ms"])
+    assert (
+        out["completed"] == 9 and out["ttft_p50_ms"] > 0 and out["e2e_p99_ms"] >= out["e2e_p50_ms"]
+    )
     records, _ = asyncio.run(loadgen.run_load(served.url, prompts, concurrency=2))
     assert all(r.error is None for r in records)
     assert served.wait_idle() == (0, 0)
 
 
 def test_loadgen_command_line(served, capsys):
-    loadgen.main(["--url", served.url, "--rate", "inf,50", "--requests", "4", "--workload", "eos",
-                  "--json"])
+    loadgen.main(
+        ["--url", served.url, "--rate", "inf,50", "--requests", "4", "--workload", "eos", "--json"]
+    )
     out = json.loads(capsys.readouterr().out)
     assert list(out["runs"]) == ["all at once", "50 req/s"]
     assert all(r["completed"] == 4 and r["failed"] == 0 for r in out["runs"].values())
@@ -84,7 +89,7 @@ def test_loadgen_measures_transformers_serve_on_the_bundled_checkpoint(tmp_path)
     minute here)."""
     cli = Path(sys.executable).parent / "transformers"
     try:
-        for name in ("accelerate", "fastapi", "uvicorn"):      # transformers[serving]
+        for name in ("accelerate", "fastapi", "uvicorn"):  # transformers[serving]
             importlib.import_module(name)
     except ImportError as e:
         pytest.skip(f"transformers[serving] is not installed ({e}); the dev extra installs it")
@@ -92,11 +97,25 @@ def test_loadgen_measures_transformers_serve_on_the_bundled_checkpoint(tmp_path)
         pytest.skip("the transformers command is not installed")
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([str(cli if cli.exists() else "transformers"), "serve",
-                             str(resolve("default")), "--port", str(port), "--device", "cpu",
-                             "--continuous-batching", "--cb-num-blocks", "64", "--cb-block-size",
-                             "32"], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            str(cli if cli.exists() else "transformers"),
+            "serve",
+            str(resolve("default")),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--continuous-batching",
+            "--cb-num-blocks",
+            "64",
+            "--cb-block-size",
+            "32",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         t0 = time.time()
         while True:
@@ -105,14 +124,20 @@ def test_loadgen_measures_transformers_serve_on_the_bundled_checkpoint(tmp_path)
                     break
             except httpx.HTTPError:
                 pass
-            assert proc.poll() is None and time.time() - t0 < 180, \
-                ("transformers serve did not come up: "
-                 f"{(tmp_path / 'serve.log').read_text()[-2000:]}")
+            assert proc.poll() is None and time.time() - t0 < 180, (
+                "transformers serve did not come up: "
+                f"{(tmp_path / 'serve.log').read_text()[-2000:]}"
+            )
             time.sleep(1)
-        prompts = [("Ham.\nTo be, or not", 8), ("Rom.\nBut soft", 8), ("Lear.\n", 8),
-                   ("Jul.\nO", 8)]
-        records, duration = asyncio.run(loadgen.run_load(f"http://127.0.0.1:{port}/v1", prompts,
-                                                         rate=None))
+        prompts = [
+            ("Ham.\nTo be, or not", 8),
+            ("Rom.\nBut soft", 8),
+            ("Lear.\n", 8),
+            ("Jul.\nO", 8),
+        ]
+        records, duration = asyncio.run(
+            loadgen.run_load(f"http://127.0.0.1:{port}/v1", prompts, rate=None)
+        )
         assert all(r.error is None for r in records), [r.error for r in records]
         out = loadgen.summarize(records, duration)
         assert out["completed"] == 4 and out["output_tok_s"] > 0

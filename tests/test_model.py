@@ -31,8 +31,9 @@ def test_rope_rotates_pairs_by_position():
     cos, sin = rope_table(8, 32, 10000.0)
     q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
     cos, sin = cos.double(), sin.double()
-    rot = lambda x, p: apply_rope(x[None, None, None], cos[p][None, None, None],
-                                  sin[p][None, None, None])[0, 0, 0]
+    rot = lambda x, p: apply_rope(
+        x[None, None, None], cos[p][None, None, None], sin[p][None, None, None]
+    )[0, 0, 0]
     assert torch.allclose(rot(q, 5).norm(), q.norm())
     assert torch.allclose(rot(q, 3) @ rot(k, 1), rot(q, 12) @ rot(k, 10))
 

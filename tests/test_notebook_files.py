@@ -8,15 +8,17 @@ from tools.nbfiles import normalise
 def test_notebooks_are_saved_as_jupyterlab_writes_them():
     for path in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
         text = path.read_text(encoding="utf-8")
-        assert normalise(text) == text, \
-            (f"{path.name} would change when opened: run `python tools/nbfiles.py {path.name}` "
-             "(make notebooks does)")
+        assert normalise(text) == text, (
+            f"{path.name} would change when opened: run `python tools/nbfiles.py {path.name}` "
+            "(make notebooks does)"
+        )
 
 
 def test_the_course_address_is_set_in_one_place(monkeypatch):
     """Every notebook opens with the Colab cell, and its REPO line comes from pyproject.toml:
     one edit there (then `python tools/nbfiles.py`) sets it in every notebook."""
     from tools import nbfiles
+
     assert nbfiles.course_address(), "pyproject.toml has no [project.urls] Repository"
     monkeypatch.setattr(nbfiles, "course_address", lambda: "https://example.org/fork/tinyllm")
     for path in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):

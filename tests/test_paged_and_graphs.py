@@ -31,11 +31,12 @@ def check_pool(cache: PagedKVCache) -> None:
     held = [b for table in cache.tables for b in table]
     assert len(held) == len(set(held)), "a block is held by two sequences"
     free = cache.allocator.free_list
-    assert sorted(held + free) == list(range(cache.n_blocks)), \
+    assert sorted(held + free) == list(range(cache.n_blocks)), (
         "every block is either held once or free once (the pool is never over-committed)"
-    assert ([not a for a in cache.allocator.allocated]
-            == [b in set(free) for b in range(cache.n_blocks)]), \
-        "a block is flagged allocated exactly when it is off the free list"
+    )
+    assert [not a for a in cache.allocator.allocated] == [
+        b in set(free) for b in range(cache.n_blocks)
+    ], "a block is flagged allocated exactly when it is off the free list"
     assert cache.allocator.n_free() == len(free)
     assert cache.allocated_tokens() == len(held) * cache.block_size
     assert cache.used_tokens() == sum(cache.lens)
@@ -48,8 +49,9 @@ def check_pool(cache: PagedKVCache) -> None:
             assert cache.tables[s] == [] and cache.lens[s] == 0
 
 
-def drive(eng: ContinuousEngine, reqs: list[Request], data=None, abort_odds: int = 0,
-          check=check_pool):
+def drive(
+    eng: ContinuousEngine, reqs: list[Request], data=None, abort_odds: int = 0, check=check_pool
+):
     """Add requests between steps (all at once without data), abort some, check the pool after
     every step (check: the books of a paged cache). Returns {index: tokens} of the finished
     requests and the aborted indices."""
@@ -76,9 +78,14 @@ def drive(eng: ContinuousEngine, reqs: list[Request], data=None, abort_odds: int
 
 # ---- 05: the paged cache -------------------------------------------------------------------------
 
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=requests_st, n_slots=st.integers(1, 6),
-       block_size=st.sampled_from([1, 2, 4, 8, 16]), slack=st.integers(0, 12))
+@given(
+    requests=requests_st,
+    n_slots=st.integers(1, 6),
+    block_size=st.sampled_from([1, 2, 4, 8, 16]),
+    slack=st.integers(0, 12),
+)
 def test_paged_engine_matches_solo_generate(requests, n_slots, block_size, slack):
     """Any block size, pools from 'the largest request only' up: solo tokens, books balanced,
     every block back in the pool at the end."""
@@ -90,17 +97,31 @@ def test_paged_engine_matches_solo_generate(requests, n_slots, block_size, slack
     assert eng.cache.allocated_tokens() == 0 and eng.cache.allocator.n_free() == n_blocks
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example])
-@given(requests=requests_st, n_slots=st.integers(1, 5), block_size=st.sampled_from([1, 3, 8]),
-       data=st.data())
-def test_paged_engine_online_with_preemption_aborts_and_sampling(requests, n_slots, block_size,
-                                                                 data):
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example],
+)
+@given(
+    requests=requests_st,
+    n_slots=st.integers(1, 5),
+    block_size=st.sampled_from([1, 3, 8]),
+    data=st.data(),
+)
+def test_paged_engine_online_with_preemption_aborts_and_sampling(
+    requests, n_slots, block_size, data
+):
     """Arrivals between steps, aborts (of running, queued and preempted requests), greedy and
     seeded sampled requests, a tight pool: every finished request equals solo."""
-    reqs = [Request(r.prompt, r.max_new_tokens, r.eos_id,
-                    data.draw(st.sampled_from([None, Sampling(0.9, 20, None, seed=i)])))
-            for i, r in enumerate(requests)]
+    reqs = [
+        Request(
+            r.prompt,
+            r.max_new_tokens,
+            r.eos_id,
+            data.draw(st.sampled_from([None, Sampling(0.9, 20, None, seed=i)])),
+        )
+        for i, r in enumerate(requests)
+    ]
     n_blocks = max(need_blocks(r, block_size) for r in reqs) + data.draw(st.integers(0, 4))
     eng = ContinuousEngine(TINY, n_slots, kv="paged", block_size=block_size, kv_blocks=n_blocks)
     done, aborted = drive(eng, reqs, data, abort_odds=8)
@@ -111,16 +132,18 @@ def test_paged_engine_online_with_preemption_aborts_and_sampling(requests, n_slo
 
 def pressure_workload(n: int = 16) -> list[Request]:
     """Long answers, no EOS: they outgrow a small pool together."""
-    return [Request([(7 * i + j) % V for j in range(3 + i % 5)], 20 + (5 * i) % 17)
-            for i in range(n)]
+    return [
+        Request([(7 * i + j) % V for j in range(3 + i % 5)], 20 + (5 * i) % 17) for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_repeated_preemption_under_a_small_pool(block_size):
     reqs = pressure_workload()
     n_blocks = max(need_blocks(r, block_size) for r in reqs) + 2
-    results, summary = run_continuous(TINY, reqs, 6, kv="paged", block_size=block_size,
-                                      kv_blocks=n_blocks)
+    results, summary = run_continuous(
+        TINY, reqs, 6, kv="paged", block_size=block_size, kv_blocks=n_blocks
+    )
     assert summary["preemptions"] >= 5, f"only {summary['preemptions']} preemptions"
     assert summary["recomputed_tokens"] > 0
     assert summary["kv_allocated_at_end"] == 0
@@ -129,8 +152,9 @@ def test_repeated_preemption_under_a_small_pool(block_size):
 
 def test_abort_of_a_preempted_request_frees_nothing_twice():
     reqs = pressure_workload(8)
-    eng = ContinuousEngine(TINY, 4, kv="paged", block_size=2,
-                           kv_blocks=max(need_blocks(r, 2) for r in reqs) + 1)
+    eng = ContinuousEngine(
+        TINY, 4, kv="paged", block_size=2, kv_blocks=max(need_blocks(r, 2) for r in reqs) + 1
+    )
     rids = [eng.add_request(r) for r in reqs]
     while eng.stats.preemptions == 0:
         eng.step()
@@ -151,10 +175,10 @@ def test_abort_of_a_preempted_request_frees_nothing_twice():
 
 def test_a_request_larger_than_the_pool_is_refused_at_once():
     eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, kv_blocks=5)
-    good = Request([1, 2, 3], 10)                  # 13 positions: 4 blocks
+    good = Request([1, 2, 3], 10)  # 13 positions: 4 blocks
     rid = eng.add_request(good)
     with pytest.raises(ValueError, match="needs 6 blocks of 4, but the whole KV pool has 5"):
-        eng.add_request(Request([1] * 4, 20))      # 24 positions: 6 blocks
+        eng.add_request(Request([1] * 4, 20))  # 24 positions: 6 blocks
     assert eng.request_counts() == (1, 0), "the refused request left no trace"
     while eng.has_work():
         eng.step()
@@ -162,8 +186,11 @@ def test_a_request_larger_than_the_pool_is_refused_at_once():
 
 
 def test_paged_settings_are_checked():
-    for kw, words in [(dict(block_size=0), "block_size"), (dict(kv_blocks=-3), "kv_blocks"),
-                      (dict(block_size=2.5), "block_size")]:
+    for kw, words in [
+        (dict(block_size=0), "block_size"),
+        (dict(kv_blocks=-3), "kv_blocks"),
+        (dict(block_size=2.5), "block_size"),
+    ]:
         with pytest.raises(ValueError, match=words):
             ContinuousEngine(TINY, 2, kv="paged", **kw)
 
@@ -174,43 +201,59 @@ def test_paged_memory_is_allocated_as_sequences_grow():
     _, paged = run_continuous(TINY, reqs, 3, kv="paged", block_size=4)
     _, slots = run_continuous(TINY, reqs, 3)
     assert paged["kv_alloc_used_mean"] > 0.75 > slots["kv_alloc_used_mean"]
-    assert paged["kv_reserved_mib"] == pytest.approx(slots["kv_reserved_mib"], rel=0.05), \
+    assert paged["kv_reserved_mib"] == pytest.approx(slots["kv_reserved_mib"], rel=0.05), (
         "by default the pool has the memory of the slot cache"
+    )
 
 
 def paged_cache(n_slots: int = 3, n_blocks: int = 6, block_size: int = 4, **kw) -> PagedKVCache:
     cfg = TINY.cfg
-    return PagedKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, n_blocks, block_size,
-                        32, torch.float64, **kw)
+    return PagedKVCache(
+        cfg.n_layers,
+        n_slots,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        n_blocks,
+        block_size,
+        32,
+        torch.float64,
+        **kw,
+    )
 
 
 def test_check_integrity_names_each_broken_book_of_the_pool():
     """check_integrity returns None for sound books, and one sentence for each kind of
     violation: a block in two places, a block lost, flags off the free list, a free slot
     that holds tokens or blocks, a slot past its room; idle, a busy slot."""
+
     def broken(how) -> str | None:
         cache = paged_cache()
-        cache.admit(0, 5)                               # 2 blocks for 5 tokens and the next
-        cache.admit(1, 2)                               # 1 block
+        cache.admit(0, 5)  # 2 blocks for 5 tokens and the next
+        cache.admit(1, 2)  # 1 block
         assert cache.check_integrity() is None
         how(cache)
         return cache.check_integrity()
 
-    def both(c):                                        # held by slot 0 and free as well
+    def both(c):  # held by slot 0 and free as well
         c.allocator.free_list.append(c.tables[0][0])
         c.allocator.allocated[c.tables[0][0]] = False
+
     assert "are free, yet a block table holds them" in broken(both)
     assert "in two block tables at once" in broken(lambda c: c.tables[1].append(c.tables[0][0]))
     assert "blocks leaked" in broken(lambda c: c.tables[0].pop())
-    assert "on the free list twice" in broken(lambda c: c.allocator.free_list.append(
-        c.allocator.free_list[0]))
-    assert "flagged allocated" in broken(lambda c: c.allocator.allocated.__setitem__(
-        c.allocator.free_list[0], True))
+    assert "on the free list twice" in broken(
+        lambda c: c.allocator.free_list.append(c.allocator.free_list[0])
+    )
+    assert "flagged allocated" in broken(
+        lambda c: c.allocator.allocated.__setitem__(c.allocator.free_list[0], True)
+    )
     assert "slot 2 is free but holds 3 tokens" in broken(lambda c: c.lens.__setitem__(2, 3))
     assert "slot 0 holds 9 tokens, but it has room for 8" in broken(
-        lambda c: c.lens.__setitem__(0, 9))
+        lambda c: c.lens.__setitem__(0, 9)
+    )
     assert "slot 2 is free but its block table holds blocks [3]" in broken(
-        lambda c: c.tables[2].append(c.allocator.allocate(1)[0]))
+        lambda c: c.tables[2].append(c.allocator.allocate(1)[0])
+    )
     assert "not blocks 0..5" in broken(lambda c: c.tables[1].append(9))
     cache = paged_cache()
     cache.admit(1, 3)
@@ -228,17 +271,20 @@ def test_leaks_names_what_an_idle_engine_still_holds():
     while eng.has_work():
         eng.step()
     assert leaks(eng) is None
-    lost = eng.cache.allocator.allocate(1)              # a block nobody will give back
-    assert leaks(eng) == (f"blocks {lost} are allocated, yet no block table holds them: "
-                          f"blocks leaked")
+    lost = eng.cache.allocator.allocate(1)  # a block nobody will give back
+    assert leaks(eng) == (
+        f"blocks {lost} are allocated, yet no block table holds them: blocks leaked"
+    )
     eng.cache.allocator.free(lost)
-    eng.cache.admit(1, 3)                               # a slot nobody releases
-    assert leaks(eng) == ("slots [1] are still busy after every request finished: nobody "
-                          "released them")
+    eng.cache.admit(1, 3)  # a slot nobody releases
+    assert leaks(eng) == (
+        "slots [1] are still busy after every request finished: nobody released them"
+    )
     eng.cache.release(1)
     eng.scheduler.add(Sequence(9, Request([1], 2), 0.0, Sampling(), None))
-    assert leaks(eng) == ("the scheduler still holds 0 running and 1 waiting requests after "
-                          "every request finished")
+    assert leaks(eng) == (
+        "the scheduler still holds 0 running and 1 waiting requests after every request finished"
+    )
 
 
 def test_allocator_refuses_what_it_cannot_give():
@@ -255,9 +301,13 @@ def test_allocator_refuses_what_it_cannot_give():
 
 # ---- 06: the graph decoder, eager ----------------------------------------------------------------
 
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=requests_st, n_slots=st.integers(1, 6),
-       buckets=st.sampled_from([None, (8, 16, 32, 64), (1, 2, 3, 50), (96,)]))
+@given(
+    requests=requests_st,
+    n_slots=st.integers(1, 6),
+    buckets=st.sampled_from([None, (8, 16, 32, 64), (1, 2, 3, 50), (96,)]),
+)
 def test_eager_bucketed_decoder_matches_the_plain_decoder(requests, n_slots, buckets):
     """Every slot decoded at a bucketed window from static buffers: the same tokens as the
     plain decode step, and so as solo generate()."""
@@ -276,7 +326,7 @@ def test_graph_decoder_settings_are_checked():
         SlotGraphDecoder(TINY, slots, buckets=(16, 64))
     with pytest.raises(ValueError, match="kv='slots'"):
         ContinuousEngine(TINY, 2, kv="paged", decoder="graphs")
-    for bad in [(8.5,), (0, 16), ()]:              # named when made, not at the first step
+    for bad in [(8.5,), (0, 16), ()]:  # named when made, not at the first step
         with pytest.raises(ValueError, match="bucket"):
             ContinuousEngine(TINY, 2, decoder="graphs", buckets=bad)
         with pytest.raises(ValueError, match="buckets must"):
@@ -297,9 +347,9 @@ def test_a_decoder_is_reused_by_a_second_engine():
     with pytest.raises(ValueError, match="idle slots"):
         ContinuousEngine(TINY, 3, decoder=eng.decoder)
     with pytest.raises(ValueError, match="idle slots"):
-        ContinuousEngine(TINY, 4,
-                         decoder=SlotGraphDecoder(TINY,
-                                                  SlotKVCache(2, 2, 2, 16, 96, torch.float64)))
+        ContinuousEngine(
+            TINY, 4, decoder=SlotGraphDecoder(TINY, SlotKVCache(2, 2, 2, 16, 96, torch.float64))
+        )
 
 
 @pytest.mark.parametrize("kind", ["slots", "paged", "graph"])
@@ -310,8 +360,9 @@ def test_bf16_caches_under_autocast(kind):
     model = TINY.float()
     cfg = model.cfg
     if kind == "paged":
-        cache = PagedKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 8, 4, 32,
-                             torch.bfloat16)
+        cache = PagedKVCache(
+            cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 8, 4, 32, torch.bfloat16
+        )
     else:
         cache = SlotKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 32, torch.bfloat16)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
@@ -325,7 +376,7 @@ def test_bf16_caches_under_autocast(kind):
             assert cache.lens == [3, 5]
             assert cache.reserve(0, 1) and cache.reserve(1, 1)
             cache.plan_step([0, 1], [1, 1])
-            if kind == "graph":     # the graph decoder's cache view, then its end of the step
+            if kind == "graph":  # the graph decoder's cache view, then its end of the step
                 logits, _ = model(tokens, cache=WindowCache(cache, torch.tensor([3, 5]), 8))
                 cache.end_step()
             else:

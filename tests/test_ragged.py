@@ -31,11 +31,20 @@ KINDS = [("slots", None), ("paged", 1), ("paged", 2), ("paged", 3), ("paged", 8)
 def make_cache(kind: str, block_size: int | None, n_slots: int, n_blocks: int | None = None):
     cfg = MODEL.cfg
     if kind == "slots":
-        return SlotKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, MAX_LEN,
-                           torch.float64)
+        return SlotKVCache(
+            cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, MAX_LEN, torch.float64
+        )
     n_blocks = n_blocks or n_slots * math.ceil(MAX_LEN / block_size)  # room for every slot full
-    return PagedKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, n_blocks, block_size,
-                        MAX_LEN, torch.float64)
+    return PagedKVCache(
+        cfg.n_layers,
+        n_slots,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        n_blocks,
+        block_size,
+        MAX_LEN,
+        torch.float64,
+    )
 
 
 def check_books(cache) -> None:
@@ -48,8 +57,11 @@ def state(cache) -> tuple:
     """Everything a planning error must leave as it was."""
     tables = None
     if isinstance(cache, PagedKVCache):
-        tables = ([list(t) for t in cache.tables], list(cache.allocator.free_list),
-                  list(cache.allocator.allocated))
+        tables = (
+            [list(t) for t in cache.tables],
+            list(cache.allocator.free_list),
+            list(cache.allocator.allocated),
+        )
     return list(cache.active), list(cache.lens), cache._plan, tables
 
 
@@ -57,10 +69,10 @@ def step(cache, rows: list[int], chunks: list[list[int]], pad: int = 0) -> torch
     """One ragged step: row i is slot rows[i] bringing the tokens chunks[i]. Returns the
     logits (B, T, V)."""
     T = max(map(len, chunks))
-    idx = torch.tensor([c + [pad] * (T - len(c)) for c in chunks])               # (B, T)
+    idx = torch.tensor([c + [pad] * (T - len(c)) for c in chunks])  # (B, T)
     cache.plan_step(rows, [len(c) for c in chunks])
     with torch.no_grad():
-        logits, _ = MODEL(idx, cache=cache)                                     # (B, T, V)
+        logits, _ = MODEL(idx, cache=cache)  # (B, T, V)
     return logits
 
 
@@ -70,10 +82,10 @@ class Row:
     def __init__(self, prompt: list[int], max_new: int):
         self.prompt, self.max_new = prompt, max_new
         self.solo = generate(MODEL, prompt, max_new)
-        with torch.no_grad():                           # the oracle's logits at every position
-            self.full = MODEL(torch.tensor([prompt + self.solo]))[0][0]         # (L, V)
+        with torch.no_grad():  # the oracle's logits at every position
+            self.full = MODEL(torch.tensor([prompt + self.solo]))[0][0]  # (L, V)
         self.out: list[int] = []
-        self.fed = 0                                    # tokens of the context in the cache
+        self.fed = 0  # tokens of the context in the cache
         self.slot: int | None = None
 
     def context(self) -> list[int]:
@@ -81,32 +93,49 @@ class Row:
 
     def pending(self) -> list[int]:
         """Tokens known but not yet in the cache: the rest of the prompt, or the last token."""
-        return self.context()[self.fed:]
+        return self.context()[self.fed :]
 
     def take(self, logits: torch.Tensor, chunk: list[int]) -> None:
         """The step's logits (T, V) for this row, which brought chunk: every real column equals
         the full forward pass; the last column of the prompt's end picks the next token."""
         q = len(chunk)
-        torch.testing.assert_close(logits[:q], self.full[self.fed:self.fed + q], rtol=0, atol=1e-10)
+        torch.testing.assert_close(
+            logits[:q], self.full[self.fed : self.fed + q], rtol=0, atol=1e-10
+        )
         self.fed += q
-        if self.fed == len(self.context()):             # the last known token: a new one
+        if self.fed == len(self.context()):  # the last known token: a new one
             self.out.append(int(logits[q - 1].argmax()))
-            assert self.out == self.solo[:len(self.out)], \
+            assert self.out == self.solo[: len(self.out)], (
                 f"prompt {self.prompt}: {self.out} vs solo {self.solo}"
+            )
 
     def done(self) -> bool:
         return len(self.out) == self.max_new
 
 
-seqs_st = st.lists(st.tuples(st.lists(st.integers(0, V - 1), min_size=1, max_size=20),
-                             st.integers(1, 12)), min_size=1, max_size=6)
+seqs_st = st.lists(
+    st.tuples(st.lists(st.integers(0, V - 1), min_size=1, max_size=20), st.integers(1, 12)),
+    min_size=1,
+    max_size=6,
+)
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example,
-                                 HealthCheck.data_too_large])
-@given(seqs=seqs_st, kind=st.sampled_from(KINDS), n_slots=st.integers(1, 4),
-       k=st.integers(1, 6), data=st.data())
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.large_base_example,
+        HealthCheck.data_too_large,
+    ],
+)
+@given(
+    seqs=seqs_st,
+    kind=st.sampled_from(KINDS),
+    n_slots=st.integers(1, 4),
+    k=st.integers(1, 6),
+    data=st.data(),
+)
 def test_ragged_steps_match_solo_generate(seqs, kind, n_slots, k, data):
     """Random rows, each bringing 1..k tokens per step (prompts in random chunks, then one token
     at a time), in random slots and random row order: every real column's logits equal the
@@ -124,9 +153,10 @@ def test_ragged_steps_match_solo_generate(seqs, kind, n_slots, k, data):
             cache.admit(row.slot, len(row.prompt))
             assert cache.lens[row.slot] == 0
             running.append(row)
-        stepping = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running),
-                                      unique_by=id))
-        chunks = [row.pending()[:data.draw(st.integers(1, k))] for row in stepping]
+        stepping = data.draw(
+            st.lists(st.sampled_from(running), min_size=1, max_size=len(running), unique_by=id)
+        )
+        chunks = [row.pending()[: data.draw(st.integers(1, k))] for row in stepping]
         for row, chunk in zip(stepping, chunks):
             assert cache.reserve(row.slot, len(chunk)), "the pool has room for every slot"
         logits = step(cache, [row.slot for row in stepping], chunks, pad)
@@ -143,16 +173,22 @@ def test_ragged_steps_match_solo_generate(seqs, kind, n_slots, k, data):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seqs=st.lists(st.tuples(st.lists(st.integers(0, V - 1), min_size=1, max_size=16),
-                               st.integers(1, 12)), min_size=1, max_size=3),
-       kind=st.sampled_from(KINDS), data=st.data())
+@given(
+    seqs=st.lists(
+        st.tuples(st.lists(st.integers(0, V - 1), min_size=1, max_size=16), st.integers(1, 12)),
+        min_size=1,
+        max_size=3,
+    ),
+    kind=st.sampled_from(KINDS),
+    data=st.data(),
+)
 def test_rollback_of_wrong_guesses_then_decoding_matches_solo(seqs, kind, data):
     """Speculation's step: a row brings its true next token and k junk guesses (k+1 tokens),
     keeps the first and rolls back k; decoding goes on with exactly the solo tokens, and the
     paged cache gives back every block left holding no token."""
     rows = [Row(p, n) for p, n in seqs]
     cache = make_cache(*kind, len(rows))
-    for s, row in enumerate(rows):                      # every prompt prefilled in one step
+    for s, row in enumerate(rows):  # every prompt prefilled in one step
         row.slot = s
         cache.admit(s, len(row.prompt))
     logits = step(cache, [r.slot for r in rows], [r.prompt for r in rows])
@@ -163,19 +199,22 @@ def test_rollback_of_wrong_guesses_then_decoding_matches_solo(seqs, kind, data):
     live = [r for r in rows if not r.done()]
     while live:
         ks = [data.draw(st.integers(0, 5), label="junk guesses") for _ in live]
-        chunks = [r.pending() + [data.draw(st.integers(0, V - 1)) for _ in range(kk)]
-                  for r, kk in zip(live, ks)]
+        chunks = [
+            r.pending() + [data.draw(st.integers(0, V - 1)) for _ in range(kk)]
+            for r, kk in zip(live, ks)
+        ]
         for r, chunk in zip(live, chunks):
             assert len(r.pending()) == 1 and cache.reserve(r.slot, len(chunk))
         logits = step(cache, [r.slot for r in live], chunks)
         for b, (r, kk) in enumerate(zip(live, ks)):
             assert cache.lens[r.slot] == r.fed + 1 + kk
-            r.take(logits[b], chunks[b][:1])            # only the first column is right
+            r.take(logits[b], chunks[b][:1])  # only the first column is right
             cache.rollback(r.slot, kk)
             assert cache.lens[r.slot] == r.fed
             if isinstance(cache, PagedKVCache):
-                assert len(cache.tables[r.slot]) == cache.blocks_for(r.fed), \
+                assert len(cache.tables[r.slot]) == cache.blocks_for(r.fed), (
                     "the blocks holding no token went back to the pool"
+                )
         check_books(cache)
         for r in [r for r in live if r.done()]:
             cache.release(r.slot)
@@ -202,7 +241,7 @@ def test_bad_rollbacks_raise_and_change_nothing(kind):
     with pytest.raises(ValueError, match="cannot roll slot 0 back by 0"):
         cache.rollback(0, 0)
     assert state(cache) == before
-    cache.rollback(1, 5)                                # all of it: allowed, the slot stays busy
+    cache.rollback(1, 5)  # all of it: allowed, the slot stays busy
     assert cache.active[1] and cache.lens[1] == 0
     check_books(cache)
     cache.release(1)
@@ -221,7 +260,7 @@ def test_planning_errors_are_named_and_change_nothing(kind):
     cache.admit(2, 2)
     step(cache, [2, 0], [[7, 8], [1, 2, 3]])
     before = state(cache)
-    cap = MAX_LEN if kind[0] == "slots" else 4          # paged: the blocks of 3 tokens + 1
+    cap = MAX_LEN if kind[0] == "slots" else 4  # paged: the blocks of 3 tokens + 1
     cases = [
         (([1], [1]), "slot 1 is free: admit a sequence before stepping it"),
         (([0, 0], [1, 1]), r"a step needs distinct slots and one q_len each, got \[0, 0\]"),
@@ -229,8 +268,10 @@ def test_planning_errors_are_named_and_change_nothing(kind):
         (([], []), "a step needs distinct slots"),
         (([0], [0]), "slot 0: a row brings q_len >= 1 new tokens, got 0"),
         (([2], [-1]), "slot 2: a row brings q_len >= 1 new tokens, got -1"),
-        (([0], [cap - 3 + 1]), f"slot 0 holds 3 tokens and has room for {cap}: "
-                               f"it cannot take {cap - 3 + 1} more"),
+        (
+            ([0], [cap - 3 + 1]),
+            f"slot 0 holds 3 tokens and has room for {cap}: it cannot take {cap - 3 + 1} more",
+        ),
     ]
     for (rows, q_lens), words in cases:
         with pytest.raises(ValueError, match=words):
@@ -244,17 +285,20 @@ def test_planning_errors_are_named_and_change_nothing(kind):
     cache.plan_step([0, 2], [1, 1])
     planned = state(cache)
     for T in (2, 3):
-        with pytest.raises(ValueError,
-                           match=f"the step was planned for 1 columns, the batch has {T}"):
+        with pytest.raises(
+            ValueError, match=f"the step was planned for 1 columns, the batch has {T}"
+        ):
             MODEL(torch.ones(2, T, dtype=torch.long), cache=cache)
         assert state(cache) == planned, "the plan still stands, nothing written counts"
-    logits = step(cache, [0, 2], [[4], [9]])            # re-planned: the right step runs
+    logits = step(cache, [0, 2], [[4], [9]])  # re-planned: the right step runs
     assert cache.lens[0] == 4 and cache.lens[2] == 3 and cache._plan is None
     with torch.no_grad():
-        torch.testing.assert_close(logits[0, 0], MODEL(torch.tensor([[1, 2, 3, 4]]))[0][0, -1],
-                                   rtol=0, atol=1e-10)
-        torch.testing.assert_close(logits[1, 0], MODEL(torch.tensor([[7, 8, 9]]))[0][0, -1],
-                                   rtol=0, atol=1e-10)
+        torch.testing.assert_close(
+            logits[0, 0], MODEL(torch.tensor([[1, 2, 3, 4]]))[0][0, -1], rtol=0, atol=1e-10
+        )
+        torch.testing.assert_close(
+            logits[1, 0], MODEL(torch.tensor([[7, 8, 9]]))[0][0, -1], rtol=0, atol=1e-10
+        )
     check_books(cache)
 
 
@@ -262,12 +306,13 @@ def test_paged_step_past_the_blocks_needs_a_reserve():
     """Admission gives the paged cache blocks for the context and its next token; a step past
     them is refused until reserve() takes more blocks, which it gives back when it has none."""
     cache = make_cache("paged", 4, 2, n_blocks=3)
-    cache.admit(0, 3)                                   # 3 tokens + 1: one block
+    cache.admit(0, 3)  # 3 tokens + 1: one block
     step(cache, [0], [[1, 2, 3]])
     assert cache.tables[0] and len(cache.tables[0]) == 1
     before = state(cache)
-    with pytest.raises(ValueError,
-                       match="has room for 4: it cannot take 2 more \\(reserve first\\)"):
+    with pytest.raises(
+        ValueError, match="has room for 4: it cannot take 2 more \\(reserve first\\)"
+    ):
         cache.plan_step([0], [2])
     assert state(cache) == before
     assert cache.reserve(0, 9) and len(cache.tables[0]) == 3 and cache.allocator.n_free() == 0
@@ -287,11 +332,15 @@ def test_admit_starts_empty_and_refuses_what_cannot_fit():
     with pytest.raises(ValueError, match="slot 1 is already serving a request"):
         cache.admit(1, 2)
     for n in (0, MAX_LEN):
-        with pytest.raises(ValueError,
-                           match=f"a context of {n} tokens does not fit a slot of {MAX_LEN}"):
+        with pytest.raises(
+            ValueError, match=f"a context of {n} tokens does not fit a slot of {MAX_LEN}"
+        ):
             cache.admit(0, n)
-    with pytest.raises(ValueError, match=r"admit\(slot, 3, context\) was given a context of 2 "
-                                         r"tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"admit\(slot, 3, context\) was given a context of 2 "
+        r"tokens",
+    ):
         cache.admit(0, 3, [1, 2])
     with pytest.raises(ValueError, match="can_admit takes a context per length: 2 lengths, 1"):
         cache.can_admit([3, 4], [[1, 2, 3]])

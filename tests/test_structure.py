@@ -14,9 +14,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "tinyllm"
 WINGS = ("checkpoints", "serving", "course")
 # what each part may import besides itself: the engine nothing of the wings; the course anything
-MAY_IMPORT = {"engine": set(), "checkpoints": {"engine"}, "serving": {"engine", "checkpoints"},
-              "course": {"engine", "checkpoints", "serving"},
-              "command line": {"engine", *WINGS}}         # __main__: one command per tool
+MAY_IMPORT = {
+    "engine": set(),
+    "checkpoints": {"engine"},
+    "serving": {"engine", "checkpoints"},
+    "course": {"engine", "checkpoints", "serving"},
+    "command line": {"engine", *WINGS},
+}  # __main__: one command per tool
 
 
 def modules() -> dict[str, Path]:
@@ -46,8 +50,9 @@ def imports(path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module in known:
                 out.add(node.module)
-            out |= {f"{node.module}.{a.name}" for a in node.names
-                    if f"{node.module}.{a.name}" in known}
+            out |= {
+                f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known
+            }
     return out
 
 
@@ -66,7 +71,7 @@ def test_no_import_circles():
 
     def visit(m):
         if m in path:
-            circle = path[path.index(m):] + [m]
+            circle = path[path.index(m) :] + [m]
             pytest.fail(f"an import circle: {' -> '.join(circle)}")
         if m in done:
             return
@@ -84,9 +89,13 @@ def test_no_import_circles():
 
 def test_imports_run_downward():
     """The engine imports no wing; serving never imports the course's tooling."""
-    bad = [f"{m} imports {n}" for m, targets in graph().items() if m != "tinyllm"
-           for n in sorted(targets)
-           if part(n) != part(m) and part(n) not in MAY_IMPORT[part(m)]]
+    bad = [
+        f"{m} imports {n}"
+        for m, targets in graph().items()
+        if m != "tinyllm"
+        for n in sorted(targets)
+        if part(n) != part(m) and part(n) not in MAY_IMPORT[part(m)]
+    ]
     assert not bad, "imports that run back up: " + "; ".join(bad)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import nbformat
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
-REPO_LINE = re.compile(r'^(    REPO = )"[^"]*"', re.M)       # in the Colab cell
+REPO_LINE = re.compile(r'^(    REPO = )"[^"]*"', re.M)  # in the Colab cell
 
 
 def course_address() -> str | None:
@@ -42,6 +42,7 @@ def kernel_display_name(name: str) -> str | None:
     """The display name of the installed kernelspec `name`, or None if it is not installed."""
     try:
         from jupyter_client.kernelspec import KernelSpecManager
+
         return KernelSpecManager().get_kernel_spec(name).display_name
     except Exception:
         return "Python 3 (ipykernel)" if name == "python3" else None
@@ -65,8 +66,12 @@ def normalise(text: str) -> str:
         display = kernel_display_name(spec["name"])
         if display:
             spec["display_name"] = display
-    views = [o for c in nb.cells for o in c.get("outputs", [])
-             if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    views = [
+        o
+        for c in nb.cells
+        for o in c.get("outputs", [])
+        if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]
     if "widgets" in nb.metadata and not views:
         del nb.metadata["widgets"]
     address = course_address()
@@ -75,7 +80,7 @@ def normalise(text: str) -> str:
             cell.source = REPO_LINE.sub(lambda m: f'{m.group(1)}"{address}"', cell.source)
     nb = nbformat.from_dict(js_numbers(nb))
     out = nbformat.writes(nb, version=nbformat.NO_CONVERT)
-    return out if out.endswith("\n") else out + "\n"        # nbformat.write adds the newline
+    return out if out.endswith("\n") else out + "\n"  # nbformat.write adds the newline
 
 
 def main(argv: list[str]) -> int:
@@ -95,8 +100,11 @@ def main(argv: list[str]) -> int:
     verb = "would change" if check else "normalised"
     for path in changed:
         print(f"{verb}: {path}")
-    print(f"{len(changed)} of {len(paths)} notebooks {verb}" if changed else
-          f"all {len(paths)} notebooks already as JupyterLab writes them")
+    print(
+        f"{len(changed)} of {len(paths)} notebooks {verb}"
+        if changed
+        else f"all {len(paths)} notebooks already as JupyterLab writes them"
+    )
     return 1 if (check and changed) else 0
 
 

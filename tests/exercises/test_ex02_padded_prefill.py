@@ -18,20 +18,23 @@ TINY = make_tiny(seed=4)
 
 def padded(impl, prompts, pad_id):
     got = impl.left_pad(prompts, pad_id)
-    assert isinstance(got, tuple) and len(got) == 2, \
+    assert isinstance(got, tuple) and len(got) == 2, (
         f"left_pad returns (idx, pad_lens), got {got!r}"
+    )
     for name, t in zip(("idx", "pad_lens"), got):
-        assert isinstance(t, torch.Tensor), \
-            (f"left_pad returns tensors (the model takes a tensor of ids): {name} is a "
-             f"{type(t).__name__}; make it one with torch.tensor(...)")
+        assert isinstance(t, torch.Tensor), (
+            f"left_pad returns tensors (the model takes a tensor of ids): {name} is a "
+            f"{type(t).__name__}; make it one with torch.tensor(...)"
+        )
     return got
 
 
 def test_left_pad_puts_padding_on_the_left(impl):
     """Shorter prompts get pad_id on their left; pad_lens counts them."""
     idx, pad_lens = padded(impl, [[1, 2, 3], [4], [5, 6]], 0)
-    assert idx.tolist() == [[1, 2, 3], [0, 0, 4], [0, 5, 6]], \
+    assert idx.tolist() == [[1, 2, 3], [0, 0, 4], [0, 5, 6]], (
         f"expected [[1, 2, 3], [0, 0, 4], [0, 5, 6]], got {idx.tolist()}"
+    )
     assert pad_lens.tolist() == [0, 2, 1], f"pad_lens should be [0, 2, 1], got {pad_lens.tolist()}"
     assert idx.dtype == torch.long, "token ids must be a long tensor (the embedding needs it)"
 
@@ -45,9 +48,10 @@ def test_left_pad_uses_pad_id(impl):
 def test_rope_positions_without_padding(impl):
     """No padding: one row of positions pos..pos+T-1 shared by the batch."""
     got = impl.rope_positions(5, 3, None)
-    assert isinstance(got, torch.Tensor), \
-        ("rope_positions returns a tensor (RoPE indexes its tables with it), got a "
-         f"{type(got).__name__}")
+    assert isinstance(got, torch.Tensor), (
+        "rope_positions returns a tensor (RoPE indexes its tables with it), got a "
+        f"{type(got).__name__}"
+    )
     assert got.tolist() == [[5, 6, 7]], f"positions 5..7 as (1, 3), got {got.tolist()}"
 
 
@@ -56,12 +60,14 @@ def test_rope_positions_shift_each_row_by_its_padding(impl):
     pad = torch.tensor([0, 2, 3])
     got = impl.rope_positions(0, 4, pad)
     want = [[0, 1, 2, 3], [0, 0, 0, 1], [0, 0, 0, 0]]
-    assert got.tolist() == want, \
+    assert got.tolist() == want, (
         f"prefill of 4 with pads [0, 2, 3]: expected {want}, got {got.tolist()}"
+    )
     got = impl.rope_positions(4, 1, pad)
-    assert got.tolist() == [[4], [2], [1]], \
-        ("decoding at cache position 4: each row's own position is 4 - pad = [[4], [2], [1]], got "
-         f"{got.tolist()}")
+    assert got.tolist() == [[4], [2], [1]], (
+        "decoding at cache position 4: each row's own position is 4 - pad = [[4], [2], [1]], got "
+        f"{got.tolist()}"
+    )
 
 
 def reference_mask(pos, T, pad):
@@ -82,12 +88,15 @@ def test_attention_mask_is_causal_and_hides_padding(impl, pos, T):
     pad = [0, 2, 4]
     got = impl.attention_mask(pos, T, torch.tensor(pad), "cpu")
     want = reference_mask(pos, T, pad)
-    assert got is not None and got.shape == want.shape, \
-        (f"mask shape should be (B, 1, T, pos+T) = {tuple(want.shape)}, got "
-         f"{None if got is None else tuple(got.shape)}")
+    assert got is not None and got.shape == want.shape, (
+        f"mask shape should be (B, 1, T, pos+T) = {tuple(want.shape)}, got "
+        f"{None if got is None else tuple(got.shape)}"
+    )
     bad = (got.bool() != want).nonzero().tolist()
-    assert not bad, (f"pos={pos}, T={T}, pads {pad}: first wrong entry (row, _, query, key) = "
-                     f"{bad[0]}, should be {bool(want[tuple(bad[0])])}")
+    assert not bad, (
+        f"pos={pos}, T={T}, pads {pad}: first wrong entry (row, _, query, key) = "
+        f"{bad[0]}, should be {bool(want[tuple(bad[0])])}"
+    )
 
 
 def test_attention_mask_without_padding_is_causal(impl):
@@ -101,8 +110,14 @@ def test_attention_mask_without_padding_is_causal(impl):
 
 def requests(n: int, seed: int) -> list[Request]:
     rng = random.Random(seed)
-    return [Request([rng.randrange(97) for _ in range(rng.randint(1, 20))], rng.randint(1, 15),
-                    eos_id=rng.choice([None, 5])) for _ in range(n)]
+    return [
+        Request(
+            [rng.randrange(97) for _ in range(rng.randint(1, 20))],
+            rng.randint(1, 15),
+            eos_id=rng.choice([None, 5]),
+        )
+        for _ in range(n)
+    ]
 
 
 def test_your_padded_prefill_gives_each_prompt_its_own_logits(plug):
@@ -113,8 +128,9 @@ def test_your_padded_prefill_gives_each_prompt_its_own_logits(plug):
     logits, cache, pad = prefill_padded(TINY, prompts, max_len=6)
     for b in range(3):
         err = (logits[b] - alone[b]).abs().max().item()
-        assert err < 1e-9, \
+        assert err < 1e-9, (
             f"prompt {b} (pad {pad[b]}): last logits differ from the prompt alone by {err:.3g}"
+        )
 
 
 @pytest.mark.parametrize("batch_size", [2, 5])
@@ -130,8 +146,13 @@ def test_static_batches_with_your_padding_match_solo_generate(plug, batch_size):
         assert msg is None, msg
 
 
-SPEECHES = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
-            "Ham.\nTo be, or not to be"]
+SPEECHES = [
+    "Ham.\n",
+    "Oph.\nMy lord,",
+    "King.\n",
+    "Pol.\nWhat do you read, my lord?\n\nHam.\n",
+    "Ham.\nTo be, or not to be",
+]
 
 
 def test_bundled_model_padded_logits_and_tokens(plug, bundled64):
@@ -142,15 +163,17 @@ def test_bundled_model_padded_logits_and_tokens(plug, bundled64):
     alone = [model(torch.tensor([p]))[0][0, -1] for p in prompts]
     reqs = [Request(p, 40, eos_id=tok.eos_id) for p in prompts]
     expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, \
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, (
         "the prompts are chosen so that EOS fires"
+    )
     plug()
     with explained("prefill_padded with your functions"):
         logits, _, pad = prefill_padded(model, prompts, max_len=64)
     for b, text in enumerate(SPEECHES):
         err = (logits[b] - alone[b]).abs().max().item()
-        assert err < 1e-9, \
+        assert err < 1e-9, (
             f"{text!r} (pad {int(pad[b])}): last logits differ from the prompt alone by {err:.3g}"
+        )
     with explained("run_static with your functions"):
         results, _ = run_static(model, reqs, 5)
     for text, e, r in zip(SPEECHES, expected, results):

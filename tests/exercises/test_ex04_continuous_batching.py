@@ -26,14 +26,16 @@ TINY = make_tiny(seed=5)
 # ---- admit_waiting and leave_slot ---------------------------------------------------------
 def seqs(*context_lens: int) -> deque:
     """Waiting Sequences with prompts of these lengths, rids 0, 1, ... in arrival order."""
-    return deque(Sequence(i, Request([1] * n, 4), 0.0, Sampling(), None)
-                 for i, n in enumerate(context_lens))
+    return deque(
+        Sequence(i, Request([1] * n, 4), 0.0, Sampling(), None) for i, n in enumerate(context_lens)
+    )
 
 
 def slots(n_slots: int, busy=()) -> SlotKVCache:
     cfg = TINY.cfg
-    cache = SlotKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, 32, torch.float64,
-                        "cpu")
+    cache = SlotKVCache(
+        cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, 32, torch.float64, "cpu"
+    )
     for s in busy:
         cache.admit(s, 3)
     return cache
@@ -41,8 +43,9 @@ def slots(n_slots: int, busy=()) -> SlotKVCache:
 
 def admitted(impl, waiting, running, cache):
     got = impl.admit_waiting(waiting, running, cache)
-    assert isinstance(got, list), \
+    assert isinstance(got, list), (
         f"admit_waiting returns the admitted sequences as a list, got {got!r}"
+    )
     return got
 
 
@@ -52,18 +55,23 @@ def test_admission_fills_the_free_slots_first_come_first_served(impl):
     waiting, running, cache = seqs(4, 2, 6, 3), {}, slots(3, busy=[1])
     a, b, c, d = waiting
     got = admitted(impl, waiting, running, cache)
-    assert [s.rid for s in got] == [0, 1], \
-        ("2 free slots, 4 waiting: requests 0 and 1 enter (in arrival order), got rids "
-         f"{[s.rid for s in got]}")
-    assert {a.slot, b.slot} == {0, 2}, \
+    assert [s.rid for s in got] == [0, 1], (
+        "2 free slots, 4 waiting: requests 0 and 1 enter (in arrival order), got rids "
+        f"{[s.rid for s in got]}"
+    )
+    assert {a.slot, b.slot} == {0, 2}, (
         f"they take the free slots 0 and 2, got {a.slot} and {b.slot}"
-    assert running == {a.slot: a, b.slot: b}, \
-        (f"running maps each new slot to its sequence: expected {{{a.slot}: r0, {b.slot}: r1}}, "
-         f"got {running}")
-    assert list(waiting) == [c, d], \
+    )
+    assert running == {a.slot: a, b.slot: b}, (
+        f"running maps each new slot to its sequence: expected {{{a.slot}: r0, {b.slot}: r1}}, "
+        f"got {running}"
+    )
+    assert list(waiting) == [c, d], (
         f"the admitted leave the queue, the rest keep their order: {list(waiting)}"
-    assert cache.active == [True, True, True], \
+    )
+    assert cache.active == [True, True, True], (
         f"the cache admitted them into their slots: active {cache.active}"
+    )
     assert c.slot is None and d.slot is None, "a waiting sequence has no slot"
 
 
@@ -71,16 +79,20 @@ def test_the_first_that_does_not_fit_stops_admission(impl):
     """A pool of 4 blocks of 4: request 0 takes 2 blocks, request 1 would need 3, so it waits,
     and request 2 (1 block, it would fit) waits behind it: nobody overtakes."""
     cfg = TINY.cfg
-    cache = PagedKVCache(cfg.n_layers, 3, cfg.n_kv_heads, cfg.head_dim, 4, 4, 32, torch.float64,
-                         "cpu")
+    cache = PagedKVCache(
+        cfg.n_layers, 3, cfg.n_kv_heads, cfg.head_dim, 4, 4, 32, torch.float64, "cpu"
+    )
     waiting, running = seqs(5, 9, 2), {}
     got = admitted(impl, waiting, running, cache)
-    assert [s.rid for s in got] == [0], ("request 0 fits (2 blocks), request 1 does not (3 "
-                                         "blocks, 2 free) and request 2 waits behind it: admit "
-                                         f"[0], got rids {[s.rid for s in got]} (ask "
-                                         "cache.can_admit first)")
-    assert [s.rid for s in waiting] == [1, 2], \
+    assert [s.rid for s in got] == [0], (
+        "request 0 fits (2 blocks), request 1 does not (3 "
+        "blocks, 2 free) and request 2 waits behind it: admit "
+        f"[0], got rids {[s.rid for s in got]} (ask "
+        "cache.can_admit first)"
+    )
+    assert [s.rid for s in waiting] == [1, 2], (
         f"1 and 2 keep waiting, in order: {[s.rid for s in waiting]}"
+    )
 
 
 def test_admission_gives_the_cache_each_context(impl):
@@ -88,18 +100,31 @@ def test_admission_gives_the_cache_each_context(impl):
     holds; 1 block of 4 is free. Request 0 (9 tokens, 3 blocks with its next token) fits only
     if the cache sees its context: ask can_admit and admit with seq.context()."""
     cfg = TINY.cfg
-    cache = PagedKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 4, 4, 32, torch.float64,
-                         "cpu", prefix_cache=True, name_at_admission=True)
+    cache = PagedKVCache(
+        cfg.n_layers,
+        2,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        4,
+        4,
+        32,
+        torch.float64,
+        "cpu",
+        prefix_cache=True,
+        name_at_admission=True,
+    )
     shared = [5, 17, 3, 88, 40, 2, 61, 7]
-    cache.admit(0, 8, shared)                       # running, in 3 blocks: its 2 full ones named
+    cache.admit(0, 8, shared)  # running, in 3 blocks: its 2 full ones named
     waiting, running = deque([Sequence(0, Request(shared + [9], 4), 0.0, Sampling(), None)]), {}
     got = admitted(impl, waiting, running, cache)
-    assert [s.rid for s in got] == [0], \
-        (f"request 0 needs 1 fresh block once its 2 cached ones are shared, and 1 is free: it "
-         f"enters, got rids {[s.rid for s in got]} (pass seq.context() to can_admit and admit)")
-    assert cache.lens[1] == 8, \
-        (f"the cache starts slot 1 with the 8 cached tokens when admit is given the context: "
-         f"lens[1] is {cache.lens[1]}")
+    assert [s.rid for s in got] == [0], (
+        f"request 0 needs 1 fresh block once its 2 cached ones are shared, and 1 is free: it "
+        f"enters, got rids {[s.rid for s in got]} (pass seq.context() to can_admit and admit)"
+    )
+    assert cache.lens[1] == 8, (
+        f"the cache starts slot 1 with the 8 cached tokens when admit is given the context: "
+        f"lens[1] is {cache.lens[1]}"
+    )
 
 
 def test_admission_with_nothing_to_do(impl):
@@ -115,17 +140,20 @@ def test_admission_with_nothing_to_do(impl):
 def test_leave_slot_frees_the_slot_and_its_memory(impl):
     """A finished sequence's slot is free at once: the cache, running and the sequence agree."""
     cfg = TINY.cfg
-    cache = PagedKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 6, 4, 32, torch.float64,
-                         "cpu")
+    cache = PagedKVCache(
+        cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 6, 4, 32, torch.float64, "cpu"
+    )
     seq = Sequence(0, Request([1] * 9, 4), 0.0, Sampling(), None)
     cache.admit(1, 9)
     seq.slot, running = 1, {1: seq}
     impl.leave_slot(seq, running, cache)
-    assert cache.free_slots() == [0, 1], \
+    assert cache.free_slots() == [0, 1], (
         f"slot 1 is free again (cache.release), free slots {cache.free_slots()}"
-    assert cache.allocator.n_free() == 6, \
-        (f"its blocks go back to the pool: {cache.allocator.n_free()} of 6 free "
-         "(cache.release frees them)")
+    )
+    assert cache.allocator.n_free() == 6, (
+        f"its blocks go back to the pool: {cache.allocator.n_free()} of 6 free "
+        "(cache.release frees them)"
+    )
     assert running == {}, f"running forgets the sequence, holds {running}"
     assert seq.slot is None, f"the sequence no longer has a slot, seq.slot = {seq.slot}"
 
@@ -144,30 +172,37 @@ def check_ragged(impl, lens, q_lens):
     where = f"lens {lens}, q_lens {q_lens}"
     B, T, W = len(lens), max(q_lens), max(n + q for n, q in zip(lens, q_lens))
     got = impl.ragged_mask(lens, q_lens, "cpu")
-    assert isinstance(got, tuple) and len(got) == 2, \
+    assert isinstance(got, tuple) and len(got) == 2, (
         f"{where}: return (positions, mask), got {type(got)}"
+    )
     positions, mask = got
     want_pos, want_mask = reference_ragged(lens, q_lens)
-    assert tuple(positions.shape) == (B, T), \
-        (f"{where}: positions should be (B, T) = {(B, T)} (T = max(q_lens)), got "
-         f"{tuple(positions.shape)}")
-    assert tuple(mask.shape) == (B, 1, T, W), \
-        (f"{where}: the mask should be (B, 1, T, W) = {(B, 1, T, W)} (W = max(lens + q_lens) "
-         f"keys), got {tuple(mask.shape)}")
+    assert tuple(positions.shape) == (B, T), (
+        f"{where}: positions should be (B, T) = {(B, T)} (T = max(q_lens)), got "
+        f"{tuple(positions.shape)}"
+    )
+    assert tuple(mask.shape) == (B, 1, T, W), (
+        f"{where}: the mask should be (B, 1, T, W) = {(B, 1, T, W)} (W = max(lens + q_lens) "
+        f"keys), got {tuple(mask.shape)}"
+    )
     for b in range(B):
         for i in range(T):
-            what = ("a new token" if i < q_lens[b]
-                    else "padding, repeats the row's last new position")
-            assert int(positions[b, i]) == want_pos[b][i], \
-                (f"{where}: row {b}, column {i} ({what}): expected position {want_pos[b][i]}, "
-                 f"got {int(positions[b, i])}")
+            what = (
+                "a new token" if i < q_lens[b] else "padding, repeats the row's last new position"
+            )
+            assert int(positions[b, i]) == want_pos[b][i], (
+                f"{where}: row {b}, column {i} ({what}): expected position {want_pos[b][i]}, "
+                f"got {int(positions[b, i])}"
+            )
     for b in range(B):
         for i in range(T):
             for j in range(W):
                 e, g = want_mask[b][i][j], bool(mask[b, 0, i, j])
-                assert g == e, (f"{where}: row {b}, column {i} (position {want_pos[b][i]}), "
-                                f"key {j}: expected {e}, got {g} "
-                                "(a column sees keys 0..its own position)")
+                assert g == e, (
+                    f"{where}: row {b}, column {i} (position {want_pos[b][i]}), "
+                    f"key {j}: expected {e}, got {g} "
+                    "(a column sees keys 0..its own position)"
+                )
 
 
 def test_ragged_mask_of_decode_rows(impl):
@@ -188,10 +223,12 @@ def test_ragged_mask_of_a_mixed_ragged_batch(impl):
 def test_ragged_mask_types(impl):
     """Positions are integers (RoPE indexes with them); the mask is bool, True = attend."""
     positions, mask = impl.ragged_mask([0, 5, 2], [3, 1, 2], "cpu")
-    assert not positions.is_floating_point() and positions.dtype != torch.bool, \
+    assert not positions.is_floating_point() and positions.dtype != torch.bool, (
         f"positions must be an integer tensor, got {positions.dtype}"
-    assert mask.dtype == torch.bool, \
+    )
+    assert mask.dtype == torch.bool, (
         f"the mask must be a bool tensor (a float one is added to the scores), got {mask.dtype}"
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -208,37 +245,48 @@ def test_your_ragged_mask_gives_each_row_its_solo_logits(plug):
     cfg = TINY.cfg
     cache = SlotKVCache(cfg.n_layers, 3, cfg.n_kv_heads, cfg.head_dim, 32, torch.float64, "cpu")
     a, b = [5, 17, 3, 88, 40, 2], [61, 7, 7, 30]
-    alone = lambda seq: TINY(torch.tensor([seq]))[0][0]         # (len, V), no cache
+    alone = lambda seq: TINY(torch.tensor([seq]))[0][0]  # (len, V), no cache
     with torch.no_grad():
         cache.admit(2, len(a))
         cache.plan_step([2], [len(a)])
-        got = TINY(torch.tensor([a]), cache=cache)[0][0]        # a prefill from empty
+        got = TINY(torch.tensor([a]), cache=cache)[0][0]  # a prefill from empty
         err = (got - alone(a)).abs().max().item()
-        assert err < 1e-9, \
+        assert err < 1e-9, (
             f"slot 2's prefill of {len(a)} tokens: logits differ from no cache by {err:.3g}"
+        )
         cache.admit(0, len(b))
-        cache.plan_step([2, 0], [1, len(b)])                    # row 0: slot 2, row 1: slot 0
-        idx = torch.tensor([[9] + [0] * (len(b) - 1), b])       # row 0 is padded after its token
-        logits = TINY(idx, cache=cache)[0]                      # (2, len(b), V)
+        cache.plan_step([2, 0], [1, len(b)])  # row 0: slot 2, row 1: slot 0
+        idx = torch.tensor([[9] + [0] * (len(b) - 1), b])  # row 0 is padded after its token
+        logits = TINY(idx, cache=cache)[0]  # (2, len(b), V)
         for row, seq, cols in ((0, a + [9], 1), (1, b, len(b))):
             err = (logits[row, :cols] - alone(seq)[-cols:]).abs().max().item()
-            assert err < 1e-9, (f"mixed step, row {row} ({cols} new tokens): logits differ from "
-                                f"its sequence alone by {err:.3g}")
-        cache.plan_step([0, 2], [1, 1])                         # both decode
+            assert err < 1e-9, (
+                f"mixed step, row {row} ({cols} new tokens): logits differ from "
+                f"its sequence alone by {err:.3g}"
+            )
+        cache.plan_step([0, 2], [1, 1])  # both decode
         logits = TINY(torch.tensor([[11], [12]]), cache=cache)[0]
         for row, seq in ((0, b + [11]), (1, a + [9, 12])):
             err = (logits[row, 0] - alone(seq)[-1]).abs().max().item()
-            assert err < 1e-9, \
+            assert err < 1e-9, (
                 f"decode step, row {row}: logits differ from its sequence alone by {err:.3g}"
-    assert cache.lens == [len(b) + 1, 0, len(a) + 2], \
+            )
+    assert cache.lens == [len(b) + 1, 0, len(a) + 2], (
         f"slot lengths after three steps: {cache.lens}"
+    )
 
 
 # ---- the engine -----------------------------------------------------------------------------
 def requests(n: int, seed: int) -> list[Request]:
     rng = random.Random(seed)
-    return [Request([rng.randrange(97) for _ in range(rng.randint(1, 20))], rng.randint(1, 20),
-                    eos_id=rng.choice([None, 5, 9])) for _ in range(n)]
+    return [
+        Request(
+            [rng.randrange(97) for _ in range(rng.randint(1, 20))],
+            rng.randint(1, 20),
+            eos_id=rng.choice([None, 5, 9]),
+        )
+        for _ in range(n)
+    ]
 
 
 def solo(model, reqs):
@@ -263,8 +311,9 @@ def run_engine(eng, reqs, every: int = 0) -> list[int]:
             if eng.has_work():
                 eng.step()
             step += 1
-            assert step < 10_000, \
+            assert step < 10_000, (
                 "the engine never finishes: a request is never admitted, or never leaves"
+            )
     return rids
 
 
@@ -286,11 +335,13 @@ def test_your_admission_fills_the_free_slots_in_order(plug):
     rids = [eng.add_request(r) for r in reqs]
     with explained("the engine's first step with your admit_waiting"):
         eng.step()
-    assert sorted(eng.holders()) == [rids[0], rids[1]], \
-        ("2 free slots, 4 queued: requests 0 and 1 take the two slots, the slots hold "
-         f"{eng.holders()}")
-    assert eng.request_counts() == (2, 2), \
+    assert sorted(eng.holders()) == [rids[0], rids[1]], (
+        "2 free slots, 4 queued: requests 0 and 1 take the two slots, the slots hold "
+        f"{eng.holders()}"
+    )
+    assert eng.request_counts() == (2, 2), (
         f"2 waiting and 2 running after the first step, got {eng.request_counts()}"
+    )
     run_engine(eng, [])
     check_results(eng, rids, solo(TINY, reqs))
 
@@ -305,13 +356,15 @@ def test_an_aborted_request_frees_its_slot_at_once(plug):
         eng.step()
         freed = eng.holders().index(rids[0])
         eng.abort(rids[0])
-        assert eng.holders()[freed] is None and rids[1] in eng.holders(), \
-            (f"after aborting request 0, its slot {freed} is free at once: the slots hold "
-             f"{eng.holders()}")
+        assert eng.holders()[freed] is None and rids[1] in eng.holders(), (
+            f"after aborting request 0, its slot {freed} is free at once: the slots hold "
+            f"{eng.holders()}"
+        )
         eng.step()
-    assert eng.holders()[freed] == rids[2], \
-        (f"the next step admits request 2 into the freed slot {freed}: the slots hold "
-         f"{eng.holders()}")
+    assert eng.holders()[freed] == rids[2], (
+        f"the next step admits request 2 into the freed slot {freed}: the slots hold "
+        f"{eng.holders()}"
+    )
     run_engine(eng, [])
     check_results(eng, rids[1:], solo(TINY, reqs[1:]))
 
@@ -323,13 +376,15 @@ def test_continuous_batching_with_your_functions_matches_solo(plug, n_slots):
     reqs = requests(14, 0)
     with explained(f"run_continuous ({n_slots} slots) with your functions"):
         results, summary = run_continuous(TINY, reqs, n_slots)
-    assert len(results) == len(reqs), \
+    assert len(results) == len(reqs), (
         f"one Result per request: expected {len(reqs)}, got {len(results)}"
+    )
     for i, (e, r) in enumerate(zip(solo_tokens(14, 0), results)):
         msg = divergence(f"request {i} ({n_slots} slots)", e, r.tokens)
         assert msg is None, msg
-    assert summary["peak_active"] <= n_slots, \
+    assert summary["peak_active"] <= n_slots, (
         f"at most {n_slots} requests decode at once, {summary['peak_active']} did"
+    )
 
 
 def test_requests_arriving_while_others_decode(plug):
@@ -359,13 +414,19 @@ def test_bundled_model_with_your_functions(plug, bundled64):
     """The bundled model (float64), speeches arriving mid-run into 2 slots: solo tokens up to
     EOS, and every slot free at the end."""
     model, tok = bundled64
-    texts = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
-             "Ham.\nTo be, or not to be"]
+    texts = [
+        "Ham.\n",
+        "Oph.\nMy lord,",
+        "King.\n",
+        "Pol.\nWhat do you read, my lord?\n\nHam.\n",
+        "Ham.\nTo be, or not to be",
+    ]
     reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
-    plug()                          # solo generate calls no seam of this exercise
+    plug()  # solo generate calls no seam of this exercise
     eng = ContinuousEngine(model, 2)
     rids = run_engine(eng, reqs, every=1)
     expected = solo(model, reqs)
-    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, \
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, (
         "the prompts are chosen so that EOS fires"
+    )
     check_results(eng, rids, expected, where="")

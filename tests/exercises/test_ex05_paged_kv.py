@@ -24,14 +24,18 @@ def test_allocate_hands_out_free_blocks_and_marks_them(impl):
     """n blocks that were free leave the free list, marked allocated (any n of them will do)."""
     free, allocated = [3, 2, 1, 0], [False] * 4
     got = impl.allocate_blocks(free, allocated, 2)
-    assert isinstance(got, list) and len(got) == 2, \
+    assert isinstance(got, list) and len(got) == 2, (
         f"2 blocks asked: return a list of 2 block ids, got {got!r}"
-    assert len(set(got)) == 2 and set(got) <= {0, 1, 2, 3}, \
+    )
+    assert len(set(got)) == 2 and set(got) <= {0, 1, 2, 3}, (
         f"2 distinct blocks of the pool, got {got}"
-    assert sorted(free + got) == [0, 1, 2, 3], \
+    )
+    assert sorted(free + got) == [0, 1, 2, 3], (
         f"the blocks handed out leave the free list (free list now {free}, handed out {got})"
-    assert allocated == [b in got for b in range(4)], \
+    )
+    assert allocated == [b in got for b in range(4)], (
         f"exactly the blocks handed out are marked allocated: {allocated} for {got}"
+    )
 
 
 def test_allocate_more_than_is_free_changes_nothing(impl):
@@ -39,8 +43,9 @@ def test_allocate_more_than_is_free_changes_nothing(impl):
     free, allocated = [3, 2], [True, True, False, False]
     got = impl.allocate_blocks(free, allocated, 3)
     assert got is None, f"3 blocks asked, 2 free: return None, got {got!r}"
-    assert free == [3, 2] and allocated == [True, True, False, False], \
+    assert free == [3, 2] and allocated == [True, True, False, False], (
         f"and take nothing: free list {free}, flags {allocated}"
+    )
     got = impl.allocate_blocks(free, allocated, 0)
     assert got == [], f"no block asked: none given ([]), got {got!r}"
 
@@ -49,17 +54,24 @@ def test_free_gives_blocks_back(impl):
     """Freed blocks return to the free list with their flags cleared, ready to be handed out."""
     free, allocated = [3], [True, True, True, False]
     impl.free_blocks(free, allocated, [1, 0])
-    assert sorted(free) == [0, 1, 3], \
+    assert sorted(free) == [0, 1, 3], (
         f"0 and 1 are free again: the free list should hold 0, 1, 3, it holds {free}"
+    )
     assert allocated == [False, False, True, False], f"their flags are cleared: {allocated}"
     again = impl.allocate_blocks(free, allocated, 3)
-    assert again is not None and sorted(again) == [0, 1, 3], \
+    assert again is not None and sorted(again) == [0, 1, 3], (
         f"all three free blocks can be handed out again, allocate_blocks gave {again!r}"
+    )
 
 
-@pytest.mark.parametrize("blocks, bad, why", [
-    ([0], 0, "block 0 is free already"), ([2, 2], 2, "block 2 is given twice"),
-    ([2, 7], 7, "block 7 is not a block of this pool of 4 (0..3)")])
+@pytest.mark.parametrize(
+    "blocks, bad, why",
+    [
+        ([0], 0, "block 0 is free already"),
+        ([2, 2], 2, "block 2 is given twice"),
+        ([2, 7], 7, "block 7 is not a block of this pool of 4 (0..3)"),
+    ],
+)
 def test_double_free_is_refused_and_changes_nothing(impl, blocks, bad, why):
     """A free block, a block given twice or one outside the pool: ValueError naming it, and
     nothing changed (not even the blocks before it)."""
@@ -70,19 +82,24 @@ def test_double_free_is_refused_and_changes_nothing(impl, blocks, bad, why):
     except NotImplementedError:
         raise
     except ValueError as e:
-        assert str(bad) in str(e), \
+        assert str(bad) in str(e), (
             f"{call}: {why}; the ValueError must name block {bad}, it says {str(e)!r}"
+        )
     except Exception as e:
-        raise AssertionError(f"{call} raised {type(e).__name__}: {e}; {why}: raise ValueError "
-                             f"naming block {bad}") from None
+        raise AssertionError(
+            f"{call} raised {type(e).__name__}: {e}; {why}: raise ValueError naming block {bad}"
+        ) from None
     else:
-        raise AssertionError(f"{call} did not raise: {why}. A double free would later hand one "
-                             f"block to two sequences: raise ValueError naming block {bad}, before "
-                             f"changing anything (the free list is now {free}, the flags "
-                             f"{allocated})")
-    assert free == [1, 0] and allocated == [False, False, True, True], \
-        (f"{call} must fail before changing anything: the free list is now {free}, the flags "
-         f"{allocated} (check every block first, then give them back)")
+        raise AssertionError(
+            f"{call} did not raise: {why}. A double free would later hand one "
+            f"block to two sequences: raise ValueError naming block {bad}, before "
+            f"changing anything (the free list is now {free}, the flags "
+            f"{allocated})"
+        )
+    assert free == [1, 0] and allocated == [False, False, True, True], (
+        f"{call} must fail before changing anything: the free list is now {free}, the flags "
+        f"{allocated} (check every block first, then give them back)"
+    )
 
 
 # ---- grow_table ------------------------------------------------------------------------------
@@ -101,20 +118,24 @@ class Pool:
         return list(range(self.next - n, self.next))
 
 
-@pytest.mark.parametrize("have, n_tokens, want", [(0, 1, 1), (0, 4, 1), (0, 5, 2), (0, 9, 3),
-                                                  (2, 8, 0), (2, 9, 1), (1, 13, 3)])
+@pytest.mark.parametrize(
+    "have, n_tokens, want",
+    [(0, 1, 1), (0, 4, 1), (0, 5, 2), (0, 9, 3), (2, 8, 0), (2, 9, 1), (1, 13, 3)],
+)
 def test_grow_table_takes_exactly_the_missing_blocks(impl, have, n_tokens, want):
     """Blocks of 4 positions: a table of `have` blocks grows to hold n_tokens, no more."""
     table, pool = list(range(have)), Pool(10)
     ok = impl.grow_table(table, n_tokens, 4, pool.allocate)
     need = -(-n_tokens // 4)
     assert ok is True, f"the pool has room: return True, got {ok!r}"
-    assert len(table) == have + want, \
-        (f"blocks of 4, a table of {have} blocks, {n_tokens} tokens to hold: it needs "
-         f"ceil({n_tokens}/4) = {need} blocks, so {want} more; it has {len(table)}")
+    assert len(table) == have + want, (
+        f"blocks of 4, a table of {have} blocks, {n_tokens} tokens to hold: it needs "
+        f"ceil({n_tokens}/4) = {need} blocks, so {want} more; it has {len(table)}"
+    )
     assert table[:have] == list(range(have)), "the blocks it had stay first, in order"
-    assert sum(pool.asked) == want, \
+    assert sum(pool.asked) == want, (
         f"take exactly the {want} missing blocks, allocate was asked for {pool.asked}"
+    )
 
 
 def test_grow_table_with_a_dry_pool_changes_nothing(impl):
@@ -132,16 +153,18 @@ def test_slot_mapping_follows_the_block_table(impl):
     tables = torch.tensor([[5, 2], [7, 0]])
     positions = torch.tensor([[0, 3, 4, 7], [1, 5, 0, 2]])
     got = impl.slot_mapping(tables, positions, 4)
-    assert isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 4), \
+    assert isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 4), (
         f"slot_mapping returns a (B, W) = (2, 4) tensor, got {got!r}"
+    )
     want = torch.tensor([[20, 23, 8, 11], [29, 1, 28, 30]])
     for b in range(2):
         for i in range(4):
             p, blk = int(positions[b, i]), int(tables[b, int(positions[b, i]) // 4])
-            assert int(got[b, i]) == int(want[b, i]), \
-                (f"blocks of 4, row {b} with table {tables[b].tolist()}: position {p} is in the "
-                 f"table's block {p // 4}, pool block {blk}, which holds pool rows {blk * 4}.."
-                 f"{blk * 4 + 3}; expected row {int(want[b, i])}, got {int(got[b, i])}")
+            assert int(got[b, i]) == int(want[b, i]), (
+                f"blocks of 4, row {b} with table {tables[b].tolist()}: position {p} is in the "
+                f"table's block {p // 4}, pool block {blk}, which holds pool rows {blk * 4}.."
+                f"{blk * 4 + 3}; expected row {int(want[b, i])}, got {int(got[b, i])}"
+            )
 
 
 # ---- reserve_or_preempt --------------------------------------------------------------------
@@ -192,14 +215,18 @@ def test_the_youngest_gives_way_and_waits_in_arrival_order(impl):
     early, late = (Sequence(r, Request([1], 4), 0.0, Sampling(), None) for r in (1, 9))
     waiting = deque([early, late])
     got = impl.reserve_or_preempt(running, waiting, cache)
-    assert [s.rid for s in got] == [7], \
+    assert [s.rid for s in got] == [7], (
         f"the youngest running request (rid 7) is preempted, got {[s.rid for s in got]}"
-    assert sorted(running) == [0, 1], \
+    )
+    assert sorted(running) == [0, 1], (
         f"slots 0 and 1 keep running, running holds slots {sorted(running)}"
-    assert got[0].slot is None and cache.active[2] is False, \
+    )
+    assert got[0].slot is None and cache.active[2] is False, (
         "the preempted request leaves its slot (leave_slot)"
-    assert [s.rid for s in waiting] == [1, 7, 9], \
+    )
+    assert [s.rid for s in waiting] == [1, 7, 9], (
         f"the queue stays in arrival order: rids [1, 7, 9], got {[s.rid for s in waiting]}"
+    )
     assert cache.held[:2] == [1, 1], f"rids 2 and 4 have their next token reserved: {cache.held}"
 
 
@@ -208,20 +235,28 @@ def test_preemption_goes_on_until_the_oldest_has_room(impl):
     youngest first, until the memory they free gives it room."""
     cache = Budget(3, free=0)
     running = running_on(cache, {0: 4, 1: 2, 2: 7})
-    cache.held = [1, 0, 0]                      # rid 4 holds one token; rid 7 holds none
+    cache.held = [1, 0, 0]  # rid 4 holds one token; rid 7 holds none
     got = impl.reserve_or_preempt(running, deque(), cache)
-    assert [s.rid for s in got] == [7, 4], \
-        (f"the oldest (rid 2) needs a token and none is free: preempt rid 7 (frees nothing), "
-         f"then rid 4 (frees 1): got {[s.rid for s in got]}")
-    assert list(running) == [1], \
+    assert [s.rid for s in got] == [7, 4], (
+        f"the oldest (rid 2) needs a token and none is free: preempt rid 7 (frees nothing), "
+        f"then rid 4 (frees 1): got {[s.rid for s in got]}"
+    )
+    assert list(running) == [1], (
         f"only the oldest keeps running, running holds slots {list(running)}"
+    )
 
 
 # ---- the paged engine ----------------------------------------------------------------------
 def requests(n: int, seed: int) -> list[Request]:
     rng = random.Random(seed)
-    return [Request([rng.randrange(97) for _ in range(rng.randint(1, 20))], rng.randint(1, 30),
-                    eos_id=rng.choice([None, 5])) for _ in range(n)]
+    return [
+        Request(
+            [rng.randrange(97) for _ in range(rng.randint(1, 20))],
+            rng.randint(1, 30),
+            eos_id=rng.choice([None, 5]),
+        )
+        for _ in range(n)
+    ]
 
 
 def test_paged_engine_with_your_functions_matches_solo(plug):
@@ -233,28 +268,40 @@ def test_paged_engine_with_your_functions_matches_solo(plug):
     for block_size, n_blocks in ((4, 14), (1, 52), (8, 7)):
         where = f"blocks of {block_size}, {n_blocks} of them"
         with explained(f"the paged engine with your functions ({where})"):
-            results, summary = run_continuous(TINY, reqs, 4, kv="paged", block_size=block_size,
-                                              kv_blocks=n_blocks)
-        expected = expected or [generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id)
-                                for r in reqs]
+            results, summary = run_continuous(
+                TINY, reqs, 4, kv="paged", block_size=block_size, kv_blocks=n_blocks
+            )
+        expected = expected or [
+            generate(TINY, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs
+        ]
         for i, (e, r) in enumerate(zip(expected, results)):
             msg = divergence(f"request {i} ({where})", e, r.tokens)
             assert msg is None, msg
-        assert summary["preemptions"] > 0, \
+        assert summary["preemptions"] > 0, (
             f"{where}: the pool is small enough that someone is preempted"
-        assert summary["kv_allocated_at_end"] == 0, \
-            (f"{where}: every block is freed at the end, {summary['kv_allocated_at_end']} "
-             "positions are still allocated")
+        )
+        assert summary["kv_allocated_at_end"] == 0, (
+            f"{where}: every block is freed at the end, {summary['kv_allocated_at_end']} "
+            "positions are still allocated"
+        )
 
 
 def test_bundled_model_under_memory_pressure(plug, bundled64):
     """The bundled model (float64), 8 speeches through 4 slots and a pool of 15 blocks of 4:
     preemptions, EOS, every request's solo tokens, and no block left behind."""
     model, tok = bundled64
-    texts = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Pol.\nWhat do you read, my lord?\n\nHam.\n",
-             "Ham.\nTo be, or not to be", "Queen.\n", "Hor.\n", "Laer.\n"]
+    texts = [
+        "Ham.\n",
+        "Oph.\nMy lord,",
+        "King.\n",
+        "Pol.\nWhat do you read, my lord?\n\nHam.\n",
+        "Ham.\nTo be, or not to be",
+        "Queen.\n",
+        "Hor.\n",
+        "Laer.\n",
+    ]
     reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
-    plug()                          # solo generate calls no seam of this exercise
+    plug()  # solo generate calls no seam of this exercise
     eng = ContinuousEngine(model, 4, kv="paged", block_size=4, kv_blocks=15)
     with explained("the paged engine with your functions"):
         rids = [eng.add_request(r) for r in reqs]
@@ -262,17 +309,21 @@ def test_bundled_model_under_memory_pressure(plug, bundled64):
             if not eng.has_work():
                 break
             eng.step()
-    assert not eng.has_work(), \
+    assert not eng.has_work(), (
         "the engine never finished: a request is never admitted, or never leaves"
+    )
     expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]
-    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, \
+    assert sum(e[-1] == tok.eos_id for e in expected) >= 3, (
         "the prompts are chosen so that EOS fires"
+    )
     for i, (e, rid) in enumerate(zip(expected, rids)):
-        assert rid in eng.results, \
+        assert rid in eng.results, (
             f"request {i} ({texts[i]!r}) never finished: was it preempted and never re-queued?"
+        )
         msg = divergence(f"request {i} ({texts[i]!r})", e, eng.results[rid].tokens)
         assert msg is None, msg
-    assert eng.stats.preemptions > 0, \
+    assert eng.stats.preemptions > 0, (
         "a pool of 15 blocks is small enough that someone is preempted"
+    )
     msg = leaks(eng)
     assert msg is None, msg

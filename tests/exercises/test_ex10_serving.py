@@ -24,38 +24,88 @@ EXERCISE = "ex10_serving"
 
 
 # ---- next_piece ----------------------------------------------------------------------------
-@pytest.mark.parametrize("text, sent, stops, final, expected, why", [
-    ("Good morrow", 0, [], False, ("Good morrow", False), "all of it is settled"),
-    ("Good morrow", 5, [], False, ("morrow", False), "only what was not sent yet"),
-    ("caf" + REPLACEMENT, 0, [], False, ("caf", False), "an unfinished character waits"),
-    ("caf" + REPLACEMENT * 2, 0, [], False, ("caf", False), "every unfinished byte waits"),
-    ("café", 3, [], False, ("é", False), "and comes once its bytes have all come"),
-    ("a" + REPLACEMENT + "b", 0, [], False, ("a" + REPLACEMENT + "b", False),
-     "a replacement character that is not at the end is settled (its bytes were not UTF-8)"),
-    ("Good\n", 0, ["\n\n"], False, ("Good", False), "the start of a stop string waits"),
-    ("Good\nNay", 4, ["\n\n"], False, ("\nNay", False), "and comes when it was not one"),
-    ("Good\n\nNay", 0, ["\n\n"], False, ("Good", True), "a stop string ends the answer before it"),
-    ("Good\n\n", 4, ["\n\n"], False, ("", True), "nothing of the stop string is sent"),
-    ("ab END cd STOP", 0, ["STOP", "END"], False, ("ab ", True), "the earliest stop string"),
-    ("ab STOP cd END", 0, ["END", "STOP"], False, ("ab ", True),
-     "the earliest stop string in the text, whatever the order of the list"),
-    ("I say no", 0, ["no more"], False, ("I say ", False),
-     "the longest start of a stop string waits"),
-    ("ab", 0, ["bc", "ac"], False, ("a", False),
-     "only the end of the text that begins a stop string waits: 'b' may begin 'bc', but 'a' is "
-     "not the end of the text"),
-    ("xyz", 0, ["yzq", "zq"], False, ("x", False),
-     "the longest end that begins any one stop string waits, not the sum of them"),
-    ("Good\n", 0, ["\n\n"], True, ("Good\n", False), "at the end nothing waits"),
-    ("caf" + REPLACEMENT, 0, [], True, ("caf" + REPLACEMENT, False), "at the end nothing waits"),
-])
+@pytest.mark.parametrize(
+    "text, sent, stops, final, expected, why",
+    [
+        ("Good morrow", 0, [], False, ("Good morrow", False), "all of it is settled"),
+        ("Good morrow", 5, [], False, ("morrow", False), "only what was not sent yet"),
+        ("caf" + REPLACEMENT, 0, [], False, ("caf", False), "an unfinished character waits"),
+        ("caf" + REPLACEMENT * 2, 0, [], False, ("caf", False), "every unfinished byte waits"),
+        ("café", 3, [], False, ("é", False), "and comes once its bytes have all come"),
+        (
+            "a" + REPLACEMENT + "b",
+            0,
+            [],
+            False,
+            ("a" + REPLACEMENT + "b", False),
+            "a replacement character that is not at the end is settled (its bytes were not UTF-8)",
+        ),
+        ("Good\n", 0, ["\n\n"], False, ("Good", False), "the start of a stop string waits"),
+        ("Good\nNay", 4, ["\n\n"], False, ("\nNay", False), "and comes when it was not one"),
+        (
+            "Good\n\nNay",
+            0,
+            ["\n\n"],
+            False,
+            ("Good", True),
+            "a stop string ends the answer before it",
+        ),
+        ("Good\n\n", 4, ["\n\n"], False, ("", True), "nothing of the stop string is sent"),
+        ("ab END cd STOP", 0, ["STOP", "END"], False, ("ab ", True), "the earliest stop string"),
+        (
+            "ab STOP cd END",
+            0,
+            ["END", "STOP"],
+            False,
+            ("ab ", True),
+            "the earliest stop string in the text, whatever the order of the list",
+        ),
+        (
+            "I say no",
+            0,
+            ["no more"],
+            False,
+            ("I say ", False),
+            "the longest start of a stop string waits",
+        ),
+        (
+            "ab",
+            0,
+            ["bc", "ac"],
+            False,
+            ("a", False),
+            "only the end of the text that begins a stop string waits: 'b' may begin 'bc', "
+            "but 'a' is not the end of the text",
+        ),
+        (
+            "xyz",
+            0,
+            ["yzq", "zq"],
+            False,
+            ("x", False),
+            "the longest end that begins any one stop string waits, not the sum of them",
+        ),
+        ("Good\n", 0, ["\n\n"], True, ("Good\n", False), "at the end nothing waits"),
+        (
+            "caf" + REPLACEMENT,
+            0,
+            [],
+            True,
+            ("caf" + REPLACEMENT, False),
+            "at the end nothing waits",
+        ),
+    ],
+)
 def test_next_piece(impl, text, sent, stops, final, expected, why):
     given = list(stops)
     got = impl.next_piece(text, sent, given, final)
-    assert isinstance(got, tuple) and len(got) == 2, \
+    assert isinstance(got, tuple) and len(got) == 2, (
         f"next_piece returns (new text, stopped), got {got!r}"
-    assert tuple(got) == expected, (f"next_piece({text!r}, sent={sent}, stops={stops}, "
-                                    f"final={final}): {why}: expected {expected}, got {got}")
+    )
+    assert tuple(got) == expected, (
+        f"next_piece({text!r}, sent={sent}, stops={stops}, "
+        f"final={final}): {why}: expected {expected}, got {got}"
+    )
     assert given == stops, f"next_piece changed the caller's stop strings: {stops} -> {given}"
 
 
@@ -93,12 +143,14 @@ def test_a_random_stream_adds_up_to_its_text(impl, plug):
                 break
         pieces.append(ts.finish())
         found = [text.find(s) for s in stops if s in text]
-        expected = text[:min(found)] if found else text
-        assert "".join(pieces) == expected, \
-            f"trial {trial}: text {text!r}, stops {stops}: pieces {pieces} add up to " \
+        expected = text[: min(found)] if found else text
+        assert "".join(pieces) == expected, (
+            f"trial {trial}: text {text!r}, stops {stops}: pieces {pieces} add up to "
             f"{''.join(pieces)!r}, expected {expected!r}"
-        assert all(REPLACEMENT not in p for p in pieces[:-1]), \
+        )
+        assert all(REPLACEMENT not in p for p in pieces[:-1]), (
             f"trial {trial}: a split character {pieces}"
+        )
 
 
 # ---- dispatch --------------------------------------------------------------------------------
@@ -113,34 +165,43 @@ def test_dispatch_hands_each_token_to_its_request(impl):
     a, b, c = Ticket(None, 4), Ticket(None, 7), Ticket(None, 8)
     tickets = {4: a, 7: b, 8: c}
     tokens = [(4, 11, None), (7, 12, "stop"), (9, 13, None), (4, 14, None)]
-    with explained("dispatch(tickets {4, 7, 8}, tokens for 4, 7 and 9, the request of key 9 "
-                   "aborted)"):
+    with explained(
+        "dispatch(tickets {4, 7, 8}, tokens for 4, 7 and 9, the request of key 9 aborted)"
+    ):
         impl.dispatch(tickets, tokens, [])
-    assert queued(a) == [Event(4, 11, False, None), Event(4, 14, False, None)], \
+    assert queued(a) == [Event(4, 11, False, None), Event(4, 14, False, None)], (
         "request 4's queue gets its two tokens, in order, as Events that are not done"
-    assert queued(b) == [Event(7, 12, True, "stop")], \
+    )
+    assert queued(b) == [Event(7, 12, True, "stop")], (
         "request 7's last token is an Event that is done, with its finish_reason"
+    )
     assert queued(c) == [], "request 8 made no token this step: its queue gets nothing"
-    assert tickets == {4: a, 8: c}, \
-        ("a finished request leaves tickets, the others stay: expected keys [4, 8], got "
-         f"{sorted(tickets)}")
+    assert tickets == {4: a, 8: c}, (
+        "a finished request leaves tickets, the others stay: expected keys [4, 8], got "
+        f"{sorted(tickets)}"
+    )
 
 
 def test_dispatch_refuses_with_a_400_and_forgets_the_request(impl):
     a, b = Ticket(None, 1), Ticket(None, 2)
     tickets = {1: a, 2: b}
     with explained("dispatch with a refused request"):
-        impl.dispatch(tickets, [(2, 5, "length")],
-                      [(1, "prompt of 90 tokens never fits"), (3, "gone")])
+        impl.dispatch(
+            tickets, [(2, 5, "length")], [(1, "prompt of 90 tokens never fits"), (3, "gone")]
+        )
     got = queued(a)
-    assert len(got) == 1 and isinstance(got[0], APIError), \
+    assert len(got) == 1 and isinstance(got[0], APIError), (
         f"a refused request's queue gets one APIError, got {got}"
-    assert (got[0].status, got[0].message, got[0].param) == \
-        (400, "prompt of 90 tokens never fits", "prompt"), \
-        "APIError(400, the engine's message, 'prompt'): the client learns why"
+    )
+    assert (got[0].status, got[0].message, got[0].param) == (
+        400,
+        "prompt of 90 tokens never fits",
+        "prompt",
+    ), "APIError(400, the engine's message, 'prompt'): the client learns why"
     got = queued(b)
-    assert got == [Event(2, 5, True, "length")], \
+    assert got == [Event(2, 5, True, "length")], (
         f"request 2's last token (finish_reason 'length') is an Event that is done, got {got}"
+    )
     assert tickets == {}, f"both requests are over: tickets should be empty, got {sorted(tickets)}"
 
 
@@ -155,6 +216,7 @@ def events_of(impl, pieces, kind, include_usage, n_prompt=5) -> list[str]:
 
     async def run():
         return [e async for e in impl.sse_events(gen(), kind, dict(HEAD), n_prompt, include_usage)]
+
     with explained(f"sse_events of {len(pieces)} {kind} pieces"):
         return asyncio.run(run())
 
@@ -165,10 +227,11 @@ def parsed(events: list[str]) -> list:
     for i, e in enumerate(events):
         assert isinstance(e, str), f"event {i} is a {type(e).__name__}: each event is a str"
         assert e.startswith("data: "), f"event {i} {e!r} must start with 'data: '"
-        assert e.endswith("\n\n") and "\n\n" not in e[:-2], \
-            (f"event {i} {e!r} must end with one blank line ('\\n\\n'): "
-             "a client reads an event up to it")
-        body = e[len("data: "):-2]
+        assert e.endswith("\n\n") and "\n\n" not in e[:-2], (
+            f"event {i} {e!r} must end with one blank line ('\\n\\n'): "
+            "a client reads an event up to it"
+        )
+        body = e[len("data: ") : -2]
         if body == "[DONE]":
             out.append(body)
             continue
@@ -184,29 +247,43 @@ def choice(**kw) -> dict:
 
 
 def test_sse_events_of_a_completion(impl):
-    got = parsed(events_of(impl, [("Good", None, 1), (" morrow", "length", 2)], "completions",
-                           False))
-    expected = [{**HEAD, "choices": [choice(text="Good", finish_reason=None)]},
-                {**HEAD, "choices": [choice(text=" morrow", finish_reason="length")]}, "[DONE]"]
-    assert got == expected, \
+    got = parsed(
+        events_of(impl, [("Good", None, 1), (" morrow", "length", 2)], "completions", False)
+    )
+    expected = [
+        {**HEAD, "choices": [choice(text="Good", finish_reason=None)]},
+        {**HEAD, "choices": [choice(text=" morrow", finish_reason="length")]},
+        "[DONE]",
+    ]
+    assert got == expected, (
         f"the events of two pieces, then [DONE]:\nexpected {expected}\ngot      {got}"
+    )
 
 
 def test_sse_events_of_a_chat_with_usage(impl):
     got = parsed(events_of(impl, [("Nay", None, 2), ("", "stop", 3)], "chat", True, n_prompt=9))
-    expected = [{**HEAD, "choices": [choice(delta={"role": "assistant", "content": ""},
-                                            finish_reason=None)]},
-                {**HEAD, "choices": [choice(delta={"content": "Nay"}, finish_reason=None)]},
-                {**HEAD, "choices": [choice(delta={}, finish_reason="stop")]},
-                {**HEAD, "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3,
-                                                  "total_tokens": 12}},
-                "[DONE]"]
+    expected = [
+        {
+            **HEAD,
+            "choices": [choice(delta={"role": "assistant", "content": ""}, finish_reason=None)],
+        },
+        {**HEAD, "choices": [choice(delta={"content": "Nay"}, finish_reason=None)]},
+        {**HEAD, "choices": [choice(delta={}, finish_reason="stop")]},
+        {
+            **HEAD,
+            "choices": [],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12},
+        },
+        "[DONE]",
+    ]
     for i, (e, g) in enumerate(zip(expected, got)):
         assert g == e, f"chat event {i}: expected {e}, got {g}"
-    assert len(got) == len(expected), \
+    assert len(got) == len(expected), (
         f"a chat stream with usage is 5 events (role, 2 pieces, usage, [DONE]), got {len(got)}"
-    assert got[3]["usage"]["completion_tokens"] == 3, \
+    )
+    assert got[3]["usage"]["completion_tokens"] == 3, (
         "completion_tokens counts the answer's tokens (the last piece's n_out), not its pieces"
+    )
 
 
 # ---- percentile ------------------------------------------------------------------------------
@@ -216,21 +293,25 @@ def test_percentile_matches_numpy(impl):
         xs = [rng.random() for _ in range(n)]
         for p in [0, 50, 90, 99, 100]:
             got = impl.percentile(list(xs), p)
-            assert got == pytest.approx(float(np.percentile(xs, p))), \
-                (f"percentile of {n} values at p={p}: expected {np.percentile(xs, p):.6f}, got "
-                 f"{got!r}")
+            assert got == pytest.approx(float(np.percentile(xs, p))), (
+                f"percentile of {n} values at p={p}: expected {np.percentile(xs, p):.6f}, got "
+                f"{got!r}"
+            )
     try:
         empty = impl.percentile([], 50)
     except NotImplementedError:
         raise
     except Exception as e:
-        raise AssertionError(f"percentile([], 50) raised {type(e).__name__}: {e}; with no values "
-                             f"it returns 0.0 (a run in which no request finished)") from None
+        raise AssertionError(
+            f"percentile([], 50) raised {type(e).__name__}: {e}; with no values "
+            f"it returns 0.0 (a run in which no request finished)"
+        ) from None
     assert empty == 0.0, f"no values: 0.0, got {empty!r}"
     xs = [3.0, 1.0, 2.0]
     impl.percentile(xs, 50)
-    assert xs == [3.0, 1.0, 2.0], \
+    assert xs == [3.0, 1.0, 2.0], (
         f"percentile must not reorder the caller's list: [3.0, 1.0, 2.0] became {xs}"
+    )
 
 
 def test_loadgen_figures_use_your_percentile(impl, plug):
@@ -238,9 +319,9 @@ def test_loadgen_figures_use_your_percentile(impl, plug):
     recs = [loadgen.Record(0.0, [0.1 * (i + 1), 0.1 * (i + 1) + 0.05], 2) for i in range(10)]
     with explained("summarize with your percentile"):
         out = loadgen.summarize(recs, duration=2.0)
-    assert (out["ttft_p50_ms"] == pytest.approx(550.0)
-            and out["ttft_p90_ms"] == pytest.approx(910.0)), \
-        f"TTFTs 100..1000 ms: p50 550, p90 910, got {out['ttft_p50_ms']}, {out['ttft_p90_ms']}"
+    assert out["ttft_p50_ms"] == pytest.approx(550.0) and out["ttft_p90_ms"] == pytest.approx(
+        910.0
+    ), f"TTFTs 100..1000 ms: p50 550, p90 910, got {out['ttft_p50_ms']}, {out['ttft_p90_ms']}"
 
 
 # ---- the server with your functions ------------------------------------------------------------
@@ -249,6 +330,7 @@ def running(bundled64):
     """A paged engine of 4 slots and 24 blocks of 4 positions: busy enough to preempt, and a
     request of more than 96 positions is one the engine refuses."""
     from tinyllm.continuous import ContinuousEngine
+
     model, tok = bundled64
     srv = Running(ContinuousEngine(model, 4, kv="paged", block_size=4, kv_blocks=24), tok)
     yield srv
@@ -279,8 +361,12 @@ class SplitCharacters:
 def stream_text(running, prompt, n, **kw) -> tuple[str, str]:
     cl = running.client()
     with explained(f"the server with your functions (prompt {prompt!r}, {kw})"):
-        chunks = [c.choices[0] for c in cl.completions.create(
-            model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True, **kw)]
+        chunks = [
+            c.choices[0]
+            for c in cl.completions.create(
+                model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True, **kw
+            )
+        ]
     return "".join(c.text for c in chunks), chunks[-1].finish_reason
 
 
@@ -291,15 +377,17 @@ def test_streamed_answers_with_stop_strings_equal_solo(impl, plug, running):
     tried = 0
     for i, prompt in enumerate(PROMPTS):
         full = solo_text(running, prompt, 40)
-        if len(full) < 16:                              # an answer too short to cut
+        if len(full) < 16:  # an answer too short to cut
             continue
         tried += 1
-        early = full[len(full) // 4:len(full) // 4 + 2 + i % 2]
-        late = full[len(full) // 2:len(full) // 2 + 3]
-        expected = full[:min(full.index(early), full.index(late))]
+        early = full[len(full) // 4 : len(full) // 4 + 2 + i % 2]
+        late = full[len(full) // 2 : len(full) // 2 + 3]
+        expected = full[: min(full.index(early), full.index(late))]
         text, reason = stream_text(running, prompt, 40, stop=[late, early])
-        assert text == expected, (f"prompt {prompt!r}, stop strings {[late, early]}: streamed "
-                                  f"{text!r}, expected {expected!r} (cut before the earliest)")
+        assert text == expected, (
+            f"prompt {prompt!r}, stop strings {[late, early]}: streamed "
+            f"{text!r}, expected {expected!r} (cut before the earliest)"
+        )
         assert reason == "stop", f"a stop string ends it with finish_reason 'stop', got {reason!r}"
         text, _ = stream_text(running, prompt, 40)
         assert text == full, f"prompt {prompt!r} without a stop string: {text!r}, expected {full!r}"
@@ -319,13 +407,16 @@ def test_split_characters_and_the_final_flush(impl, plug, running, monkeypatch):
         full = dec(toks)
         text, reason = stream_text(running, prompt, 30)
         assert text == full, f"prompt {prompt!r}: streamed {text!r}, expected {full!r}"
-        tail = full[-2:] + "\x00never"                  # its start ends the answer
+        tail = full[-2:] + "\x00never"  # its start ends the answer
         text, reason = stream_text(running, prompt, 30, stop=[tail])
-        assert text == full, (f"prompt {prompt!r}, stop {tail!r}, which never comes: streamed "
-                              f"{text!r}, expected all of {full!r}: once the answer is over, "
-                              f"what waited is sent")
-        assert reason == ("stop" if toks[-1] == tok.eos_id else "length"), \
+        assert text == full, (
+            f"prompt {prompt!r}, stop {tail!r}, which never comes: streamed "
+            f"{text!r}, expected all of {full!r}: once the answer is over, "
+            f"what waited is sent"
+        )
+        assert reason == ("stop" if toks[-1] == tok.eos_id else "length"), (
             f"prompt {prompt!r}: finish_reason {reason!r}, the engine's"
+        )
     assert running.wait_idle() == (0, 0)
 
 
@@ -338,26 +429,40 @@ def test_concurrent_streams_an_abort_and_a_refusal(impl, plug, running):
     async def one(cl, i):
         prompt, n = PROMPTS[i % len(PROMPTS)], 6 + (7 * i) % 25
         if i == 5:
-            return await cl.completions.create(model=NAME, prompt=prompt, max_tokens=120,
-                                               temperature=0)
+            return await cl.completions.create(
+                model=NAME, prompt=prompt, max_tokens=120, temperature=0
+            )
         if i % 3 == 1:
             stream = await cl.chat.completions.create(
-                model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=n,
-                temperature=0, stream=True, stream_options={"include_usage": True})
+                model=NAME,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=n,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             chunks = [c async for c in stream]
-            assert chunks[0].choices[0].delta.role == "assistant", \
+            assert chunks[0].choices[0].delta.role == "assistant", (
                 "a chat stream opens with the role"
-            assert chunks[-1].usage is not None and not chunks[-1].choices, \
+            )
+            assert chunks[-1].usage is not None and not chunks[-1].choices, (
                 "the usage comes last, alone"
+            )
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             return text, chunks[-1].usage.completion_tokens
-        stream = await cl.completions.create(model=NAME, prompt=prompt, max_tokens=n,
-                                             temperature=0, stream=True)
+        stream = await cl.completions.create(
+            model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream]), None
 
     async def goes_away():
-        body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0,
-                "stream": True}
+        body = {
+            "model": NAME,
+            "prompt": PROMPTS[0],
+            "max_tokens": 60,
+            "temperature": 0,
+            "stream": True,
+        }
         async with httpx.AsyncClient(timeout=60) as http:
             async with http.stream("POST", running.url + "/completions", json=body) as resp:
                 async for n, _ in aenumerate(resp.aiter_lines()):
@@ -366,14 +471,16 @@ def test_concurrent_streams_an_abort_and_a_refusal(impl, plug, running):
 
     async def all_of_them():
         cl = openai.AsyncOpenAI(base_url=running.url, api_key="none", max_retries=0, timeout=120)
-        return await asyncio.gather(*(one(cl, i) for i in range(12)), goes_away(),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            *(one(cl, i) for i in range(12)), goes_away(), return_exceptions=True
+        )
 
     out = asyncio.run(all_of_them())
     refused = out[5]
-    assert isinstance(refused, openai.BadRequestError), \
-        (f"a request of {PROMPTS[5]!r} and 120 new tokens never fits 96 positions: a 400, got "
-         f"{refused!r}")
+    assert isinstance(refused, openai.BadRequestError), (
+        f"a request of {PROMPTS[5]!r} and 120 new tokens never fits 96 positions: a 400, got "
+        f"{refused!r}"
+    )
     assert refused.body["param"] == "prompt", refused.body
     model, tok = running.engine.model, running.tok
     for i, got in enumerate(out[:12]):
@@ -384,12 +491,14 @@ def test_concurrent_streams_an_abort_and_a_refusal(impl, plug, running):
         text, n_usage = got
         prompt, n = PROMPTS[i % len(PROMPTS)], 6 + (7 * i) % 25
         if i % 3 == 1:
-            prompt = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}]).removeprefix("<|endoftext|>")
+            prompt = tok.apply_chat_template([{"role": "user", "content": prompt}]).removeprefix(
+                "<|endoftext|>"
+            )
         toks = generate(model, tok.encode(prompt), n, eos_id=tok.eos_id)
         assert text == tok.decode(toks), f"stream {i}: {text!r}, expected {tok.decode(toks)!r}"
-        assert n_usage in (None, len(toks)), \
+        assert n_usage in (None, len(toks)), (
             f"stream {i}: usage says {n_usage} completion tokens, the answer has {len(toks)}"
+        )
     assert not isinstance(out[12], Exception), f"the client that went away: {out[12]!r}"
     assert running.wait_idle() == (0, 0), "the request of a client that went away still runs"
 
