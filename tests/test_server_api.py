@@ -493,21 +493,23 @@ def test_tokenizing_runs_off_the_event_loop(running, monkeypatch):
             model=NAME, prompt=PROMPTS[2], max_tokens=5, temperature=0
         )
     assert r.choices[0].text == solo_text(running, PROMPTS[2], 5)
-    assert len(watch.latencies) >= 5 and max(watch.latencies) < 0.5, watch.latencies
+    # a liveness bound, not a speed claim: on the event loop the 1.5 s would stall every answer
+    assert len(watch.latencies) >= 5 and max(watch.latencies) < 1.0, watch.latencies
 
 
 def test_health_answers_while_a_long_prompt_is_counted(running):
-    """/tokenize counts a prompt of any size: the real tokenizer takes a second or two on 1 MB,
-    in a thread, and lets go of Python's lock meanwhile, so /health answers at once."""
-    text = "To be, or not " * 75_000
+    """/tokenize counts a prompt of any size: the real tokenizer takes seconds on 2 MB, in a
+    thread, and lets go of Python's lock meanwhile, so /health answers at once."""
+    text = "To be, or not " * 150_000
     with HealthWatch(running) as watch:
         r = post(running, "/tokenize", {"prompt": text})
     assert r.status_code == 200 and r.json()["count"] == len(running.tok.encode(text))
     print(
-        f"/health while 1 MB is tokenized: {len(watch.latencies)} answers, slowest "
+        f"/health while 2 MB is tokenized: {len(watch.latencies)} answers, slowest "
         f"{max(watch.latencies) * 1000:.0f} ms"
     )
-    assert len(watch.latencies) >= 5 and max(watch.latencies) < 0.5, watch.latencies
+    # a liveness bound: holding Python's lock, the tokenizer stalled /health for over 2 s here
+    assert len(watch.latencies) >= 5 and max(watch.latencies) < 1.0, watch.latencies
 
 
 def test_a_lone_surrogate_gets_a_400_naming_the_field(running):
