@@ -256,7 +256,8 @@ class PagedKVCache(SlotCache):
         need, shared = self._need(n_tokens, context)
         if need > self.n_free():
             raise ValueError(f"a context of {n_tokens} tokens needs {need} blocks, "
-                             f"{self.n_free()} are free")
+                             f"{self.n_free()} are free: admit only what can_admit, asked "
+                             f"with the same context, accepts")
         super().admit(slot, n_tokens, context)
         if shared:                                      # out of the eviction order, then fresh
             self.prefix.share(shared)
