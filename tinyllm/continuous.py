@@ -35,8 +35,6 @@ from tinyllm.scheduler import Scheduler
 from tinyllm.slot_cache import SlotCache, SlotKVCache
 from tinyllm.stats import Stats, Trace, kv_bytes_per_token, sync_device
 
-DECODERS = {"graphs": SlotGraphDecoder, "compiled": CompiledDecoder}     # the bucketed ones (06)
-
 
 def make_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks: int | None,
                device) -> SlotCache:

@@ -662,7 +662,7 @@ async def collected(http, pieces, kind: str, head: dict, n_prompt: int):
     text, reason, n_out = await failing_plainly(task)
     choice = (
         {"text": text}
-        if kind == "completions"
+        if kind == COMPLETIONS
         else {"message": {"role": "assistant", "content": text}}
     )
     return {
