@@ -12,11 +12,12 @@ Three seams of the reference package:
   token, in the same kind of step.
 
 A request inside the engine is a `tinyllm.requests.Sequence`: `seq.rid` (its arrival number),
-`seq.slot` (None while it waits), `seq.context()` (its prompt and the tokens it has made) and
-`seq.context_len()` (their number).
+`seq.slot` (None while it waits), `seq.context()` (its prompt and the tokens it has made),
+`seq.context_len()` (their number) and `seq.prefix_key()` (what a prefix cache may serve it by:
+its context, or None).
 The cache (`tinyllm.slot_cache.SlotCache`) answers `free_slots()` and `can_admit([n_tokens],
-[context])`, and takes `admit(slot, n_tokens, context)` and `release(slot)`; given the context
-(`seq.context()`), a prefix cache (08) counts and gives only what it does not hold already.
+[key])`, and takes `admit(slot, n_tokens, key)` and `release(slot)`; given the context as the
+key (`seq.prefix_key()`), a prefix cache (08) counts and gives only what it does not hold already.
 
 Check your work with `make check EX=04` (or `check_exercise("04")` in notebook 04). The tests
 plug your functions into the engine and compare every request's tokens with solo generate().
@@ -36,10 +37,11 @@ def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Seque
     in the order they entered.
 
     A sequence enters when there is a free slot and the cache has room for its whole context
-    (seq.context(), seq.context_len() tokens: its prompt, and after a preemption the tokens it
-    had made, which it computes again), less what a prefix cache (08) holds of it already: ask
-    cache.can_admit([n], [context]) and admit with cache.admit(slot, n, context), passing the
-    context both times. The first that cannot enter stops admission: nobody overtakes it.
+    (seq.context_len() tokens: its prompt, and after a preemption the tokens it had made,
+    which it computes again), less what a prefix cache (08) holds of it already: ask
+    cache.can_admit([n], [key]) and admit with cache.admit(slot, n, key), passing
+    key = seq.prefix_key() both times (its context, seq.context(); None where a prefix cache
+    must not serve it). The first that cannot enter stops admission: nobody overtakes it.
     Afterwards each admitted sequence has left `waiting`, holds a slot (seq.slot, and
     running[seq.slot] is seq), and the cache has admitted it there, with memory for its
     context. Any free slot will do.
@@ -51,10 +53,11 @@ def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Seque
     for slot in cache.free_slots():
         if not waiting:
             break
-        seq, context = waiting[0], waiting[0].context()
-        if not cache.can_admit([len(context)], [context]):
+        seq = waiting[0]
+        n, key = seq.context_len(), seq.prefix_key()
+        if not cache.can_admit([n], [key]):
             break
-        cache.admit(slot, len(context), context)
+        cache.admit(slot, n, key)
         waiting.popleft()
         seq.slot, running[slot] = slot, seq
         admitted.append(seq)

@@ -22,7 +22,7 @@ import time
 import torch
 from torch import Tensor
 
-from tinyllm import chunked_prefill
+from tinyllm import chunked_prefill, token_stage
 from tinyllm.compiled import CompiledDecoder
 from tinyllm.config import EngineConfig
 from tinyllm.cuda_graph import SlotGraphDecoder
@@ -30,7 +30,7 @@ from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer, gpu_dtype
 from tinyllm.paged_kv import PagedKVCache
 from tinyllm.requests import Event, Request, Result, Sequence, check_request
-from tinyllm.sampling import check_generator, sample_rows
+from tinyllm.sampling import check_generator
 from tinyllm.scheduler import Scheduler
 from tinyllm.slot_cache import SlotCache, SlotKVCache
 from tinyllm.stats import Stats, Trace, kv_bytes_per_token, sync_device
@@ -120,10 +120,12 @@ class ModelRunner:
         self.stats.forward_s += time.perf_counter() - t0
         return logits[:, -1]                                            # (B, V)
 
-    def prefill(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[int], Tensor | None]:
+    def prefill(self, chunks: list[tuple[Sequence, int]]
+                ) -> tuple[list[int], Tensor | None, Tensor]:
         """Each sequence's next chunk of its context (next_chunk) in one ragged batch. Returns
-        the indices of the chunks that end their contexts, and their last logits (E, V): only
-        those give a token to sample (None when no chunk ends its context)."""
+        the indices of the chunks that end their contexts, their last logits (E, V): only
+        those give a token to sample (None when no chunk ends its context), and every
+        position's logits (B, T, V), for the prompts' logprobs."""
         planned = [chunked_prefill.next_chunk(s, n) for s, n in chunks]
         for (seq, n), (toks, _) in zip(chunks, planned):
             if len(toks) != n:
@@ -138,9 +140,37 @@ class ModelRunner:
             logits, _ = self.model(idx, cache=self.cache)               # (B, T, V)
         ends = [i for i, (_, done) in enumerate(planned) if done]
         if not ends:
-            return [], None
+            return [], None, logits
         return ends, logits[torch.tensor(ends, device=self.device),
-                            torch.tensor([q_lens[i] - 1 for i in ends], device=self.device)]
+                            torch.tensor([q_lens[i] - 1 for i in ends], device=self.device)], \
+            logits
+
+
+def collect_prompt_logprobs(chunks: list[tuple[Sequence, int]], logits: Tensor) -> None:
+    """The prompt logprobs a step's chunks give, appended to each sequence that asks for them:
+    logits (B, T, V) of the chunks, each computed from seq.num_computed_tokens on. Position p
+    predicts prompt token p + 1; the positions already collected (a prompt computed again
+    after a preemption) are skipped."""
+    for b, (seq, n) in enumerate(chunks):
+        got, prompt = seq.prompt_logprobs, seq.request.prompt
+        if got is None or len(got) == len(prompt):
+            continue
+        start = seq.num_computed_tokens
+        lo, hi = max(start, len(got) - 1), min(start + n, len(prompt) - 1)
+        if lo < hi:
+            got += token_stage.token_logprobs(logits[b, lo - start:hi - start],
+                                              prompt[lo + 1:hi + 1], seq.sampling.prompt_logprobs)
+
+
+def record_trace(trace: Trace, cache: SlotCache, holders: list[int | None],
+                 decodes: list[Sequence], chunks: list[tuple[Sequence, int]]) -> None:
+    """A step in the trace: who holds each slot, the cache's use, the tokens each slot computes."""
+    computed = [0] * cache.n_slots
+    for seq, n in [(s, 1) for s in decodes] + chunks:
+        computed[seq.slot] = n
+    n_reserved = cache.reserved_tokens()
+    trace.record(holders, cache.used_tokens() / n_reserved, cache.allocated_tokens() / n_reserved,
+                 computed)
 
 
 class ContinuousEngine:
@@ -183,19 +213,21 @@ class ContinuousEngine:
     def add_request(self, req: Request) -> int:
         """Queue a request; returns its id. Raises at once (and changes nothing) if it is
         malformed or can never fit the cache."""
-        req = check_request(req, self.model.cfg.vocab_size, self.max_len)
+        req = check_request(req, self.model.cfg.vocab_size, self.max_len, self.sampling)
         n = len(req.prompt) + req.max_new_tokens
         if (why := self.cache.never_fits(n)) is not None:
             raise ValueError(f"prompt of {len(req.prompt)} tokens + {req.max_new_tokens} "
                              f"new tokens {why}")
-        sampling = req.sampling or self.sampling
-        seq = Sequence(self._next_id, req, self.now(), sampling, sampling.generator(self.device))
-        self._next_id += 1
-        self._seqs[seq.rid] = seq
-        self.scheduler.add(seq)
+        now, first = self.now(), None
+        for s in req.sampling.choices():                # n > 1: rids rid, rid + 1, ...
+            seq = Sequence(self._next_id, req, now, s, s.generator(self.device))
+            self._next_id += 1
+            self._seqs[seq.rid] = seq
+            self.scheduler.add(seq, first if self.config.prefix_cache else None)
+            first = first or seq
         if self._start is None:
-            self._start = seq.arrival
-        return seq.rid
+            self._start = now
+        return first.rid
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -230,24 +262,17 @@ class ContinuousEngine:
         self.stats.preemptions += len(self.scheduler.reserve())
         decodes, chunks = self.scheduler.plan(self.config.max_step_tokens)
         if self.trace is not None:
-            self._record_trace(decodes, chunks)
+            record_trace(self.trace, self.cache, self.holders(), decodes, chunks)
         events = self._decode(decodes) if decodes else []
         if chunks:
-            ends, logits = self.runner.prefill(chunks)
+            ends, logits, every = self.runner.prefill(chunks)
+            collect_prompt_logprobs(chunks, every)
             self._computed([s for s, _ in chunks], [n for _, n in chunks])
             if ends:
                 events += self._retire([chunks[i][0] for i in ends], logits)
         self.stats.wall_s = self.now() - self._start
         self.stats.kv_allocated_at_end = self.cache.allocated_tokens()
         return events
-
-    def _record_trace(self, decodes: list[Sequence], chunks: list[tuple[Sequence, int]]) -> None:
-        cache, computed = self.cache, [0] * self.config.n_slots
-        for seq, n in [(s, 1) for s in decodes] + chunks:
-            computed[seq.slot] = n
-        n_reserved = cache.reserved_tokens()
-        self.trace.record(self.holders(), cache.used_tokens() / n_reserved,
-                          cache.allocated_tokens() / n_reserved, computed)
 
     # ---- 3) decode: one token for every sequence that has one left ---------------------------
     def _decode(self, seqs: list[Sequence]) -> list[Event]:
@@ -274,16 +299,19 @@ class ContinuousEngine:
             seq.num_computed_tokens += k
             if self.config.prefix_cache and filled:
                 self.cache.cache_blocks(seq.slot, seq.context())
+            if seq.num_computed_tokens >= len(seq.request.prompt):
+                self.scheduler.release(seq)             # its other choices share its blocks
 
     # ---- 4) retire: sample, record, free the slots of the finished -------------------------
     def _retire(self, seqs: list[Sequence], logits: Tensor) -> list[Event]:
         """Sample each row's next token from logits (B, V) and record it; a finished request
         leaves its slot at once."""
-        nxt = sample_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
-                          self.generator)                               # (B, 1)
+        tokens, logprobs = token_stage.select(logits, [s.history() for s in seqs],
+                                              [s.generator for s in seqs], self.generator)
         now, events = self.now(), []
-        for seq, tok in zip(seqs, nxt.squeeze(-1).tolist()):
-            done = seq.append(tok, now)
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
+            prompt = seq.prompt_logprobs if not seq.tokens else None
+            done = seq.append(tok, now, lp)
             reason = None
             if done:
                 self.results[seq.rid] = result = seq.result(now)
@@ -291,7 +319,7 @@ class ContinuousEngine:
                 self.stats.record_finished(seq)
                 self.scheduler.finish(seq)
                 del self._seqs[seq.rid]
-            events.append(Event(seq.rid, tok, done, reason))
+            events.append(Event(seq.rid, tok, done, reason, lp, prompt))
         return events
 
 

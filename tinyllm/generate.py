@@ -3,8 +3,11 @@
 `generate()` runs one prompt with a `KVCache`: prefill the prompt once, then decode one token
 at a time. It is deliberately simple, and it is the oracle of the whole course: every batched,
 paged or graphed path must give each request exactly the tokens `generate()` gives it.
-`generate_uncached()` recomputes the whole sequence for every token; step 01 measures the
-difference, and the tests check both give the same tokens.
+`solo()` is the same loop for a whole `Request`, with any sampling settings (penalties, logit
+bias, min-p, logprobs, prompt logprobs: the token stage, token_stage.py), and returns its
+`Result`; `generate()` is solo() for the plain settings. `generate_uncached()` recomputes the
+whole sequence for every token; step 01 measures the difference, and the tests check both give
+the same tokens.
 """
 
 from collections.abc import Callable
@@ -13,10 +16,20 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from tinyllm import kv_cache
+from tinyllm import kv_cache, token_stage
+from tinyllm.logits_processors import History
 from tinyllm.model import Transformer, gpu_dtype
-from tinyllm.requests import check_eos, check_prompt, eos_ids
-from tinyllm.sampling import check_generator, check_sampling, sample_next
+from tinyllm.requests import (
+    Request,
+    Result,
+    TokenLogprobs,
+    check_eos,
+    check_prompt,
+    check_request,
+    eos_ids,
+    finish_reason,
+)
+from tinyllm.sampling import Sampling, check_generator, check_sampling, sample_next
 
 
 def autocast_for(device: torch.device):
@@ -69,11 +82,49 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int,
              generator: torch.Generator | None = None) -> list[int]:
     """Solo generation, the oracle: the new tokens for one prompt, ending at max_new_tokens or
     at its EOS (eos_id: one id, several, or None), which is kept as the last token."""
+    prompt = check_prompt(prompt, max_new_tokens, model.cfg.vocab_size, model.cfg.max_seq_len)
+    check_eos(eos_id, model.cfg.vocab_size)
+    check_generator(generator)
+    sampling = Sampling(temperature, top_k, top_p)
+    return solo(model, Request(prompt, max_new_tokens, eos_id, sampling), generator).tokens
+
+
+def prompt_logprobs(model: Transformer, idx: Tensor, k: int) -> list[TokenLogprobs | None]:
+    """Each prompt token's logprobs (None for the first) from one uncached pass over idx (1, T)."""
+    logits, _ = model(idx)                                                   # (1, T, V)
+    return [None] + token_stage.token_logprobs(logits[0, :-1], idx[0, 1:].tolist(), k)
+
+
+@torch.no_grad()
+def solo(model: Transformer, request: Request, generator: torch.Generator | None = None
+         ) -> Result:
+    """Solo generation of a Request with any settings, the oracle of the token stage: its
+    tokens, their logprobs and its prompt's when its sampling asks for them (a Result whose
+    times are 0). A seeded sampling draws from its own generator, an unseeded one from
+    `generator`. One choice: for n > 1, run each of sampling.choices()."""
     model.eval()
-    idx, eos, pick = _prepare(model, prompt, max_new_tokens, eos_id, temperature, top_k, top_p,
-                              generator)
-    with autocast_for(idx.device):
-        return decode_loop(model, idx, max_new_tokens, eos, pick)
+    req = check_request(request, model.cfg.vocab_size, model.cfg.max_seq_len)
+    check_generator(generator)
+    s = req.sampling
+    if s.n != 1:
+        raise ValueError(f"solo runs one choice, got n={s.n}: run each of sampling.choices()")
+    device = next(model.parameters()).device
+    idx = torch.tensor([req.prompt], dtype=torch.long, device=device)         # (1, T)
+    history, own = History(s, req.prompt, [], req.eos_id), s.generator(device)
+    logprobs: list[TokenLogprobs] = []
+
+    def pick(logits: Tensor) -> Tensor:                                      # (1, V) -> (1, 1)
+        (token,), (lp,) = token_stage.select(logits, [history], [own], generator)
+        history.output.append(token)
+        logprobs.append(lp)
+        return torch.tensor([[token]], device=device)
+
+    with autocast_for(device):
+        tokens = decode_loop(model, idx, req.max_new_tokens, eos_ids(req.eos_id), pick)
+        prompt = None if s.prompt_logprobs is None else \
+            prompt_logprobs(model, idx, s.prompt_logprobs)
+    return Result(tokens, 0.0, 0.0, [], finish_reason(req, tokens),
+                  logprobs if s.logprobs is not None else None, prompt)
 
 
 @torch.no_grad()

@@ -2,7 +2,8 @@
 
 A `Request` is what a client asks for (a prompt, how many tokens at most, where to stop, how to
 sample); a `Result` is what it gets back, with its time to first token and its latency; an
-`Event` is one generated token as it is made (a server streams these). Inside the continuous
+`Event` is one generated token as it is made (a server streams these), with its
+`TokenLogprobs` when the request asks for them. Inside the continuous
 engine a request lives as one `Sequence`, which holds everything the engine knows of it.
 The checks here run before a request touches any engine state.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tinyllm.logits_processors import History
 from tinyllm.sampling import Sampling
 
 
@@ -26,26 +28,44 @@ class Request:
     sampling: Sampling | None = None
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's log-probability under the model (the log-softmax of its raw logits, before
+    any processor or temperature: vLLM's default) and the top alternatives at its position,
+    likeliest first: (id, logprob) pairs, as many as the request's logprobs (or
+    prompt_logprobs) asks."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class Result:
     """A finished request: its tokens, the time to its first token and to its last (from its
     arrival), itl_s, the gaps between its consecutive tokens (len(tokens) - 1 of them), and
-    why it ended: "stop" (its EOS) or "length" (max_new_tokens), as the OpenAI API says."""
+    why it ended: "stop" (its EOS) or "length" (max_new_tokens), as the OpenAI API says.
+    logprobs: one TokenLogprobs per token when its sampling asks for them; prompt_logprobs: one
+    per prompt token (None for the first, which nothing predicts) when asked."""
     tokens: list[int]
     ttft_s: float
     latency_s: float
     itl_s: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
 class Event:
     """One generated token, as step() reports it (a server streams these); the last of a
-    request is done, with its finish_reason ("stop" or "length")."""
+    request is done, with its finish_reason ("stop" or "length"). logprobs: the token's, when
+    asked; prompt_logprobs: the prompt's, on a request's first event, when asked."""
     rid: int
     token: int
     done: bool
     finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def eos_ids(eos_id) -> frozenset[int]:
@@ -122,18 +142,44 @@ def check_eos(eos_id, vocab_size: int) -> None:
                          f"(a list), or None, got {eos_id!r}")
 
 
-def check_request(req: Request, vocab_size: int, max_len: int) -> Request:
-    """A checked copy of req, its prompt a new list of ints. Raises naming what is wrong."""
+def check_token_stage(sampling: Sampling, vocab_size: int) -> None:
+    """The ids a sampling names (logit_bias, stop_token_ids) are in the vocabulary, and it asks
+    for no more alternatives than the vocabulary has."""
+    for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
+                      ("stop_token_ids", sampling.stop_token_ids)):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+    for name in ("logprobs", "prompt_logprobs"):
+        if (getattr(sampling, name) or 0) > vocab_size:
+            raise ValueError(f"{name} asks for {getattr(sampling, name)} alternatives; the "
+                             f"vocabulary has {vocab_size}")
+
+
+def stop_ids(eos_id, sampling: Sampling):
+    """The ids that end a request: its eos_id unless its sampling ignores EOS, and its
+    stop_token_ids; one id stays an int, several are a tuple in order, none is None."""
+    ids = [] if eos_id is None or sampling.ignore_eos else \
+        [int(eos_id)] if isinstance(eos_id, numbers.Integral) else [int(t) for t in eos_id]
+    ids = list(dict.fromkeys(ids + list(sampling.stop_token_ids)))
+    return None if not ids else ids[0] if len(ids) == 1 else tuple(ids)
+
+
+def check_request(req: Request, vocab_size: int, max_len: int,
+                  default: Sampling | None = None) -> Request:
+    """A checked copy of req, its prompt a new list of ints, its sampling the given one or
+    default (an engine's) or Sampling(), its eos_id the ids that end it (stop_ids: EOS unless
+    ignored, and the stop_token_ids). Raises naming what is wrong."""
     if not isinstance(req, Request):
         raise TypeError(f"expected a Request, got {type(req).__name__}")
     if req.sampling is not None and not isinstance(req.sampling, Sampling):
         raise TypeError(f"sampling must be a Sampling, got {type(req.sampling).__name__}")
     prompt = check_prompt(req.prompt, req.max_new_tokens, vocab_size, max_len)
     check_eos(req.eos_id, vocab_size)
-    eos = req.eos_id
-    if eos is not None:             # one id stays an int; several become a tuple, in order
-        eos = int(eos) if isinstance(eos, numbers.Integral) else tuple(dict.fromkeys(map(int, eos)))
-    return Request(prompt, req.max_new_tokens, eos, req.sampling)
+    sampling = req.sampling or default or Sampling()
+    check_token_stage(sampling, vocab_size)
+    return Request(prompt, req.max_new_tokens, stop_ids(req.eos_id, sampling), sampling)
 
 
 class Sequence:
@@ -159,22 +205,41 @@ class Sequence:
         self.num_computed_tokens = 0                    # context tokens its slot holds
         self.num_prefilled_tokens = 0                   # context tokens it had to compute
         self.num_cached_tokens = 0                      # context tokens a prefix cache served (08)
+        self.logprobs: list[TokenLogprobs] = []         # its tokens' when asked (kept if preempted)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = \
+            None if sampling.prompt_logprobs is None else [None]    # its prompt's, in order
 
     def context(self) -> list[int]:
         """The tokens to prefill: the prompt, and after a preemption the tokens made so far."""
         return self.request.prompt + self.tokens
 
+    def prefix_key(self) -> list[int] | None:
+        """What a prefix cache (08) may serve this sequence by: its context, or None while it
+        still needs its prompt's logprobs (a cached block has no logits to give them; vLLM
+        skips the prefix cache for such a request too). Its own blocks are cached all the same."""
+        got = self.prompt_logprobs
+        if got is not None and len(got) < len(self.request.prompt):
+            return None
+        return self.context()
+
     def context_len(self) -> int:
         return len(self.request.prompt) + len(self.tokens)
+
+    def history(self) -> History:
+        """What the token stage's processors read of it (its own lists, not copies)."""
+        return History(self.sampling, self.request.prompt, self.tokens, self.request.eos_id)
 
     def left(self) -> int:
         """Tokens of the context still to compute before the next token can be sampled: 1
         while it decodes, more while its context is prefilled."""
         return self.context_len() - self.num_computed_tokens
 
-    def append(self, token: int, now: float) -> bool:
-        """Record a new token made at engine time now; True when the request is done."""
+    def append(self, token: int, now: float, logprobs: TokenLogprobs | None = None) -> bool:
+        """Record a new token made at engine time now (and its logprobs, when asked); True
+        when the request is done."""
         self.tokens.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
         if self.ttft is None:
             self.ttft = now
         else:
@@ -183,8 +248,10 @@ class Sequence:
         return is_done(self.request, self.tokens)
 
     def result(self, now: float) -> Result:
+        asked = self.sampling.logprobs is not None
         return Result(self.tokens, self.ttft - self.arrival, now - self.arrival, self.itl,
-                      finish_reason(self.request, self.tokens))
+                      finish_reason(self.request, self.tokens), self.logprobs if asked else None,
+                      self.prompt_logprobs)
 
     def __repr__(self) -> str:
         return (f"Sequence(rid={self.rid}, slot={self.slot}, tokens={len(self.tokens)}, "

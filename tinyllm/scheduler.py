@@ -29,10 +29,11 @@ def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Seque
     in the order they entered.
 
     A sequence enters when there is a free slot and the cache has room for its whole context
-    (seq.context(), seq.context_len() tokens: its prompt, and after a preemption the tokens it
-    had made, which it computes again), less what a prefix cache (08) holds of it already: ask
-    cache.can_admit([n], [context]) and admit with cache.admit(slot, n, context), passing the
-    context both times. The first that cannot enter stops admission: nobody overtakes it.
+    (seq.context_len() tokens: its prompt, and after a preemption the tokens it had made,
+    which it computes again), less what a prefix cache (08) holds of it already: ask
+    cache.can_admit([n], [key]) and admit with cache.admit(slot, n, key), passing
+    key = seq.prefix_key() both times (its context, seq.context(); None where a prefix cache
+    must not serve it). The first that cannot enter stops admission: nobody overtakes it.
     Afterwards each admitted sequence has left `waiting`, holds a slot (seq.slot, and
     running[seq.slot] is seq), and the cache has admitted it there, with memory for its
     context. Any free slot will do.
@@ -44,10 +45,11 @@ def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Seque
     for slot in cache.free_slots():
         if not waiting:
             break
-        seq, context = waiting[0], waiting[0].context()
-        if not cache.can_admit([len(context)], [context]):
+        seq = waiting[0]
+        n, key = seq.context_len(), seq.prefix_key()
+        if not cache.can_admit([n], [key]):
             break
-        cache.admit(slot, len(context), context)
+        cache.admit(slot, n, key)
         waiting.popleft()
         seq.slot, running[slot] = slot, seq
         admitted.append(seq)
@@ -127,12 +129,28 @@ class Scheduler:
         self.cache = cache
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}          # slot -> the sequence it holds
+        self.held: dict[int, list[Sequence]] = {}       # a first choice's rid -> the others (n > 1)
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, after: Sequence | None = None) -> None:
+        """Queue seq in arrival order (by rid). With `after` (the first choice of seq's
+        request), hold it until after's prompt is computed (release): a prefix cache then
+        serves seq the prompt's blocks, so the prompt is computed once for all n choices."""
+        if after is not None:
+            self.held.setdefault(after.rid, []).append(seq)
+        elif not self.waiting or self.waiting[-1].rid < seq.rid:
+            self.waiting.append(seq)
+        else:
+            queue = sorted([*self.waiting, seq], key=lambda s: s.rid)
+            self.waiting.clear()
+            self.waiting.extend(queue)
+
+    def release(self, first: Sequence) -> None:
+        """The choices held for first (its prompt is computed, or it left) queue now."""
+        for seq in self.held.pop(first.rid, []):
+            self.add(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
 
     def in_slot_order(self) -> list[Sequence]:
         """The running sequences by slot: the rows of a decode step."""
@@ -192,8 +210,14 @@ class Scheduler:
 
     # ---- 4) retire --------------------------------------------------------------------------
     def finish(self, seq: Sequence) -> None:
-        """seq is done, or aborted: its slot and memory are free at once."""
+        """seq is done, or aborted: its slot and memory are free at once, and the choices held
+        for it queue."""
         if seq.slot is not None:
             leave_slot(seq, self.running, self.cache)
-        else:
+        elif any(w is seq for w in self.waiting):
             self.waiting.remove(seq)
+        else:                                           # a choice still held
+            for held in self.held.values():
+                if seq in held:
+                    held.remove(seq)
+        self.release(seq)

@@ -10,8 +10,9 @@ import time
 
 import torch
 
-from tinyllm import padded
+from tinyllm import padded, token_stage
 from tinyllm.generate import autocast_for
+from tinyllm.logits_processors import History
 from tinyllm.model import Transformer
 from tinyllm.requests import (
     Request,
@@ -21,7 +22,7 @@ from tinyllm.requests import (
     finish_reason,
     is_done,
 )
-from tinyllm.sampling import Sampling, check_generator, sample_rows
+from tinyllm.sampling import Sampling, check_generator
 from tinyllm.stats import ForwardTimer, Stats, Trace, kv_bytes_per_token
 
 
@@ -56,12 +57,13 @@ def run_batch(model: Transformer, batch: list[Request], pick, clock) -> list[Res
         logits = logits[:, -1]                                          # (B, V)
 
 
-def finished(result: Result, req: Request, picked: list[float]) -> Result:
-    """result with its inter-token gaps (its k-th token came with the batch's k-th pick) and
-    its finish reason."""
-    times = picked[:len(result.tokens)]
+def finished(result: Result, req: Request, picked: list[float], logprobs: list) -> Result:
+    """result with its inter-token gaps (its k-th token came with the batch's k-th pick), its
+    finish reason, and its tokens' logprobs when its sampling asks for them."""
+    times, n = picked[:len(result.tokens)], len(result.tokens)
     return Result(result.tokens, result.ttft_s, result.latency_s,
-                  [b - a for a, b in zip(times, times[1:])], finish_reason(req, result.tokens))
+                  [b - a for a, b in zip(times, times[1:])], finish_reason(req, result.tokens),
+                  logprobs[:n] if req.sampling.logprobs is not None else None)
 
 
 def account_batch(stats: Stats, batch: list[Request], results: list[Result],
@@ -81,37 +83,47 @@ def account_batch(stats: Stats, batch: list[Request], results: list[Result],
             trace.record([ids[j] if held[j] > step else None for j in range(B)], used)
 
 
-def sampled_batch(model: Transformer, batch: list[Request], default: Sampling, generator,
-                  clock) -> list[Result]:
-    """One batch through run_batch, each row sampled with its request's settings (default
-    where it has none) and generator: its Results, with their gaps and finish reasons."""
+def sampled_batch(model: Transformer, batch: list[Request], generator, clock) -> list[Result]:
+    """One batch through run_batch, each row through the token stage with its checked
+    request's settings, history and generator: its Results, with their gaps, finish reasons
+    and logprobs (when asked)."""
     device = next(model.parameters()).device
-    rows = [r.sampling or default for r in batch]
-    gens = [s.generator(device) for s in rows]
+    rows = [History(r.sampling, r.prompt, [], r.eos_id) for r in batch]
+    gens = [r.sampling.generator(device) for r in batch]
     picked: list[float] = []                            # the clock at each step's tokens
+    logprobs: list[list] = [[] for _ in batch]
 
     def pick(logits):
         picked.append(clock())
-        return sample_rows(logits, rows, gens, generator)
+        tokens, lps = token_stage.select(logits, rows, gens, generator)
+        for row, lp, t, out in zip(rows, lps, tokens, logprobs):
+            row.output.append(t)                        # a finished row's too: it is thrown away
+            out.append(lp)
+        return torch.tensor(tokens, device=logits.device)[:, None]     # (B, 1)
 
     done = run_batch(model, batch, pick, clock)
     if not isinstance(done, list) or len(done) != len(batch) or \
             not all(isinstance(r, Result) for r in done):
         raise TypeError(f"run_batch returned {done!r} for a batch of {len(batch)} "
                         f"requests: expected a list of {len(batch)} Results, in order")
-    return [finished(r, req, picked) for r, req in zip(done, batch)]
+    return [finished(r, req, picked, lps) for r, req, lps in zip(done, batch, logprobs)]
 
 
-def checked_batches(requests: list[Request], batch_size: int, cfg) -> list[Request]:
-    """The requests, checked (check_request; a bad one is named by its index), once every
-    batch of batch_size fits the model: its padded prompt and its longest answer within
-    max_seq_len."""
+def checked_batches(requests: list[Request], batch_size: int, cfg,
+                    default: Sampling) -> list[Request]:
+    """The requests, checked (check_request, with default sampling where a request has none;
+    a bad one is named by its index), once every batch of batch_size fits the model: its
+    padded prompt and its longest answer within max_seq_len. Static batching runs one choice
+    a request and no prompt logprobs (the continuous engine does both)."""
     checked = []
     for i, r in enumerate(requests):
         try:
-            checked.append(check_request(r, cfg.vocab_size, cfg.max_seq_len))
+            checked.append(check_request(r, cfg.vocab_size, cfg.max_seq_len, default))
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from None
+        if checked[-1].sampling.n != 1 or checked[-1].sampling.prompt_logprobs is not None:
+            raise ValueError(f"request {i}: static batching runs one choice (n=1) without "
+                             f"prompt logprobs; the continuous engine runs both")
     for b0 in range(0, len(checked), batch_size):
         batch = checked[b0:b0 + batch_size]
         L, new_max = max(len(r.prompt) for r in batch), max(r.max_new_tokens for r in batch)
@@ -136,7 +148,7 @@ def run_static(model: Transformer, requests: list[Request], batch_size: int,
     check_generator(generator)
     model.eval()
     device = next(model.parameters()).device
-    requests = checked_batches(requests, batch_size, model.cfg)
+    requests = checked_batches(requests, batch_size, model.cfg, default)
     stats = Stats(kv_bytes_per_token=kv_bytes_per_token(model, device))
     t0 = time.perf_counter()
     clock = lambda: time.perf_counter() - t0
@@ -145,7 +157,7 @@ def run_static(model: Transformer, requests: list[Request], batch_size: int,
     try:
         for b0 in range(0, len(requests), batch_size):
             batch = requests[b0:b0 + batch_size]
-            done = sampled_batch(model, batch, default, generator, clock)
+            done = sampled_batch(model, batch, generator, clock)
             # decode time: from the first token (the end of the prefill) to the last
             stats.decode_s += max(r.latency_s for r in done) - min(r.ttft_s for r in done)
             account_batch(stats, batch, done, trace, list(range(b0, b0 + len(batch))))

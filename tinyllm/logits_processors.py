@@ -1,0 +1,153 @@
+"""The token stage's processors: a request's logits changed from its history, before sampling.
+
+A `LogitsProcessor` is the declared interface: a batch of logits (B, V) and each row's
+`History` (the request's settings, its prompt, the tokens it has made, the ids that end it) in,
+logits (B, V) out. `process` applies each processor to the rows whose settings ask for it
+(`applies`), so a row that asks for nothing keeps its logits bit for bit, and a row's result
+never depends on the rows beside it: each processor reads only its own row. The built-in ones
+are vLLM's, in vLLM's order: `MinTokens` (no stop id before min_tokens tokens), `LogitBias`,
+then `Penalties` (repetition, frequency, presence). A grammar's mask (step 12) is one more.
+
+`apply_penalties` is the batched rule, one tensor expression for every row from its counts;
+`penalize_row` is the same rule written for one row, token by token: they agree exactly.
+
+Seam: `apply_penalties` (exercise 10).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tinyllm.sampling import Sampling
+
+
+@dataclass
+class History:
+    """What a processor may read of one row: its request's settings, prompt and generated
+    tokens (the engine's own lists: read, never change them), and the ids that end it (the
+    checked request's eos_id: None, one id or a tuple)."""
+    sampling: Sampling
+    prompt: list[int]
+    output: list[int]
+    eos_id: int | tuple[int, ...] | None = None
+
+    def stop_ids(self) -> list[int]:
+        eos = self.eos_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+class LogitsProcessor:
+    """Changes the logits of the rows whose settings ask for it: applies(sampling) says which;
+    __call__(logits (B, V), rows: one History per row) -> new logits (B, V), each row from its
+    own history alone. Never changes its input in place."""
+
+    def applies(self, sampling: Sampling) -> bool:
+        raise NotImplementedError
+
+    def __call__(self, logits: Tensor, rows: list[History]) -> Tensor:
+        raise NotImplementedError
+
+
+class MinTokens(LogitsProcessor):
+    """No stop id (EOS, stop_token_ids) while fewer than min_tokens tokens are made."""
+
+    def applies(self, sampling: Sampling) -> bool:
+        return sampling.min_tokens > 0
+
+    def __call__(self, logits: Tensor, rows: list[History]) -> Tensor:
+        logits = logits.clone()
+        for i, h in enumerate(rows):
+            if len(h.output) < h.sampling.min_tokens and h.stop_ids():
+                logits[i, h.stop_ids()] = float("-inf")
+        return logits
+
+
+class LogitBias(LogitsProcessor):
+    """logit_bias's numbers added to its tokens' logits."""
+
+    def applies(self, sampling: Sampling) -> bool:
+        return bool(sampling.logit_bias)
+
+    def __call__(self, logits: Tensor, rows: list[History]) -> Tensor:
+        logits = logits.clone()
+        for i, h in enumerate(rows):
+            ids = [t for t, _ in h.sampling.logit_bias]
+            bias = torch.tensor([b for _, b in h.sampling.logit_bias], dtype=logits.dtype,
+                                device=logits.device)
+            logits[i, ids] += bias
+        return logits
+
+
+def token_counts(rows: list[History], vocab_size: int, device) -> tuple[Tensor, Tensor]:
+    """Each row's counts of its generated tokens (B, V) and which tokens its prompt or output
+    holds (B, V), from its history."""
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.long, device=device)
+    seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    for i, h in enumerate(rows):
+        if h.output:
+            out = torch.tensor(h.output, device=device)
+            counts[i].index_add_(0, out, torch.ones_like(out))
+        seen[i, torch.tensor(h.prompt + h.output, device=device)] = True
+    return counts, seen
+
+
+def apply_penalties(logits: Tensor, counts: Tensor, seen: Tensor, presence: Tensor,
+                    frequency: Tensor, repetition: Tensor) -> Tensor:
+    """The penalties of every row at once, as vLLM applies them: logits (B, V); counts (B, V),
+    how often each token is among the row's generated tokens; seen (B, V) bool, whether it is
+    in the row's prompt or generated tokens; presence, frequency, repetition (B, 1), the rows'
+    penalties. Returns new logits (B, V), the input unchanged:
+    1) repetition: a seen token's logit is divided by the row's repetition penalty where it is
+       positive, multiplied by it where it is not (1.0 changes nothing);
+    2) then frequency and presence: logit - frequency * count - presence * (count > 0).
+    Example: logits [[2., -1., 0.5]], counts [[0, 2, 0]], seen [[True, True, False]],
+    presence [[0.5]], frequency [[0.25]], repetition [[2.]]
+    -> [[1., -2. - 0.5 - 0.5, 0.5]] = [[1., -3., 0.5]]."""
+    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, scaled, logits)
+    return logits - frequency * counts - presence * (counts > 0)
+
+
+def penalize_row(logits: Tensor, prompt: list[int], output: list[int], presence: float,
+                 frequency: float, repetition: float) -> Tensor:
+    """apply_penalties' rule for one row, token by token: logits (V,) -> new logits (V,)."""
+    logits = logits.clone()
+    for t in set(prompt) | set(output):
+        logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
+    for t in set(output):
+        logits[t] = logits[t] - frequency * output.count(t) - presence
+    return logits
+
+
+class Penalties(LogitsProcessor):
+    """Presence, frequency and repetition penalties, batched (apply_penalties)."""
+
+    def applies(self, sampling: Sampling) -> bool:
+        return sampling.presence_penalty != 0 or sampling.frequency_penalty != 0 \
+            or sampling.repetition_penalty != 1
+
+    def __call__(self, logits: Tensor, rows: list[History]) -> Tensor:
+        counts, seen = token_counts(rows, logits.size(-1), logits.device)
+        column = lambda name: torch.tensor([[getattr(h.sampling, name)] for h in rows],
+                                           dtype=logits.dtype, device=logits.device)  # (B, 1)
+        return apply_penalties(logits, counts, seen, column("presence_penalty"),
+                               column("frequency_penalty"), column("repetition_penalty"))
+
+
+PROCESSORS: tuple[LogitsProcessor, ...] = (MinTokens(), LogitBias(), Penalties())
+
+
+def process(logits: Tensor, rows: list[History],
+            processors: tuple[LogitsProcessor, ...] = PROCESSORS) -> Tensor:
+    """Every processor in turn on the rows it applies to: logits (B, V) -> (B, V). Returns the
+    input itself when no row asks for any (it is never changed in place)."""
+    for proc in processors:
+        idx = [i for i, h in enumerate(rows) if proc.applies(h.sampling)]
+        if not idx:
+            continue
+        ix = torch.tensor(idx, device=logits.device)
+        new = proc(logits[ix], [rows[i] for i in idx])
+        logits = logits.clone()
+        logits[ix] = new
+    return logits
