@@ -1,17 +1,20 @@
 """The engine's names in one place: `from tinyllm.engine import ContinuousEngine, Request, ...`.
 
 A re-export module and nothing else; nothing inside the package imports it. Each name lives in
-the module of its idea: requests.py (Request, Result, Event), sampling.py (Sampling), stats.py
-(Stats, Trace), padded.py (02), static.py (03), config.py (EngineConfig), continuous.py (04-08).
+the module of its idea: requests.py (Request, Result, Event, TokenLogprobs), sampling.py
+(Sampling), generate.py (solo, the oracle of a Request), stats.py (Stats, Trace), padded.py
+(02), static.py (03), config.py (EngineConfig), continuous.py (04-08).
 """
 
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine, run_continuous
+from tinyllm.generate import solo
 from tinyllm.padded import prefill_padded
-from tinyllm.requests import Event, Request, Result
+from tinyllm.requests import Event, Request, Result, TokenLogprobs
 from tinyllm.sampling import Sampling
 from tinyllm.static import run_static
 from tinyllm.stats import Stats, Trace
 
-__all__ = ["Sampling", "Request", "Result", "Stats", "Event", "Trace", "EngineConfig",
-           "prefill_padded", "run_static", "ContinuousEngine", "run_continuous"]
+__all__ = ["Sampling", "Request", "Result", "Stats", "Event", "TokenLogprobs", "Trace",
+           "EngineConfig", "solo", "prefill_padded", "run_static", "ContinuousEngine",
+           "run_continuous"]
