@@ -17,6 +17,7 @@ DEFAULT_KV_MIB = 512     # the KV cache's memory when none is given (vLLM's CPU 
 KV_KINDS = ("slots", "paged")
 DECODERS = ("eager", "graphs", "compiled")
 COMPILE_MODES = ("default", "max-autotune")
+PROPOSERS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class EngineConfig:
     max_step_tokens: int | None = None      # tokens computed per step at most (07; None: no budget)
     prefix_cache: bool = False              # share the blocks of common prefixes (08, kv="paged")
     kv_mib: float | None = None             # the KV cache's memory, MiB (None: DEFAULT_KV_MIB)
+    speculate: str | None = None            # the proposer (11): "ngram", "draft", None (none)
+    spec_tokens: int = 4                    # guesses per request per step at most (11)
+    draft_layers: int | None = None         # a draft of the target's first layers (None: half)
+    prompt_lookup_max: int = 4              # the n-gram proposer's longest and shortest n (11)
+    prompt_lookup_min: int = 1
 
     def __post_init__(self):
         check_positive_int("n_slots", self.n_slots)
@@ -74,6 +80,7 @@ class EngineConfig:
                                         not 0 < self.kv_mib < math.inf):
             raise ValueError(f"kv_mib must be a finite number of MiB > 0, got {self.kv_mib!r}")
         Sampling(self.temperature, self.top_k, self.top_p)     # checks the sampling
+        check_speculation(self)
 
     def _check_buckets(self) -> None:
         if self.buckets is None:
@@ -144,6 +151,7 @@ class EngineConfig:
                        help="the compiled step's mode: max-autotune generates GEMM kernels for "
                             "the step's batch, a faster step for a longer compilation "
                             "(default: default)")
+        add_speculation_arguments(g)
 
     @classmethod
     def from_args(cls, args, **changes) -> "EngineConfig":
@@ -152,3 +160,35 @@ class EngineConfig:
         names = {f.name for f in fields(cls)}
         given = {k: v for k, v in vars(args).items() if k in names}
         return cls(**{**given, **changes})
+
+
+def check_speculation(config: EngineConfig) -> None:
+    """Raise ValueError naming a bad speculation setting (11)."""
+    if config.speculate is not None and config.speculate not in PROPOSERS:
+        raise ValueError(f"speculate must be one of {', '.join(map(repr, PROPOSERS))} or "
+                         f"None, got {config.speculate!r}")
+    for name in ("spec_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        check_positive_int(name, getattr(config, name))
+    if config.draft_layers is not None:
+        check_positive_int("draft_layers", config.draft_layers)
+    if config.prompt_lookup_min > config.prompt_lookup_max:
+        raise ValueError(f"prompt_lookup_min {config.prompt_lookup_min} is more than "
+                         f"prompt_lookup_max {config.prompt_lookup_max}")
+    if config.speculate is not None and config.decoder != "eager":
+        raise ValueError(f"speculation verifies its guesses in a ragged eager pass: use "
+                         f"decoder='eager' (got {config.decoder!r})")
+
+
+def add_speculation_arguments(g) -> None:
+    """The flags of speculative decoding (11), in the engine's argument group."""
+    g.add_argument("--speculate", choices=PROPOSERS, default=None,
+                   help="speculative decoding (step 11): guesses by prompt lookup (ngram) "
+                        "or by a draft model (draft: the target's first layers)")
+    g.add_argument("--spec-tokens", type=int, default=4, metavar="K",
+                   help="guesses per request per step at most (default: 4)")
+    g.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                   help="the draft is the target's first N layers (default: half of them)")
+    g.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
+                   help="the ngram proposer's longest n (default: 4)")
+    g.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N",
+                   help="the ngram proposer's shortest n (default: 1)")

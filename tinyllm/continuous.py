@@ -33,6 +33,7 @@ from tinyllm.requests import Event, Request, Result, Sequence, check_request
 from tinyllm.sampling import check_generator
 from tinyllm.scheduler import Scheduler
 from tinyllm.slot_cache import SlotCache, SlotKVCache
+from tinyllm.speculative import Speculator, make_proposer
 from tinyllm.stats import Stats, Trace, kv_bytes_per_token, sync_device
 
 
@@ -42,7 +43,7 @@ def make_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks:
     of n_blocks blocks shared by them, in the model's dtype (a GPU's compute dtype on CUDA).
     With a prefix cache and no token budget every admitted context is computed whole in its
     admission step, so its blocks are named at admission (a newcomer of the same step shares
-    them); under a budget a block is named after the step that writes it (_computed)."""
+    them); under a budget a block is named after the step that writes it (mark_computed)."""
     cfg = model.cfg
     dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
     if config.kv == "slots":
@@ -120,6 +121,20 @@ class ModelRunner:
         self.stats.forward_s += time.perf_counter() - t0
         return logits[:, -1]                                            # (B, V)
 
+    def verify(self, seqs: list[Sequence], inputs: list[list[int]]) -> Tensor:
+        """Speculation's target pass (11): each sequence's last token and its guesses (inputs,
+        1 or more a row) in one ragged batch -> every position's logits (B, T, V)."""
+        q_lens = [len(t) for t in inputs]
+        T = max(q_lens)
+        idx = torch.tensor([t + [0] * (T - len(t)) for t in inputs], device=self.device)
+        t0 = time.perf_counter()
+        self.cache.plan_step([s.slot for s in seqs], q_lens)
+        with autocast_for(self.device):
+            logits, _ = self.model(idx, cache=self.cache)               # (B, T, V)
+        sync_device(self.device)
+        self.stats.forward_s += time.perf_counter() - t0
+        return logits
+
     def prefill(self, chunks: list[tuple[Sequence, int]]
                 ) -> tuple[list[int], Tensor | None, Tensor]:
         """Each sequence's next chunk of its context (next_chunk) in one ragged batch. Returns
@@ -162,6 +177,40 @@ def collect_prompt_logprobs(chunks: list[tuple[Sequence, int]], logits: Tensor) 
                                               prompt[lo + 1:hi + 1], seq.sampling.prompt_logprobs)
 
 
+def sample(seqs: list[Sequence], logits: Tensor, shared: torch.Generator | None):
+    """Each sequence's next token from logits (B, V) through the token stage, as one-token
+    lists (a speculating step keeps several), with its logprobs (None where not asked)."""
+    tokens, logprobs = token_stage.select(logits, [s.history() for s in seqs],
+                                          [s.generator for s in seqs], shared)
+    return [[t] for t in tokens], [[lp] for lp in logprobs]
+
+
+def mark_computed(seqs: list[Sequence], n: list[int], cache: SlotCache, config: EngineConfig,
+                  scheduler: Scheduler, ahead: list[list[int]] | None = None) -> None:
+    """The step wrote n[i] tokens of seqs[i]: it holds more of its context, and a prefix cache
+    (08) names the blocks that are full now and not named yet (only when a block filled up:
+    building the context every step would cost more than the step's own bookkeeping; with no
+    budget a newcomer's context was named at its admission already). ahead[i]: tokens written
+    that join the context only when retired (a speculating step's kept guesses, 11). A first
+    choice whose prompt is computed lets its other choices queue (they share its blocks)."""
+    bs = config.block_size
+    for i, (seq, k) in enumerate(zip(seqs, n)):
+        filled = (seq.num_computed_tokens + k) // bs > seq.num_computed_tokens // bs
+        seq.num_computed_tokens += k
+        if config.prefix_cache and filled:
+            cache.cache_blocks(seq.slot, seq.context() + (ahead[i] if ahead else []))
+        if seq.num_computed_tokens >= len(seq.request.prompt):
+            scheduler.release(seq)
+
+
+def record_decode_step(stats: Stats, cache: SlotCache, n_rows: int, ragged: bool) -> None:
+    """A decode step of n_rows requests in Stats: the rows computed (the requests', or every
+    slot's for a bucketed decoder), and the cache's use of what it reserves and allocates."""
+    used = cache.used_tokens()
+    stats.record_step(n_rows if ragged else cache.n_slots, n_rows, cache.n_slots,
+                      used / cache.reserved_tokens(), used / max(1, cache.allocated_tokens()))
+
+
 def record_trace(trace: Trace, cache: SlotCache, holders: list[int | None],
                  decodes: list[Sequence], chunks: list[tuple[Sequence, int]]) -> None:
     """A step in the trace: who holds each slot, the cache's use, the tokens each slot computes."""
@@ -180,12 +229,12 @@ class ContinuousEngine:
     `ContinuousEngine(model, n_slots, kv="paged", ...)`. add_request() queues a request at any
     time; step() runs one step and returns the new tokens as Events; a finished request's
     Result waits in `results` (pop it). Times are on the engine clock; TTFT and latency count
-    from the request's arrival. One generator (`generator`) is shared by every request without
-    a seed of its own. A built decoder (SlotGraphDecoder, CompiledDecoder) passed as `decoder`
-    lends its cache and steps; a Trace records every step. Not thread-safe: use one thread."""
+    from the request's arrival. One generator is shared by every request without a seed of its
+    own. A built decoder passed as `decoder` lends its cache and steps (06); `draft`, a model
+    that proposes (11); a Trace records every step. Not thread-safe: use one thread."""
 
     def __init__(self, model: Transformer, config: EngineConfig | int, *, generator=None,
-                 trace: Trace | None = None, **settings):
+                 trace: Trace | None = None, draft: Transformer | None = None, **settings):
         config, decoder = _settings(config, settings)
         check_generator(generator)
         device = next(model.parameters()).device
@@ -200,6 +249,9 @@ class ContinuousEngine:
         self.stats = Stats(kv_bytes_per_token=per_token,
                            kv_reserved_tokens=self.cache.reserved_tokens())
         self.runner = ModelRunner(model, self.cache, self.decoder, self.stats, device)
+        self.speculator = None if config.speculate is None else Speculator(
+            make_proposer(model, config, max_len, device, draft), config.spec_tokens,
+            self.cache, self.runner, self.stats)
         self.results: dict[int, Result] = {}
         self._seqs: dict[int, Sequence] = {}            # unfinished requests, by id
         self._next_id = 0
@@ -251,75 +303,72 @@ class ContinuousEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq)
+        if self.speculator is not None:                 # its draft slot too (11)
+            self.speculator.proposer.sync(self.scheduler.running)
         return True
 
     @torch.no_grad()
     def step(self) -> list[Event]:
-        """1) reserve, 2) admit and plan, 3) decode, then prefill, 4) retire. Returns the new
-        tokens."""
+        """1) reserve, 2) admit and plan, 3) decode, then prefill, 4) retire: the new tokens."""
         if not self.scheduler.has_work():
             return []
         self.stats.preemptions += len(self.scheduler.reserve())
         decodes, chunks = self.scheduler.plan(self.config.max_step_tokens)
         if self.trace is not None:
             record_trace(self.trace, self.cache, self.holders(), decodes, chunks)
-        events = self._decode(decodes) if decodes else []
+        budget = self.config.max_step_tokens
+        room = None if budget is None else budget - len(decodes) - sum(n for _, n in chunks)
+        events = self._decode(decodes, room) if decodes else []
         if chunks:
             ends, logits, every = self.runner.prefill(chunks)
             collect_prompt_logprobs(chunks, every)
-            self._computed([s for s, _ in chunks], [n for _, n in chunks])
+            mark_computed([s for s, _ in chunks], [n for _, n in chunks], self.cache,
+                          self.config, self.scheduler)
             if ends:
-                events += self._retire([chunks[i][0] for i in ends], logits)
+                seqs = [chunks[i][0] for i in ends]
+                events += self._retire(seqs, *sample(seqs, logits, self.generator))
+        if self.speculator is not None:
+            self.speculator.proposer.sync(self.scheduler.running)
         self.stats.wall_s = self.now() - self._start
         self.stats.kv_allocated_at_end = self.cache.allocated_tokens()
         return events
 
     # ---- 3) decode: one token for every sequence that has one left ---------------------------
-    def _decode(self, seqs: list[Sequence]) -> list[Event]:
+    def _decode(self, seqs: list[Sequence], room: int | None) -> list[Event]:
         t_step = time.perf_counter()
-        cache, n_slots = self.cache, self.config.n_slots
-        n_used, n_reserved = cache.used_tokens(), cache.reserved_tokens()
-        self.stats.record_step(len(seqs) if self.decoder is None else n_slots, len(seqs),
-                               n_slots, n_used / n_reserved,
-                               n_used / max(1, cache.allocated_tokens()))
-        logits = self.runner.decode(seqs)                               # (B, V)
-        self._computed(seqs, [1] * len(seqs))
-        events = self._retire(seqs, logits)
+        record_decode_step(self.stats, self.cache, len(seqs), self.decoder is None)
+        if self.speculator is None:
+            tokens, logprobs = sample(seqs, self.runner.decode(seqs), self.generator)
+        else:                                           # guesses, verified in one pass (11)
+            verdicts = self.speculator.decode(seqs, room, self.generator)
+            tokens, logprobs = [v.tokens for v in verdicts], [v.logprobs for v in verdicts]
+        mark_computed(seqs, [len(t) for t in tokens], self.cache, self.config, self.scheduler,
+                      [t[:-1] for t in tokens])
+        events = self._retire(seqs, tokens, logprobs)
         self.stats.decode_s += time.perf_counter() - t_step
         return events
 
-    def _computed(self, seqs: list[Sequence], n: list[int]) -> None:
-        """The step wrote these tokens: each sequence holds more of its context, and a prefix
-        cache (08) names the blocks that are full now and not named yet (only when a block
-        filled up: building the context every step would cost more than the step's own
-        bookkeeping). With no budget a newcomer's context was named at its admission already."""
-        bs = self.config.block_size
-        for seq, k in zip(seqs, n):
-            filled = (seq.num_computed_tokens + k) // bs > seq.num_computed_tokens // bs
-            seq.num_computed_tokens += k
-            if self.config.prefix_cache and filled:
-                self.cache.cache_blocks(seq.slot, seq.context())
-            if seq.num_computed_tokens >= len(seq.request.prompt):
-                self.scheduler.release(seq)             # its other choices share its blocks
 
     # ---- 4) retire: sample, record, free the slots of the finished -------------------------
-    def _retire(self, seqs: list[Sequence], logits: Tensor) -> list[Event]:
-        """Sample each row's next token from logits (B, V) and record it; a finished request
-        leaves its slot at once."""
-        tokens, logprobs = token_stage.select(logits, [s.history() for s in seqs],
-                                              [s.generator for s in seqs], self.generator)
+    def _retire(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list]
+                ) -> list[Event]:
+        """Record each sequence's new tokens (one, or a speculating step's run) and their
+        logprobs; a finished request leaves its slot at once, nothing after its end kept."""
         now, events = self.now(), []
-        for seq, tok, lp in zip(seqs, tokens, logprobs):
-            prompt = seq.prompt_logprobs if not seq.tokens else None
-            done = seq.append(tok, now, lp)
-            reason = None
-            if done:
-                self.results[seq.rid] = result = seq.result(now)
-                reason = result.finish_reason
-                self.stats.record_finished(seq)
-                self.scheduler.finish(seq)
-                del self._seqs[seq.rid]
-            events.append(Event(seq.rid, tok, done, reason, lp, prompt))
+        for seq, toks, lps in zip(seqs, tokens, logprobs):
+            for tok, lp in zip(toks, lps):
+                prompt = seq.prompt_logprobs if not seq.tokens else None
+                done = seq.append(tok, now, lp)
+                reason = None
+                if done:
+                    self.results[seq.rid] = result = seq.result(now)
+                    reason = result.finish_reason
+                    self.stats.record_finished(seq)
+                    self.scheduler.finish(seq)
+                    del self._seqs[seq.rid]
+                events.append(Event(seq.rid, tok, done, reason, lp, prompt))
+                if done:
+                    break
         return events
 
 

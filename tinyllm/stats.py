@@ -34,6 +34,10 @@ class Stats:
     prompt_tokens: int = 0            # prompts of the finished requests,
     prefill_tokens: int = 0           # the context tokens computed for them (recompute too),
     cached_prompt_tokens: int = 0     # and those a prefix cache served instead
+    spec_rows: int = 0                # speculation (11): rows verified by a target pass,
+    spec_proposed: int = 0            # the guesses they brought, those kept,
+    spec_accepted: int = 0
+    spec_tokens: int = 0              # and the tokens they made
     kv_used_sum: float = 0.0          # per decode step: KV positions in use / reserved,
     kv_used_peak: float = 0.0
     kv_alloc_sum: float = 0.0         # and in use / allocated (the paged cache's blocks)
@@ -53,6 +57,13 @@ class Stats:
         if kv_alloc is not None:
             self.kv_alloc_sum += kv_alloc
             self.kv_alloc_steps += 1
+
+    def record_speculation(self, verdicts) -> None:
+        """A speculative decode step (11): each row's guesses, those kept, its new tokens."""
+        self.spec_rows += len(verdicts)
+        self.spec_proposed += sum(v.proposed for v in verdicts)
+        self.spec_accepted += sum(v.accepted for v in verdicts)
+        self.spec_tokens += sum(len(v.tokens) for v in verdicts)
 
     def record_finished(self, seq) -> None:
         """A request finished (a Sequence, 04): its tokens, and the prompt work it took."""
@@ -119,7 +130,17 @@ class Stats:
             "peak_active": self.peak_active,
             "kv_allocated_at_end": self.kv_allocated_at_end,
             "decode_overhead": 1 - self.forward_s / self.decode_s if self.decode_s else 0.0,
+            **self._speculation(),
         }
+
+    def _speculation(self) -> dict:
+        """With speculation (11): spec_proposed, spec_accepted, acceptance_rate (kept over
+        proposed) and tokens_per_pass (a request's new tokens per target pass, 1 without)."""
+        if not self.spec_rows:
+            return {}
+        return {"spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted,
+                "acceptance_rate": self.spec_accepted / max(1, self.spec_proposed),
+                "tokens_per_pass": self.spec_tokens / self.spec_rows}
 
 
 class Trace:

@@ -1,0 +1,323 @@
+"""Step 11 - speculative decoding: guess k tokens cheaply, check every guess in one target pass,
+keep the agreed run and one token more, roll the rest back.
+
+A proposer guesses each decoding request's next tokens. `NgramProposer` looks the request's
+last n tokens up earlier in its own context and proposes what followed them there (prompt
+lookup: no second model; vLLM's `prompt_lookup_max/min`). `DraftProposer` runs a smaller model
+(`early_exit`: the target cut to its first layers, which needs no second checkpoint; or another
+checkpoint with the same tokenizer) with its own KV cache, a slot per engine slot.
+
+The target then computes every guess of every decoding request in one ragged pass: a row
+brings its last token and its k guesses, k + 1 positions, and position j's logits judge guess
+j. `verify` reads the verdict through the token stage, position by position, each row with its
+history so far (so penalties and logprobs see what solo generation would): a greedy request
+keeps a guess while it is the token the target picks there, so its output is the solo output
+exactly; a sampled one keeps guess x with probability min(1, p(x) / q(x)) and otherwise draws
+from max(0, p - q), normalised (p the target's distribution, q the proposer's: one-hot for a
+lookup), which leaves the output distributed as the target's. The first position where a guess
+falls gives one token of the target's own; with every guess kept, the position after the last
+does: 1 to k + 1 tokens per request per target pass. The caches then roll back the positions
+of the guesses that fell (`rollback`), never into a block a prefix cache shares (those hold
+computed context only).
+
+Seams: `accept_greedy` and `accept_sampled` (exercise 11).
+"""
+
+import copy
+import dataclasses
+
+import torch
+from torch import Tensor, nn
+
+from tinyllm.generate import autocast_for
+from tinyllm.logits_processors import History, process
+from tinyllm.model import Transformer
+from tinyllm.requests import Sequence, TokenLogprobs, is_done
+from tinyllm.sampling import draw, is_greedy, sampling_probs
+from tinyllm.slot_cache import SlotKVCache
+from tinyllm.token_stage import token_logprobs
+
+
+# ---- the verdict, one row ------------------------------------------------------------------
+def accept_greedy(guesses: list[int], picks: list[int]) -> list[int]:
+    """The tokens a greedy request keeps: its guesses (k of them) while each equals the
+    target's pick at its position (picks: k + 1 tokens, the target's choice after the row's
+    last token and after each guess), then the target's pick where the first guess fell, or
+    after the last guess when none did. Returns 1 to k + 1 tokens.
+    Example: guesses [5, 8, 2], picks [5, 8, 9, 4] -> [5, 8, 9]; guesses [5, 8], picks
+    [5, 8, 1] -> [5, 8, 1]; guesses [], picks [7] -> [7]."""
+    kept = []
+    for guess, pick in zip(guesses, picks):
+        if guess != pick:
+            break
+        kept.append(guess)
+    return kept + [picks[len(kept)]]
+
+
+def accept_sampled(guess: int, p: Tensor, q: Tensor | None, u: float) -> bool:
+    """Whether a sampled request keeps `guess`: with probability min(1, p[guess] / q[guess]),
+    decided by u, uniform in [0, 1) (keep when u < that). p (V,): the target's distribution at
+    the guess's position; q (V,): the proposer's, from which the guess was drawn; None when the
+    proposer is certain (a lookup: q is one-hot at guess, and the rule is u < p[guess]).
+    Example: p[guess] 0.3, q[guess] 0.6 -> kept when u < 0.5."""
+    qx = 1.0 if q is None else float(q[guess])
+    return u < min(1.0, float(p[guess]) / qx)
+
+
+def residual(p: Tensor, q: Tensor | None, guess: int) -> Tensor:
+    """Where a sampled guess fell, the distribution of the token drawn instead: max(0, p - q),
+    normalised (q one-hot at guess when None: p without the guess). p, q (V,) -> (V,)."""
+    if q is None:
+        q = torch.zeros_like(p)
+        q[guess] = 1.0
+    r = (p - q.to(p.dtype)).clamp(min=0)
+    total = r.sum()
+    return r / total if total > 0 else p
+
+
+# ---- the verdict, a batch ------------------------------------------------------------------
+@dataclasses.dataclass
+class Verdict:
+    """What a row keeps of a target pass: its tokens (accepted guesses and the target's own),
+    their logprobs (None where not asked), and how many guesses it had and kept."""
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+    proposed: int
+    accepted: int
+
+
+def distribution(logits: Tensor, seq: Sequence) -> Tensor:
+    """The target's (or a draft's) sampling distribution for one processed row (V,) -> (V,)."""
+    s = seq.sampling
+    return sampling_probs(logits[None], s.temperature, s.top_k, s.top_p, s.min_p)[0]
+
+
+def verify(logits: Tensor, seqs: list[Sequence], guesses: list[list[int]],
+           drafts: list[list[Tensor] | None], shared: torch.Generator | None) -> list[Verdict]:
+    """Each row's verdict from the target's logits (B, T, V) over its last token and its
+    guesses (row i's first len(guesses[i]) + 1 positions). At each position the token stage's
+    processors see the row's history as if its guesses so far stand (they do, up to the first
+    that falls); then accept_greedy's rule (greedy rows) or accept_sampled's, in order, with
+    the row's generator (drafts[i]: the proposer's distributions; None for a lookup). A row
+    stops at its EOS or its max_new_tokens: nothing after it is kept."""
+    B, dev = len(seqs), logits.device
+    processed: list[list[Tensor]] = [[] for _ in range(B)]            # per row, per position
+    for j in range(max(len(g) for g in guesses) + 1):
+        rows = [i for i in range(B) if j <= len(guesses[i])]
+        hist = [History(seqs[i].sampling, seqs[i].request.prompt,
+                        seqs[i].tokens + guesses[i][:j], seqs[i].request.eos_id) for i in rows]
+        out = process(logits[torch.tensor(rows, device=dev), j], hist)          # (R, V)
+        for r, i in enumerate(rows):
+            processed[i].append(out[r])
+    verdicts = []
+    for i, (seq, g) in enumerate(zip(seqs, guesses)):
+        if is_greedy(seq.sampling.temperature):
+            kept = accept_greedy(g, [int(x.argmax()) for x in processed[i]])
+        else:
+            kept = _sampled(processed[i], seq, g, drafts[i], shared)
+        n = next((m for m in range(1, len(kept)) if is_done(seq.request, seq.tokens + kept[:m])),
+                 len(kept))
+        accepted = min(n, len(kept) - 1)                # all but the last were guesses
+        kept, k = kept[:n], seq.sampling.logprobs
+        lps = [None] * n if k is None else token_logprobs(logits[i, :n], kept, k)
+        verdicts.append(Verdict(kept, lps, len(g), accepted))
+    return verdicts
+
+
+def _sampled(processed: list[Tensor], seq: Sequence, guesses: list[int], drafts,
+             shared: torch.Generator | None) -> list[int]:
+    """A sampled row's tokens: its guesses while accept_sampled keeps them, then one drawn
+    from the residual where one falls, or from the last position's distribution."""
+    gen = seq.generator or shared
+    rand = lambda: torch.rand(1, 1, generator=gen, dtype=torch.float64, device=processed[0].device)
+    kept = []
+    for j, guess in enumerate(guesses):
+        p = distribution(processed[j], seq)
+        q = None if drafts is None else drafts[j]
+        if not accept_sampled(guess, p, q, float(rand())):
+            return kept + [int(draw(residual(p, q, guess)[None], rand()))]
+        kept.append(guess)
+    p = distribution(processed[len(guesses)], seq)
+    return kept + [int(draw(p[None], rand()))]
+
+
+# ---- proposers -----------------------------------------------------------------------------
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's
+    last n tokens (n from n_max down to n_min), up to k of them. Certain: q is one-hot."""
+
+    def __init__(self, n_max: int = 4, n_min: int = 1):
+        self.n_max, self.n_min = n_max, n_min
+
+    def propose(self, seqs: list[Sequence], ks: list[int], shared=None):
+        """Up to ks[i] guesses per row, and None (no distributions: a lookup is certain)."""
+        return [lookup(s.context(), k, self.n_max, self.n_min) for s, k in zip(seqs, ks)], \
+            [None] * len(seqs)
+
+    def sync(self, running: dict) -> None:
+        """A lookup keeps no state."""
+
+    def check_integrity(self, idle: bool = False) -> str | None:
+        return None
+
+
+def lookup(context: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """What followed the latest earlier occurrence of context's last n tokens (the longest n
+    that occurs), at most k tokens; [] when none occurs or k is 0.
+    Example: [1, 2, 3, 9, 1, 2], k 2 -> [3, 9]."""
+    if k <= 0:
+        return []
+    for n in range(min(n_max, len(context) - 1), n_min - 1, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == tail:
+                return context[start + n:start + n + k]
+    return []
+
+
+def early_exit(model: Transformer, n_layers: int) -> Transformer:
+    """A draft that costs n_layers of the target's: its first n_layers blocks, then its own
+    final norm and head (self-speculation; the weights are shared, not copied)."""
+    if not 1 <= n_layers < model.cfg.n_layers:
+        raise ValueError(f"a draft of {n_layers} layers: the target has {model.cfg.n_layers}, "
+                         f"so give 1 to {model.cfg.n_layers - 1}")
+    draft = copy.copy(model)                            # shares every module and buffer
+    draft._modules = dict(model._modules)
+    draft.layers = nn.ModuleList(list(model.layers)[:n_layers])
+    draft.cfg = dataclasses.replace(model.cfg, n_layers=n_layers)
+    return draft
+
+
+class DraftProposer:
+    """A draft model proposes, greedily for greedy requests, sampled (with the request's own
+    settings and generator) for the others. Its KV cache has a slot per engine slot; a slot is
+    taken when its sequence first decodes, filled lazily with whatever of the context it lacks
+    (its whole context after an admission or a preemption), rolled back with the target's, and
+    freed when the sequence leaves its engine slot (sync)."""
+
+    def __init__(self, draft: Transformer, n_slots: int, max_len: int, device):
+        cfg = draft.cfg
+        self.model = draft.eval()
+        dtype = next(draft.parameters()).dtype
+        self.cache = SlotKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, max_len,
+                                 dtype, device)
+        self.owner: list[Sequence | None] = [None] * n_slots
+        self.device = device
+
+    def sync(self, running: dict) -> None:
+        """Free the draft slots whose sequence no longer holds its engine slot."""
+        for slot, seq in enumerate(self.owner):
+            if seq is not None and running.get(slot) is not seq:
+                self.cache.release(slot)
+                self.owner[slot] = None
+
+    def check_integrity(self, idle: bool = False) -> str | None:
+        return self.cache.check_integrity(idle)
+
+    def propose(self, seqs: list[Sequence], ks: list[int], shared: torch.Generator | None):
+        """Up to ks[i] guesses per row, and the draft's distribution at each (None for a
+        greedy row: it proposes its argmax, and greedy verification needs no q)."""
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        guesses: list[list[int]] = [[] for _ in seqs]
+        dists: list[list[Tensor] | None] = [None] * len(seqs)
+        if not rows:
+            return guesses, dists
+        for i in rows:
+            if self.owner[seqs[i].slot] is not seqs[i]:
+                if self.cache.active[seqs[i].slot]:
+                    self.cache.release(seqs[i].slot)
+                self.cache.admit(seqs[i].slot, seqs[i].context_len())
+                self.owner[seqs[i].slot] = seqs[i]
+        feed = [seqs[i].context()[self.cache.lens[seqs[i].slot]:] for i in rows]
+        for j in range(max(ks[i] for i in rows)):
+            rows_j = [i for i in rows if j < ks[i]]
+            inputs = [feed[rows.index(i)] if j == 0 else [guesses[i][-1]] for i in rows_j]
+            logits = self._forward([seqs[i].slot for i in rows_j], inputs)          # (R, V)
+            hist = [History(seqs[i].sampling, seqs[i].request.prompt,
+                            seqs[i].tokens + guesses[i], seqs[i].request.eos_id) for i in rows_j]
+            processed = process(logits, hist)
+            for r, i in enumerate(rows_j):
+                seq = seqs[i]
+                if is_greedy(seq.sampling.temperature):
+                    guesses[i].append(int(processed[r].argmax()))
+                    continue
+                q = distribution(processed[r], seq)
+                u = torch.rand(1, 1, generator=seq.generator or shared, dtype=torch.float64,
+                               device=self.device)
+                guesses[i].append(int(draw(q[None], u)))
+                dists[i] = (dists[i] or []) + [q]
+        return guesses, dists
+
+    def _forward(self, slots: list[int], inputs: list[list[int]]) -> Tensor:
+        """One ragged draft step: each slot's inputs -> the last position's logits (R, V)."""
+        q_lens = [len(t) for t in inputs]
+        T = max(q_lens)
+        idx = torch.tensor([t + [0] * (T - len(t)) for t in inputs], device=self.device)
+        self.cache.plan_step(slots, q_lens)
+        with autocast_for(self.device):
+            logits, _ = self.model(idx, cache=self.cache)                           # (R, T, V)
+        return logits[torch.arange(len(slots), device=self.device),
+                      torch.tensor(q_lens, device=self.device) - 1]
+
+    def kept(self, seq: Sequence, verdict: Verdict) -> None:
+        """After the verdict, before its tokens join seq: the draft keeps the context the
+        target keeps, less the newest token (the next step feeds it): roll back the guesses
+        it computed that fell."""
+        if self.owner[seq.slot] is not seq:
+            return
+        want = seq.context_len() + len(verdict.tokens) - 1
+        extra = self.cache.lens[seq.slot] - want
+        if extra > 0:
+            self.cache.rollback(seq.slot, extra)
+
+
+def make_proposer(model: Transformer, config, max_len: int, device, draft: Transformer | None):
+    """The config's proposer: a lookup, or a draft (the one given, or the target's first
+    draft_layers layers, half of them by default)."""
+    if config.speculate == "ngram":
+        return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    if draft is None:
+        draft = early_exit(model, config.draft_layers or max(1, model.cfg.n_layers // 2))
+    elif draft.cfg.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"the draft's vocabulary has {draft.cfg.vocab_size} tokens, the "
+                         f"target's {model.cfg.vocab_size}: a draft shares the tokenizer")
+    return DraftProposer(draft, config.n_slots, max_len, device)
+
+
+class Speculator:
+    """The decode step of a speculating engine: guesses (the proposer's), room for them in the
+    cache, one ragged target pass (runner.verify), the verdicts, and the rollback of what fell
+    in both caches. Counts what it proposed and kept in the engine's Stats."""
+
+    def __init__(self, proposer, k: int, cache, runner, stats):
+        self.proposer, self.k, self.cache, self.runner, self.stats = \
+            proposer, k, cache, runner, stats
+
+    def budget(self, seqs: list[Sequence], room: int | None) -> list[int]:
+        """Guesses each row may have: k, less than its tokens still to make (its last comes
+        from the target), within the step's leftover token budget (room; None: no limit) and
+        the slot's positions."""
+        ks = []
+        for seq in seqs:
+            k = min(self.k, seq.request.max_new_tokens - len(seq.tokens) - 1,
+                    self.cache.max_len - seq.context_len() - 1)
+            if room is not None:
+                k = min(k, room)
+                room -= max(k, 0)
+            ks.append(max(k, 0))
+        return ks
+
+    def decode(self, seqs: list[Sequence], room: int | None, shared) -> list[Verdict]:
+        guesses, drafts = self.proposer.propose(seqs, self.budget(seqs, room), shared)
+        for i, seq in enumerate(seqs):                  # memory for the guesses, or none
+            if guesses[i] and not self.cache.reserve(seq.slot, 1 + len(guesses[i])):
+                guesses[i], drafts[i] = [], None
+        last = [s.tokens[-1] if s.tokens else s.request.prompt[-1] for s in seqs]
+        logits = self.runner.verify(seqs, [[t] + g for t, g in zip(last, guesses)])
+        verdicts = verify(logits, seqs, guesses, drafts, shared)
+        for seq, g, v in zip(seqs, guesses, verdicts):
+            self.cache.rollback(seq.slot, 1 + len(g) - len(v.tokens))
+            if hasattr(self.proposer, "kept"):
+                self.proposer.kept(seq, v)
+        self.stats.record_speculation(verdicts)
+        return verdicts
