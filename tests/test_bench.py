@@ -322,3 +322,22 @@ def test_block_pool_colours_exactly_the_allocated_blocks():
     free = np.ma.getmaskarray(grid).reshape(6, 2).all(1).tolist()
     assert free == [not a for a in cache.allocator.allocated]
     assert ax.get_title() == "3 of 6 blocks allocated"
+
+
+def test_a_proposer_is_named_by_the_engine_or_by_the_flag_for_all():
+    """+ngram and +draft give that engine a proposer (11); with neither named, --speculate is
+    every continuous engine's; both at once are refused."""
+    specs = lambda names, *argv: {
+        n: c.speculate for n, (_, c) in bench.engine_configs(names, flags(*argv), 100).items()
+    }
+    assert specs(["continuous", "continuous+ngram", "paged+draft"]) == {
+        "continuous": None,
+        "continuous+ngram": "ngram",
+        "paged+draft": "draft",
+    }
+    assert specs(["continuous", "paged"], "--speculate", "ngram", "--spec-tokens", "3") == {
+        "continuous": "ngram",
+        "paged": "ngram",
+    }
+    with pytest.raises(ValueError, match="one proposer at a time"):
+        bench.engine_config("continuous+ngram+draft", flags())

@@ -11,7 +11,8 @@ import random
 from tinyllm.requests import Request
 from tinyllm.sampling import Sampling
 
-WORKLOADS = ("uniform", "longtail", "eos", "poisson", "shared-prefix", "long-prompt", "chat")
+WORKLOADS = ("uniform", "longtail", "eos", "poisson", "shared-prefix", "long-prompt", "chat",
+             "quote")
 
 SPEAKERS = ["Ham.", "Hor.", "Oph.", "King.", "Queen.", "Rom.", "Jul.", "Nurse.", "Mer.", "Macb.",
             "Lady M.", "Lear.", "Fool.", "Oth.", "Iago.", "Pro."]
@@ -40,6 +41,15 @@ QUESTIONS = [       # the chat workload: short questions a chat model answers in
 ]
 
 
+def chat_request(tok, message: str) -> Request:
+    """One user message in the model's chat template, greedy, ended by any of its EOS ids
+    (cap 128 tokens)."""
+    if tok.chat_template is None:
+        raise ValueError("the chat workloads need a model with a chat template")
+    return Request(tok.apply_chat_template([{"role": "user", "content": message}], tokenize=True),
+                   128, eos_id=tok.eos_ids or None)
+
+
 def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request], list[float]]:
     """Requests and their arrival times (all 0 but for 'poisson').
 
@@ -54,7 +64,10 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
     long-prompt: short requests (prompts of 8-32 tokens, 32-96 new tokens), and every 16th a
               448-token prompt (8 new tokens): each long one is admitted while others decode;
     chat:     English questions (QUESTIONS, in turn) as one user message each, in the model's
-              chat template, greedy, ended by any of the model's EOS ids (cap 128 tokens)."""
+              chat template, greedy, ended by any of the model's EOS ids (cap 128 tokens);
+    quote:    as chat, each message asking for a passage (five of QUESTIONS, drawn in turn) to
+              be repeated word for word: most of the answer is in the prompt, where prompt
+              lookup (11) finds it."""
     rng = random.Random(seed)
     vocab = tok.vocab_size
     rand_prompt = lambda L: [0] + [rng.randrange(1, vocab) for _ in range(L - 1)]
@@ -76,12 +89,11 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
         reqs = [Request(rand_prompt(448), 8) if i % 16 == 15 else
                 Request(rand_prompt(rng.randint(8, 32)), rng.randint(32, 96)) for i in range(n)]
     elif name == "chat":
-        if tok.chat_template is None:
-            raise ValueError("the chat workload needs a model with a chat template")
-        reqs = [Request(tok.apply_chat_template([{"role": "user",
-                                                  "content": QUESTIONS[i % len(QUESTIONS)]}],
-                                                tokenize=True), 128, eos_id=tok.eos_ids or None)
-                for i in range(n)]
+        reqs = [chat_request(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
+    elif name == "quote":
+        reqs = [chat_request(tok, "Repeat the following passage word for word, and nothing "
+                                  "else:\n\n" + " ".join(rng.sample(QUESTIONS, 5)))
+                for _ in range(n)]
     else:
         raise ValueError(f"unknown workload {name!r}: {', '.join(WORKLOADS)}")
     arrivals = [0.0] * n

@@ -16,7 +16,8 @@ slots), graphs (06: continuous with the decode step replayed as CUDA graphs; eag
 a CPU) and compiled (06: continuous with the decode step compiled by torch.compile, on any
 device; its compilation happens before the clock starts and is reported apart, as compile_s).
 A continuous engine's name may carry the later steps: +chunked (07: at most --max-step-tokens
-tokens a step) and +prefix (08, paged: a prefix cache).
+tokens a step), +prefix (08, paged: a prefix cache) and +ngram or +draft (11: speculative
+decoding, guesses by prompt lookup or by a draft model).
 Timing lives here and in the notebooks, never in a test. Besides the summary keys of every
 engine it reports where a decode step's time goes: the model's forward pass against the
 engine's own bookkeeping (admission, sampling, slot moves, Python).
@@ -46,7 +47,7 @@ from tinyllm.workloads import WORKLOADS, workload
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 ENGINES = ("static", "continuous", "paged", "graphs", "compiled")
-OPTIONS = ("chunked", "prefix")                         # +chunked (07), +prefix (08)
+OPTIONS = ("chunked", "prefix", "ngram", "draft")       # +chunked (07), +prefix (08), +ngram (11)
 DEFAULT_STEP_TOKENS = 64                                # a +chunked engine's budget by default
 
 
@@ -56,16 +57,19 @@ def engine_name(name: str) -> tuple[str, list[str]]:
     base, *opts = name.split("+")
     if base not in ENGINES or any(o not in OPTIONS for o in opts):
         raise ValueError(f"unknown engine {name!r}: {', '.join(ENGINES)}, the continuous "
-                         f"ones with +chunked and (paged) +prefix, e.g. paged+prefix")
+                         f"ones with +chunked, (paged) +prefix and +ngram or +draft (a proposer), "
+                         f"e.g. paged+prefix")
     if opts and base == "static":
         raise ValueError(f"{name}: static batching has no token budget and no prefix cache")
     if "prefix" in opts and base != "paged":
         raise ValueError(f"{name}: a prefix cache shares blocks: use paged+prefix")
+    if "ngram" in opts and "draft" in opts:
+        raise ValueError(f"{name}: one proposer at a time: +ngram or +draft")
     return base, opts
 
 
-def engine_config(name: str, args, max_len: int | None = None,
-                  budget_for_all: bool = True) -> tuple[str, EngineConfig]:
+def engine_config(name: str, args, max_len: int | None = None, budget_for_all: bool = True,
+                  speculate_for_all: bool = True) -> tuple[str, EngineConfig]:
     """An engine's name and the command's flags (args, from parser()) -> its base engine and
     the EngineConfig it runs: the flags' config (EngineConfig.from_args) with the name's
     changes, e.g. 'paged+prefix' -> ('paged', kv='paged', prefix_cache=True, ...).
@@ -75,6 +79,8 @@ def engine_config(name: str, args, max_len: int | None = None,
       +chunked engine named), --max-step-tokens is every continuous engine's budget;
     - paged: --paged-slots slots (default: --slots) on a pool of --kv-blocks blocks (default:
       the memory of --slots slots of max_len); +prefix or --prefix-cache: a prefix cache;
+    - +ngram, +draft: that proposer (11); with no proposer named by any engine, --speculate is
+      every continuous engine's;
     - graphs and compiled: that decoder; continuous: --decoder; compiled: --compile-mode;
     - static: batches of --slots requests; its config holds n_slots alone.
     The flags name settings of several engines at once (--prefix-cache the paged ones',
@@ -87,8 +93,10 @@ def engine_config(name: str, args, max_len: int | None = None,
         base, "eager")                                  # paged keeps the eager step
     chunked = "chunked" in opts or (budget_for_all and args.max_step_tokens is not None)
     budget = (args.max_step_tokens or DEFAULT_STEP_TOKENS) if chunked else None
+    named = [o for o in opts if o in ("ngram", "draft")]
+    speculate = named[0] if named else args.speculate if speculate_for_all else None
     changes = dict(max_len=max_len, kv="slots", prefix_cache=False, decoder=decoder,
-                   max_step_tokens=budget,
+                   max_step_tokens=budget, speculate=speculate,
                    compile_mode=args.compile_mode if decoder == "compiled" else "default")
     if base == "paged":
         pool = args.kv_blocks or (max_len and args.n_slots * math.ceil(max_len / args.block_size))
@@ -100,9 +108,12 @@ def engine_config(name: str, args, max_len: int | None = None,
 def engine_configs(names: list[str], args,
                    max_len: int | None = None) -> dict[str, tuple[str, EngineConfig]]:
     """Each engine's name -> engine_config's (base engine, config); --max-step-tokens is every
-    continuous engine's budget when no +chunked engine is named."""
+    continuous engine's budget when no +chunked engine is named, --speculate every continuous
+    engine's proposer when no +ngram or +draft engine is."""
     budget_for_all = not any("+chunked" in name for name in names)
-    return {name: engine_config(name, args, max_len, budget_for_all) for name in names}
+    spec_for_all = not any(o in engine_name(n)[1] for n in names for o in ("ngram", "draft"))
+    return {name: engine_config(name, args, max_len, budget_for_all, spec_for_all)
+            for name in names}
 
 
 def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed: int = 0,
@@ -266,6 +277,8 @@ workloads (--requests of them, fixed by --seed):
               prompt, which joins while the others decode
   chat        a few dozen English questions in the model's chat template, greedy, each
               ended by the model's EOS (at most 128 tokens); with --peers on a real model
+  quote       as chat, each asking for a passage of five questions to be repeated word for
+              word: most of the answer is in the prompt (where +ngram finds it)
 
 engines (--engines, comma-separated), each with its KV cache sized to the workload's longest
 request:
@@ -283,7 +296,10 @@ request:
               a step (default {DEFAULT_STEP_TOKENS}), decodes first, prompts in chunks;
               with no +chunked engine named, every continuous engine has that budget
   +prefix     step 08, after paged: requests share the blocks of a common prefix, as every
-              paged engine does with --prefix-cache"""
+              paged engine does with --prefix-cache
+  +ngram      step 11: up to --spec-tokens guesses a request a step, by prompt lookup,
+  +draft      or by a draft (the model's first --draft-layers layers), verified in one pass;
+              with neither named, every continuous engine speculates as --speculate says"""
 
 EPILOG = """\
 examples:
@@ -315,7 +331,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--workload", default="longtail", choices=WORKLOADS,
                     metavar="NAME", help="the requests to serve, see above" + default)
     ap.add_argument("--engines", default="static,continuous", metavar="NAMES",
-                    help=", ".join(ENGINES) + " (+chunked, +prefix), comma-separated" + default)
+                    help=", ".join(ENGINES) + " (+chunked, +prefix, +ngram, +draft), "
+                         "comma-separated" + default)
     ap.add_argument("--paged-slots", type=int, default=None, metavar="N",
                     help="the paged engines' slots (default: --slots)")
     ap.add_argument("--peers", action="store_true",
