@@ -35,7 +35,7 @@ TIMED  := import pathlib, resource, subprocess, sys, time; t = time.perf_counter
 	sys.exit(rc)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test test-fast lint check bench train gpu-check notebooks clean
+.PHONY: help setup lab test test-fast lint check bench eval train gpu-check notebooks clean
 
 help:                             ## list the targets
 	@echo "usage: make TARGET; every target below but help and clean sets up $(VENV) first"
@@ -102,6 +102,13 @@ check: $(STAMP)                   ## check your exercise: make check EX=01
 
 bench: $(STAMP)                   ## static against continuous batching on a long-tailed workload
 	$(BIN)/python -m tinyllm bench --workload longtail --slots 16
+
+# lm-eval (installed into .venv on first use, beside the PyTorch already there) scores the tasks of
+# evals/ through the server's OpenAI API and with its own transformers model; the two must agree.
+eval: $(STAMP) $(CORPUS)          ## lm-eval through the server, checked against lm-eval's hf model
+	@$(BIN)/python -c "import lm_eval" 2>/dev/null || { echo "Installing lm-eval into $(VENV)."; \
+		$(PIP) install "lm_eval[api]" "torch==$$($(BIN)/python -c 'import torch; print(torch.__version__)')"; }
+	$(BIN)/python evals/compare.py
 
 train: $(STAMP) $(CORPUS)         ## train the model from scratch into runs/shakespeare (about an hour)
 	$(BIN)/python -m tinyllm train --corpus $(CORPUS)

@@ -214,7 +214,8 @@ def test_a_stop_string_ends_the_answer_before_it(running):
 @pytest.mark.parametrize(
     "kw, param",
     [
-        (dict(n=2), "n"),
+        (dict(n=0), "n"),
+        (dict(n=129), "n"),
         (dict(temperature=3), "temperature"),
         (dict(top_p=0), "top_p"),
         (dict(max_tokens=0), "max_tokens"),
@@ -334,7 +335,7 @@ def test_kv_cache_books_gone_wrong_show_in_health_and_metrics(bundled64, monkeyp
 
 def test_the_pipes_messages_pickle():
     """Every message between the server and its engine process survives the pipe's pickling."""
-    from tinyllm.requests import Request
+    from tinyllm.requests import Request, TokenLogprobs
     from tinyllm.serving import messages as m
 
     for message in (
@@ -343,6 +344,20 @@ def test_the_pipes_messages_pickle():
         m.Abort(3),
         m.Stop(),
         m.StepReport([(3, 11, None), (4, 12, "stop")], [(5, "too long")], 2, (0, 1), 0.25, None),
+        m.StepReport(
+            [(3, 11, None)],
+            [],
+            0,
+            (0, 1),
+            0.5,
+            None,
+            {
+                0: (
+                    TokenLogprobs(11, -0.5, ((11, -0.5), (7, -1.25))),
+                    [None, TokenLogprobs(2, -3.0)],
+                )
+            },
+        ),
         m.Failed("RuntimeError: out of memory"),
     ):
         assert pickle.loads(pickle.dumps(message)) == message, message

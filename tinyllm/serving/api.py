@@ -1,24 +1,36 @@
 """Step 10 - the API's request bodies, checked as the OpenAI API checks them.
 
-A body's fields are of three kinds. Those the server reads (`FIELDS`: the prompt or messages,
-max_tokens, temperature, ...). Those OpenAI's API or vLLM's define that it takes only at a
-value that changes nothing (`NO_OPS`: `repetition_penalty: 1.0`, `logprobs: null`, `n: 1`,
-`tools: []`, ...), as clients and benchmarks send them: any other value gets a 400 that names
-the field and says it is not supported. Any other field gets a 400 that names it. A chat
-message's content is a string or a list of text parts, joined with newlines as vLLM joins them.
+A body's fields are of three kinds. Those the server reads (`FIELDS`): the prompt or messages,
+max_tokens, the sampler's (temperature, top_p, top_k, min_p, seed), the token stage's
+(presence, frequency and repetition penalties, logit_bias, stop_token_ids, min_tokens,
+ignore_eos), n choices, logprobs (completions' an int; chat's a bool with top_logprobs),
+completions' echo and vLLM's prompt_logprobs, stop strings, stream. Those OpenAI's API or
+vLLM's define that it takes only at a value that changes nothing (`NO_OPS`: `tools: []`,
+`best_of` equal to n, `response_format: {"type": "text"}`, `use_beam_search: false`, ...), as
+clients and benchmarks send them: any other value gets a 400 that names the field and says it
+is not supported. Any other field gets a 400 that names it. A value out of its range gets a
+400 naming the field and the range: OpenAI's ranges where OpenAI says them (n in [1, 128], a
+logit bias in [-100, 100]), at most 20 alternatives a token (vLLM's default bound), and the
+engine's checks (`Sampling`, `check_token_stage`: its message names the setting, which names
+the field). A chat message's content is a string or a list of text parts, joined with
+newlines as vLLM joins them.
 
 A prompt is refused by its size before it is tokenized: no token covers more characters than
 the tokenizer's longest, so a text longer than max_len times that cannot fit. Tokenizing and
 rendering the chat template (`prompt_ids`) is slow for a long prompt: the server calls it off
-its event loop. Used by server.py; builds on the engine's Request and Sampling.
+its event loop. `to_request` turns a checked body into what it asks (`Asked`): the engine's
+Request, its stop strings, the prompt's text to echo, vLLM's prompt_logprobs. Used by
+server.py; builds on the engine's Request and Sampling.
 """
 
 import json
+import re
 import reprlib
+from dataclasses import dataclass, fields
 
 from jinja2.exceptions import TemplateError
 
-from tinyllm.requests import Request
+from tinyllm.requests import Request, check_token_stage
 from tinyllm.sampling import Sampling
 
 COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE = "completions", "chat", "tokenize", "detokenize"
@@ -46,7 +58,8 @@ class APIError(Exception):
         }
 
 
-# the fields the server reads: name -> (the JSON types it takes, the endpoints that read it)
+# the fields the server reads: name -> (the JSON types it takes, or {endpoint: types} where
+# they differ, and the endpoints that read it)
 FIELDS = {
     "model": (str, GENERATE | {TOKENIZE, DETOKENIZE}),
     "prompt": ((str, list), {COMPLETIONS, TOKENIZE}),
@@ -56,11 +69,24 @@ FIELDS = {
     "temperature": (NUMBER, GENERATE),
     "top_p": (NUMBER, GENERATE),
     "top_k": (int, GENERATE),
+    "min_p": (NUMBER, GENERATE),
     "seed": (int, GENERATE),
+    "n": (int, GENERATE),
+    "best_of": (int, {COMPLETIONS}),  # equal to n, or not at all
+    "presence_penalty": (NUMBER, GENERATE),
+    "frequency_penalty": (NUMBER, GENERATE),
+    "repetition_penalty": (NUMBER, GENERATE),
+    "logit_bias": (dict, GENERATE),
     "stop": ((str, list), GENERATE),
+    "stop_token_ids": (list, GENERATE),
+    "min_tokens": (int, GENERATE),
+    "ignore_eos": (bool, GENERATE),
+    "logprobs": ({COMPLETIONS: int, CHAT: bool}, GENERATE),
+    "top_logprobs": (int, {CHAT}),
+    "prompt_logprobs": (int, GENERATE),
+    "echo": (bool, {COMPLETIONS}),
     "stream": (bool, GENERATE),
     "stream_options": (dict, GENERATE),
-    "ignore_eos": (bool, GENERATE),
     "add_special_tokens": (bool, GENERATE | {TOKENIZE}),
     "add_generation_prompt": (bool, {CHAT, TOKENIZE}),
     "return_token_strs": (bool, {TOKENIZE}),
@@ -74,19 +100,12 @@ REQUIRED = {COMPLETIONS: "prompt", CHAT: "messages", DETOKENIZE: "tokens"}
 CHAT_T = {CHAT, TOKENIZE}
 NO_OPS = {
     # OpenAI's, both endpoints
-    "n": (GENERATE, (1,), "several choices per request"),
-    "echo": (GENERATE, (False,), "the prompt echoed in the answer"),
-    "frequency_penalty": (GENERATE, (0.0,), "a frequency penalty"),
-    "presence_penalty": (GENERATE, (0.0,), "a presence penalty"),
-    "logit_bias": (GENERATE, ({},), "a logit bias"),
-    "logprobs": (GENERATE, (False,), "log probabilities"),
+    "echo": ({CHAT}, (False,), "the last message echoed"),
     "response_format": (GENERATE, ({"type": "text"},), "structured output"),
     "user": (GENERATE, str, ""),
     # OpenAI's, completions
-    "best_of": ({COMPLETIONS}, (1,), "the best of several answers"),
     "suffix": ({COMPLETIONS}, ("",), "a suffix to fill in before"),
     # OpenAI's, chat
-    "top_logprobs": ({CHAT}, (0,), "log probabilities"),
     "tools": (CHAT_T, ([],), "tool calls"),
     "tool_choice": ({CHAT}, ("none", "auto"), "tool calls"),
     "parallel_tool_calls": ({CHAT}, bool, ""),  # without tools, either way
@@ -104,10 +123,6 @@ NO_OPS = {
     "prompt_cache_key": ({CHAT}, str, ""),
     "safety_identifier": ({CHAT}, str, ""),
     # vLLM's sampling parameters
-    "repetition_penalty": (GENERATE, (1.0,), "a repetition penalty"),
-    "min_p": (GENERATE, (0.0,), "min-p sampling"),
-    "min_tokens": (GENERATE, (0,), "a least number of tokens"),
-    "stop_token_ids": (GENERATE, ([],), "stop token ids"),
     "include_stop_str_in_output": (GENERATE, (False,), "the stop string in the answer"),
     "skip_special_tokens": (GENERATE, (True,), "special tokens in the answer's text"),
     "spaces_between_special_tokens": (GENERATE, (True,), "special tokens in the answer's text"),
@@ -116,7 +131,6 @@ NO_OPS = {
     "bad_words": (GENERATE, ([],), "bad words"),
     "allowed_token_ids": (GENERATE, (), "a set of allowed tokens"),
     "truncate_prompt_tokens": (GENERATE, (), "prompt truncation"),
-    "prompt_logprobs": (GENERATE, (), "the prompt's log probabilities"),
     "logits_processors": (GENERATE, (), "logits processors"),
     # vLLM's other parameters
     **{
@@ -203,6 +217,7 @@ def check_field(name: str, value, kind: str) -> None:
     takes: of its type, if the server reads it; else one that changes nothing."""
     if name in FIELDS and kind in FIELDS[name][1]:
         types = FIELDS[name][0]
+        types = types[kind] if isinstance(types, dict) else types
         if value is not None and (
             not isinstance(value, types) or (isinstance(value, bool) and types is not bool)
         ):
@@ -435,9 +450,60 @@ def prompt_ids(tok, body: dict, kind: str, limit: tuple[int, int] | None) -> lis
 
 
 # ---- the engine's request -----------------------------------------------------------------------
-def sampling_of(body: dict) -> Sampling:
-    """The body's sampling settings (OpenAI's defaults: temperature 1, top_p 1; top_k 0 or -1
-    is none, as vLLM has it)."""
+MAX_N = 128  # choices a request, at most (OpenAI's bound)
+MAX_LOGPROBS = 20  # alternatives a token, at most (vLLM's default bound; OpenAI's is 5 or 20)
+MAX_BIAS = 100  # a logit bias is in [-100, 100], as OpenAI has it
+
+
+def count_in(body: dict, name: str, lo: int, hi: int) -> int | None:
+    """body[name] (an int, checked by type already), or None; a 400 naming it outside [lo, hi]."""
+    value = body.get(name)
+    if value is not None and not lo <= value <= hi:
+        raise APIError(400, f"{name} must be in [{lo}, {hi}], got {value}", name)
+    return value
+
+
+def logprobs_of(body: dict, kind: str) -> int | None:
+    """The alternatives each answer token's logprobs list, or None for no logprobs: completions'
+    `logprobs` (an int), chat's `top_logprobs` when `logprobs` is true (0 without it, as OpenAI
+    refuses top_logprobs without logprobs)."""
+    if kind == COMPLETIONS:
+        return count_in(body, "logprobs", 0, MAX_LOGPROBS)
+    top = count_in(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not body.get("logprobs"):
+        if top:
+            raise APIError(
+                400, "top_logprobs needs logprobs: true (as OpenAI has it)", "top_logprobs"
+            )
+        return None
+    return top or 0
+
+
+def logit_bias_of(body: dict) -> dict[int, float]:
+    """logit_bias as {token id: bias}: its keys token ids as strings (JSON's keys are), its
+    values numbers in [-100, 100]; the ids are checked against the vocabulary later."""
+    out = {}
+    for key, bias in (body.get("logit_bias") or {}).items():
+        try:
+            t = int(key)
+        except ValueError:
+            raise APIError(
+                400, f"logit_bias has the key {shown(key)}, which is no token id", "logit_bias"
+            ) from None
+        if isinstance(bias, bool) or not isinstance(bias, NUMBER) or not abs(bias) <= MAX_BIAS:
+            raise APIError(
+                400,
+                f"logit_bias[{shown(key)}] is {shown(bias)}: a bias is a number in "
+                f"[-{MAX_BIAS}, {MAX_BIAS}]",
+                "logit_bias",
+            )
+        out[t] = float(bias)
+    return out
+
+
+def sampler_of(body: dict) -> dict:
+    """The sampler's settings (OpenAI's defaults: temperature 1, top_p 1; top_k 0 or -1 is
+    none, as vLLM has it), as Sampling's keywords."""
     temperature, top_p = body.get("temperature"), body.get("top_p")
     temperature = 1.0 if temperature is None else float(temperature)
     if not 0 <= temperature <= 2:
@@ -448,12 +514,61 @@ def sampling_of(body: dict) -> Sampling:
     top_k = body.get("top_k")
     if top_k is not None and top_k < -1:
         raise APIError(400, f"top_k must be >= 1 (or 0 or -1 for none), got {top_k}", "top_k")
-    try:
-        return Sampling(
-            temperature, top_k if top_k and top_k > 0 else None, top_p, seed=body.get("seed")
+    top_k = top_k if top_k and top_k > 0 else None
+    return dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=body.get("min_p") or 0.0)
+
+
+def engine_error(e: ValueError, kind: str) -> APIError:
+    """The engine's refusal of a setting as a 400 naming the body's field: its message starts
+    with the setting's name (Sampling's, or check_token_stage's)."""
+    names = sorted((f.name for f in fields(Sampling)), key=len, reverse=True)
+    name = next((n for n in names if re.match(rf"{n}\b", str(e))), None)
+    if kind == CHAT and name == "logprobs":
+        name = "top_logprobs"
+    return APIError(400, str(e), name)
+
+
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def sampling_of(body: dict, kind: str, vocab_size: int, echo: bool = False) -> Sampling:
+    """The body's Sampling: sampler, penalties, logit bias, stop token ids, min tokens, n
+    choices (choice i seeded seed + i), logprobs (and the prompt's, for echo or vLLM's
+    prompt_logprobs); its token ids checked against vocab_size. A 400 names a bad field."""
+    n = count_in(body, "n", 1, MAX_N) or 1
+    if body.get("best_of") not in (None, n):
+        raise APIError(
+            400,
+            f"best_of={shown(body['best_of'])} is not supported (the best of several "
+            f"answers): this server takes only best_of equal to n ({n}), or null",
+            "best_of",
         )
+    logprobs = logprobs_of(body, kind)
+    prompt = count_in(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+    if prompt is not None and body.get("stream"):
+        raise APIError(
+            400, "prompt_logprobs are not given in a stream (as vLLM has it)", "prompt_logprobs"
+        )
+    if echo and logprobs is not None:  # the echoed prompt's logprobs come first
+        prompt = max(prompt or 0, logprobs)
+    penalties = {k: body[k] for k in PENALTIES if body.get(k) is not None}
+    try:
+        sampling = Sampling(
+            **sampler_of(body),
+            **penalties,
+            seed=body.get("seed"),
+            logit_bias=logit_bias_of(body),
+            stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+            ignore_eos=bool(body.get("ignore_eos")),
+            min_tokens=body.get("min_tokens") or 0,
+            logprobs=logprobs,
+            prompt_logprobs=prompt,
+            n=n,
+        )
+        check_token_stage(sampling, vocab_size)
     except ValueError as e:
-        raise APIError(400, str(e), "seed") from None
+        raise engine_error(e, kind) from None
+    return sampling
 
 
 def stops_of(body: dict) -> list[str]:
@@ -480,10 +595,30 @@ def max_tokens_of(body: dict, kind: str, n_prompt: int, max_len: int) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class Asked:
+    """What a checked body asks: the engine's Request (its sampling's n choices, logprobs and
+    prompt logprobs), the stop strings, the prompt's text to echo before each choice's
+    (completions' echo; None: no echo), and the alternatives a token in vLLM's prompt_logprobs
+    (None: none asked)."""
+
+    request: Request
+    stops: list[str]
+    echo: str | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def plain(self) -> bool:
+        """One choice, no logprobs, no echo: the stream sse_events writes."""
+        s = self.request.sampling
+        return s.n == 1 and s.logprobs is None and self.echo is None and s.prompt_logprobs is None
+
+
 def to_request(
-    body: dict, kind: str, ids: list[int], tok, max_len: int
-) -> tuple[Request, list[str]]:
-    """The engine Request of a checked body whose prompt is ids, and its stop strings."""
+    body: dict, kind: str, ids: list[int], tok, max_len: int, vocab_size: int | None = None
+) -> Asked:
+    """What a checked body whose prompt is ids asks (its token ids in settings checked against
+    vocab_size, the tokenizer's by default)."""
     param = "prompt" if kind == COMPLETIONS else "messages"
     if not ids:
         raise APIError(400, f"{param} is empty", param)
@@ -496,5 +631,21 @@ def to_request(
             f"{param}, {max_tokens} to generate)",
             param,
         )
-    eos = None if body.get("ignore_eos") else (tok.eos_ids or None)
-    return (Request(ids, max_tokens, eos_id=eos, sampling=sampling_of(body)), stops_of(body))
+    if (body.get("min_tokens") or 0) > max_tokens:
+        raise APIError(
+            400,
+            f"min_tokens ({body['min_tokens']}) is more than max_tokens ({max_tokens})",
+            "min_tokens",
+        )
+    echo = echo_text(body, ids, tok) if kind == COMPLETIONS and body.get("echo") else None
+    sampling = sampling_of(body, kind, vocab_size or tok.vocab_size, echo is not None)
+    request = Request(ids, max_tokens, eos_id=tok.eos_ids or None, sampling=sampling)
+    return Asked(request, stops_of(body), echo, body.get("prompt_logprobs"))
+
+
+def echo_text(body: dict, ids: list[int], tok) -> str:
+    """The prompt as echoed: its text as sent, or its token ids' text."""
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else tok.decode(ids)

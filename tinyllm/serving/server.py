@@ -9,18 +9,22 @@ serve.
 
 Two processes, as in vLLM. The engine runs in one of its own (`engine_process`), and one pipe
 joins it to the HTTP side, in the typed messages of messages.py: `Add(key, request)` and
-`Abort(key)` go in; after each step one `StepReport` comes back, with the step's tokens, the
-requests refused, the engine's load, its KV use and its cache's verdict on its books
-(`check_integrity`, asked whenever the engine is idle). The HTTP side (uvicorn's event loop)
-reads the reports and hands each token to the queue of the request it belongs to
-(`EngineLoop`). Each HTTP request is one coroutine: it reads the body a chunk at a time (a 413
-past max_body bytes), checks it as api.py says (a 400 naming the field: every field OpenAI's
-and vLLM's APIs define is taken where its value changes nothing, refused where it would ask
-for what the server does not do), tokenizes its prompt off the event loop (a prompt too long
-to fit is refused by its size first), submits one `Request` (a 429 when max_waiting requests
-already wait), then reads its queue, turning tokens into text a settled piece at a time
-(textstream.py), and streams them as server-sent events (`sse_events`). A client that goes
-away aborts its request: its slot and blocks are free before the next step, and nothing else
+`Abort(key)` go in; after each step one `StepReport` comes back, with the step's tokens (and
+the logprobs of those that ask for them), the requests refused, the engine's load, its KV use
+and its cache's verdict on its books (`check_integrity`, asked whenever the engine is idle).
+The HTTP side (uvicorn's event loop) reads the reports and hands each token to the queue of
+the request it belongs to (`EngineLoop`). Each HTTP request is one coroutine: it reads the
+body a chunk at a time (a 413 past max_body bytes), checks it as api.py says (a 400 naming the
+field: every field OpenAI's and vLLM's APIs define is read, or taken where its value changes
+nothing, or refused where it would ask for what the server does not do), tokenizes its prompt
+off the event loop (a prompt too long to fit is refused by its size first), and submits one
+`Request`. A request of n choices is n sequences in the engine, each its own key here (a 429
+when max_waiting sequences would wait). It then reads its queue (`Answer`), turning each
+choice's tokens into text a settled piece at a time (textstream.py, each choice with the stop
+strings), with their logprobs when asked, and streams them as server-sent events (one plain
+choice by `sse_events`, any other by responses.choice_events) or collects them into one body
+(responses.py; logprobs spelled as logprobs.py says). A client that goes away aborts every
+choice of its request: their slots and blocks are free before the next step, and nothing else
 in flight notices. `/health` says whether the engine runs and its KV cache's books are sound;
 it answers at once whatever the other requests are doing. Every error is an OpenAI-style JSON
 body, a server's fault a 500 that says what failed.
@@ -34,6 +38,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +54,7 @@ from tinyllm.serving.api import (
     MAX_BODY,
     TOKENIZE,
     APIError,
+    Asked,
     check_body,
     check_model,
     check_token_ids,
@@ -57,20 +63,34 @@ from tinyllm.serving.api import (
     prompt_ids,
     to_request,
 )
+from tinyllm.serving.logprobs import TokenTexts, vllm_prompt_logprobs
 from tinyllm.serving.messages import Abort, Add, Failed, Ready, StepReport, Stop
+from tinyllm.serving.responses import (
+    Piece,
+    Spelling,
+    answer_body,
+    choice_events,
+    echo_first,
+    joined,
+    sse_event,
+)
+from tinyllm.serving.responses import usage as usage  # the exercise's files take it from here
 from tinyllm.serving.textstream import TextStream
 
 
 # ---- the engine loop: the engine in a process of its own ----------------------------------------
 @dataclass
 class Ticket:
-    """One submitted request, as the HTTP side knows it: its Request, its key (the id both
-    processes call it by), and the queue its events arrive on (an Event each, or an APIError
-    if the engine refused it or failed)."""
+    """One choice of a submitted request, as the HTTP side knows it: its Request, its key (the
+    id both processes call it by), the queue its events arrive on (an Event each, or an
+    APIError if the engine refused it or failed; the choices of one request share one queue),
+    and its tokens' logprobs, in the order of its events: (the token's TokenLogprobs, the
+    prompt's list) or None for each, as the step reports bring them."""
 
     request: Request
     key: int = -1
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    logprobs: deque = field(default_factory=deque)
 
 
 class EngineLoop:
@@ -82,8 +102,10 @@ class EngineLoop:
     an `Add` or an `Abort` goes in per request; one `StepReport` per step comes out, with
     every token of the step, the engine's load and its KV cache's integrity (None when its
     books are sound, else the sentence that says what is wrong). The HTTP side reads the
-    pipe on its event loop and puts each token in its request's queue. At most max_waiting
-    requests wait for a slot at once; more are refused with a 429."""
+    pipe on its event loop and puts each token in its request's queue. A request of n choices
+    is n sequences in the engine, n tickets here (keys key, key + 1, ...) and one Add. At most
+    max_waiting sequences wait for a slot at once; a request that would make more is refused
+    with a 429."""
 
     def __init__(self, engine: ContinuousEngine, max_waiting: int = 64):
         self.engine, self.max_waiting = engine, max_waiting
@@ -140,25 +162,33 @@ class EngineLoop:
         waiting, running = self.reported
         return waiting + self.submitted, running
 
-    def submit(self, ticket: Ticket) -> None:
+    def submit(self, tickets: list[Ticket]) -> None:
+        """Send one request, its choices' tickets in order (one Add, their keys consecutive)."""
         if self.failed:
             raise APIError(500, f"the engine failed: {self.failed}", kind="server_error")
-        if self.request_counts()[0] >= self.max_waiting:
+        waiting, n = self.request_counts()[0], len(tickets)
+        if waiting + n > self.max_waiting:
             raise APIError(
                 429,
-                f"the server is full: {self.max_waiting} requests already wait "
-                f"for a slot; retry later",
+                f"the server is full: {waiting} sequences already wait for a slot, of "
+                f"{self.max_waiting} at most"
+                + (f", and this request's {n} choices would be {n} more" if n > 1 else "")
+                + "; retry later",
                 kind="rate_limit_error",
             )
-        ticket.key, self.next_key = self.next_key, self.next_key + 1
-        self.tickets[ticket.key] = ticket
-        self.submitted += 1
-        self.conn.send(Add(ticket.key, ticket.request))
+        for i, ticket in enumerate(tickets):
+            ticket.key = self.next_key + i
+            self.tickets[ticket.key] = ticket
+        self.next_key += n
+        self.submitted += n
+        self.conn.send(Add(tickets[0].key, tickets[0].request))
 
-    def abort(self, ticket: Ticket) -> None:
-        """The client went away (or a stop string ended it): drop its request wherever it is."""
-        if self.tickets.pop(ticket.key, None) is not None and not self.failed:
-            self.conn.send(Abort(ticket.key))
+    def abort(self, *tickets: Ticket) -> None:
+        """The client went away (or a stop string ended a choice): drop these choices wherever
+        they are."""
+        for ticket in tickets:
+            if self.tickets.pop(ticket.key, None) is not None and not self.failed:
+                self.conn.send(Abort(ticket.key))
 
     def _read(self) -> None:
         """On the event loop, when the engine has written: each step's news to its requests."""
@@ -181,6 +211,9 @@ class EngineLoop:
         self.submitted -= report.taken
         self.reported, self.kv_used = report.request_counts, report.kv_used
         self.integrity = report.integrity
+        for i, (key, _, _) in enumerate(report.tokens):  # logprobs first, then their tokens
+            if (ticket := self.tickets.get(key)) is not None:
+                ticket.logprobs.append(report.logprobs.get(i))
         dispatch(self.tickets, report.tokens, report.refused)
 
     def _fail(self, why: str) -> None:
@@ -240,18 +273,15 @@ def engine_process(engine: ContinuousEngine, conn, n_threads: int) -> None:
         try:
             if (news := read_messages(engine, conn, keys)) is None:
                 return  # a Stop, or the server is gone
-            tokens = keys.tokens_of(engine, engine.step() if engine.has_work() else [])
+            tokens, logprobs = keys.tokens_of(engine, engine.step() if engine.has_work() else [])
             if not engine.has_work():
                 integrity = engine.cache.check_integrity(idle=True)
         except Exception as e:  # the engine cannot go on: say why
             conn.send(Failed(f"{type(e).__name__}: {e}"))
             return
         taken, refused = news
-        conn.send(
-            StepReport(
-                tokens, refused, taken, engine.request_counts(), engine.kv_used_frac(), integrity
-            )
-        )
+        counts, kv_used = engine.request_counts(), engine.kv_used_frac()
+        conn.send(StepReport(tokens, refused, taken, counts, kv_used, integrity, logprobs))
 
 
 @dataclass
@@ -271,25 +301,29 @@ class Keys:
             del self.key_of[rid]
         return rid
 
-    def tokens_of(self, engine: ContinuousEngine, events) -> list[tuple[int, int, str | None]]:
-        """A step's events as (key, token, finish_reason or None); a finished request leaves
-        the books, and its Result the engine's."""
-        tokens = []
+    def tokens_of(self, engine: ContinuousEngine, events) -> tuple[list, dict]:
+        """A step's events as (key, token, finish_reason or None), and the logprobs of those
+        that have them: {index in tokens: (TokenLogprobs or None, the prompt's or None)}. A
+        finished request leaves the books, and its Result the engine's."""
+        tokens, logprobs = [], {}
         for ev in events:
             key = self.key_of[ev.rid]
+            if ev.logprobs is not None or ev.prompt_logprobs is not None:
+                logprobs[len(tokens)] = (ev.logprobs, ev.prompt_logprobs)
             tokens.append((key, ev.token, ev.finish_reason if ev.done else None))
             if ev.done:
                 self.pop(key)
                 engine.results.pop(ev.rid, None)
-        return tokens
+        return tokens, logprobs
 
 
 def read_messages(
     engine: ContinuousEngine, conn, keys: Keys
 ) -> tuple[int, list[tuple[int, str]]] | None:
     """Every message waiting in the pipe, acted on: an Add queues its request (or refuses it,
-    with the engine's reason), an Abort drops its request. Returns (the Adds taken, the
-    requests refused as (key, message)), or None at a Stop or the pipe's end."""
+    with the engine's reason), its n choices under keys key, key + 1, ... (the engine's ids
+    rid, rid + 1, ...); an Abort drops one choice. Returns (the sequences taken, the choices
+    refused as (key, message)), or None at a Stop or the pipe's end."""
     taken, refused = 0, []
     while conn.poll():
         try:
@@ -298,11 +332,15 @@ def read_messages(
             return None
         match message:
             case Add(key, request):
-                taken += 1
+                n = getattr(request.sampling, "n", 1)
+                taken += n
                 try:
-                    keys.add(key, engine.add_request(request))
+                    rid = engine.add_request(request)
                 except (ValueError, TypeError) as e:
-                    refused.append((key, str(e)))
+                    refused += [(key + i, str(e)) for i in range(n)]
+                else:
+                    for i in range(n):
+                        keys.add(key + i, rid + i)
             case Abort(key):
                 if (rid := keys.pop(key)) is not None:
                     engine.abort(rid)
@@ -319,8 +357,9 @@ def read_messages(
 class Served:
     """What the server serves: the engine loop, the tokenizer (with the model's chat template
     and its EOS ids), the model's name, the positions a request may use, the most characters
-    one token stands for (a longer prompt is refused by its size before it is tokenized) and
-    the largest body it reads, in bytes."""
+    one token stands for (a longer prompt is refused by its size before it is tokenized), the
+    largest body it reads, in bytes, the model's vocabulary size (None: the tokenizer's) and
+    its tokens' texts as logprobs spell them."""
 
     loop: EngineLoop
     tok: object
@@ -329,6 +368,8 @@ class Served:
     metrics: object = None
     token_chars: int = 1
     max_body: int = MAX_BODY
+    vocab_size: int | None = None
+    texts: TokenTexts | None = None
 
     def limit(self) -> tuple[int, int]:
         """(positions a request may use, characters a token stands for at most)."""
@@ -386,16 +427,19 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-async def next_event(loop: EngineLoop, ticket: Ticket):
-    """The ticket's next event (an Event or an APIError). A ticket that left the loop's books
-    without its last event (dispatch forgot it) fails with a 500, rather than wait for ever."""
-    if not ticket.events.empty():
-        return ticket.events.get_nowait()
+async def next_event(loop: EngineLoop, tickets: list[Ticket]):
+    """The next event of these choices' shared queue (an Event or an APIError). Choices that
+    all left the loop's books without their last event (dispatch forgot them) fail with a 500,
+    rather than wait for ever."""
+    events = tickets[0].events
+    if not events.empty():
+        return events.get_nowait()
     while True:
         try:
-            return await asyncio.wait_for(ticket.events.get(), 1.0)
+            return await asyncio.wait_for(events.get(), 1.0)
         except asyncio.TimeoutError:
-            if ticket.key not in loop.tickets and ticket.events.empty() and not loop.failed:
+            gone = all(t.key not in loop.tickets for t in tickets)
+            if gone and events.empty() and not loop.failed:
                 raise APIError(
                     500,
                     "the request left the engine loop's books before its last "
@@ -404,40 +448,96 @@ async def next_event(loop: EngineLoop, ticket: Ticket):
                 ) from None
 
 
-async def answer(served: Served, ticket: Ticket, stops: list[str], n_prompt: int):
-    """Yield (text piece, finish_reason or None, tokens so far) as the request's events come;
-    the last item has its finish_reason. The request is aborted if the consumer stops early
-    (a client that went away) or a stop string ends it before the engine does."""
-    m, stream = served.metrics, TextStream(served.tok.decode, stops)
-    m.prompt.inc(n_prompt)
-    t0 = last = time.perf_counter()
-    over = False
-    try:
-        while True:
-            ev = await next_event(served.loop, ticket)
-            if isinstance(ev, APIError):
-                raise ev
-            now = time.perf_counter()
-            (m.ttft if not stream.tokens else m.itl).observe(now - last)
-            last = now
-            m.generated.inc()
-            piece = stream.push(ev.token)
-            if stream.stopped or ev.done:
-                over = True
-                reason = "stop" if stream.stopped else ev.finish_reason
-                if not stream.stopped:
-                    piece += stream.finish()
-                elif not ev.done:
-                    served.loop.abort(ticket)  # the stop string ended it first
-                m.e2e.observe(now - t0)
-                m.finished.labels(reason).inc()
-                yield piece, reason, len(stream.tokens)
-                return
-            if piece:
-                yield piece, None, len(stream.tokens)
-    finally:
-        if not over:
-            served.loop.abort(ticket)
+class Answer:
+    """One request's answer as its choices' events come: each choice's tokens become text a
+    settled piece at a time (TextStream, with the request's stop strings), and `pieces()`
+    yields them as Pieces, with their tokens' logprobs when asked. A choice ends at its last
+    event, or at a stop string, which aborts it in the engine; the prompt's logprobs come
+    with choice 0's first event, and when they are asked no piece goes out before them. The
+    choices left are aborted if the consumer stops early (a client that went away)."""
+
+    def __init__(self, served: Served, tickets: list[Ticket], asked: Asked, n_prompt: int):
+        self.served, self.tickets, self.asked, self.n_prompt = served, tickets, asked, n_prompt
+        n, sampling = len(tickets), asked.request.sampling
+        self.streams = [TextStream(served.tok.decode, asked.stops) for _ in range(n)]
+        self.over = [False] * n
+        self.tokens: list[list] = [[] for _ in range(n)]  # each choice's since its last piece
+        self.logprobs: list[list] = [[] for _ in range(n)]
+        self.wants_logprobs = sampling.logprobs is not None
+        self.wants_prompt = sampling.prompt_logprobs is not None
+        self.prompt_logprobs: list | None = None  # the prompt's, once they came
+        self.t0, self.started = time.perf_counter(), False
+        self.last = [None] * n  # when each choice's last token came
+
+    def live(self) -> list[Ticket]:
+        return [t for t, over in zip(self.tickets, self.over) if not over]
+
+    async def pieces(self):
+        """Yield the choices' Pieces as their events come; each choice's last has its
+        finish_reason."""
+        self.served.metrics.prompt.inc(self.n_prompt)
+        held = []
+        try:
+            while not all(self.over):
+                ev = await next_event(self.served.loop, self.live())
+                if isinstance(ev, APIError):
+                    raise ev
+                if (piece := self.take(ev)) is not None:
+                    held.append(piece)
+                if not self.wants_prompt or self.prompt_logprobs is not None or all(self.over):
+                    while held:
+                        yield held.pop(0)
+        finally:
+            self.served.loop.abort(*self.live())
+
+    def take(self, ev: Event) -> Piece | None:
+        """One event of choice ev.rid - the first key: its piece, if it settles one."""
+        i = ev.rid - self.tickets[0].key
+        ticket, stream = self.tickets[i], self.streams[i]
+        lp, prompt = (ticket.logprobs.popleft() if ticket.logprobs else None) or (None, None)
+        if self.over[i]:
+            return None  # a late token of a choice that a stop string ended
+        if prompt is not None:
+            self.prompt_logprobs = prompt
+        self.observe(i)
+        text = stream.push(ev.token)
+        self.tokens[i].append(ev.token)
+        self.logprobs[i].append(lp)
+        if not (stream.stopped or ev.done):
+            return self.piece(i, text, None) if text else None
+        self.over[i] = True
+        reason = "stop" if stream.stopped else ev.finish_reason
+        if not stream.stopped:
+            text += stream.finish()
+        elif not ev.done:
+            self.served.loop.abort(ticket)  # the stop string ended it first
+        self.served.metrics.finished.labels(reason).inc()
+        if all(self.over):
+            self.served.metrics.e2e.observe(time.perf_counter() - self.t0)
+        return self.piece(i, text, reason)
+
+    def observe(self, i: int) -> None:
+        """A token of choice i came: the request's first is its TTFT, a choice's next ones the
+        gaps between its tokens."""
+        m, now = self.served.metrics, time.perf_counter()
+        if not self.started:
+            m.ttft.observe(now - self.t0)
+            self.started = True
+        elif self.last[i] is not None:
+            m.itl.observe(now - self.last[i])
+        self.last[i] = now
+        m.generated.inc()
+
+    def piece(self, i: int, text: str, reason: str | None) -> Piece:
+        tokens, self.tokens[i] = self.tokens[i], []
+        logprobs, self.logprobs[i] = self.logprobs[i], []
+        n_out = len(self.streams[i].tokens)
+        return Piece(i, text, reason, n_out, tokens, logprobs if self.wants_logprobs else None)
+
+    def echo(self, i: int) -> Piece:
+        """Choice i's echoed prompt: its text, its tokens, their logprobs when asked."""
+        lps = self.prompt_logprobs if self.wants_logprobs else None
+        return Piece(i, self.asked.echo, None, 0, list(self.asked.request.prompt), lps)
 
 
 def as_api_error(e: Exception) -> APIError:
@@ -460,15 +560,6 @@ async def failing_plainly(awaitable):
         raise as_api_error(e) from e
 
 
-def usage(n_prompt: int, n_out: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-
-
-def sse_event(data) -> str:
-    """One server-sent event: `data: ` and its JSON (or [DONE]), then a blank line."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
 async def sse_events(pieces, kind: str, head: dict, n_prompt: int, include_usage: bool):
     """The server-sent events of one streamed answer, as strings (each one sse_event).
 
@@ -487,36 +578,15 @@ async def sse_events(pieces, kind: str, head: dict, n_prompt: int, include_usage
     data: {..head, "choices": [{"index": 0, "text": "Good", "finish_reason": null, ...}]},
     data: {..head, "choices": [{"index": 0, "text": " morrow", "finish_reason": "length", ...}]},
     data: [DONE]."""
-    if kind == "chat":
-        yield sse_event(
-            {
-                **head,
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "finish_reason": None,
-                        "logprobs": None,
-                    }
-                ],
-            }
-        )
-    n_out = 0
-    async for piece, reason, n_out in pieces:
-        content = (
-            {"text": piece}
-            if kind == "completions"
-            else {"delta": {"content": piece} if piece else {}}
-        )
-        yield sse_event(
-            {
-                **head,
-                "choices": [{"index": 0, **content, "finish_reason": reason, "logprobs": None}],
-            }
-        )
-    if include_usage:
-        yield sse_event({**head, "choices": [], "usage": usage(n_prompt, n_out)})
-    yield sse_event("[DONE]")
+    # one plain choice's stream, as responses.choice_events writes any (n choices, logprobs,
+    # an echo): the server calls this seam for a plain choice, choice_events for the others
+
+    async def as_pieces():
+        async for text, reason, n_out in pieces:
+            yield Piece(0, text, reason, n_out)
+
+    async for event in choice_events(as_pieces(), kind, head, n_prompt, include_usage):
+        yield event
 
 
 async def errors_as_events(events):
@@ -570,32 +640,41 @@ def too_large(limit: int) -> APIError:
 
 async def serve_completion(served: Served, http, kind: str):
     """POST /v1/completions (kind "completions") or /v1/chat/completions ("chat"): the body
-    checked, its prompt tokenized off the event loop, its Request submitted, and the answer
-    streamed as server-sent events, or collected into one JSON body."""
+    checked, its prompt tokenized off the event loop, its Request submitted (its n choices one
+    ticket each, sharing one queue), and the answer streamed as server-sent events, or
+    collected into one JSON body."""
     body = check_body(await json_body(http, served.max_body), kind)
     check_model(body, served.name)
     ids = await asyncio.to_thread(prompt_ids, served.tok, body, kind, served.limit())
-    req, stops = to_request(body, kind, ids, served.tok, served.max_len)
-    n_prompt = len(ids)
-    ticket = Ticket(req)
-    served.loop.submit(ticket)
+    asked = to_request(body, kind, ids, served.tok, served.max_len, served.vocab_size)
+    n, queue = asked.request.sampling.n, asyncio.Queue()
+    tickets = [Ticket(asked.request, events=queue) for _ in range(n)]
+    served.loop.submit(tickets)
     head = {
         "id": ("cmpl-" if kind == COMPLETIONS else "chatcmpl-") + uuid.uuid4().hex[:24],
         "object": {COMPLETIONS: "text_completion", CHAT: "chat.completion"}[kind],
         "created": int(time.time()),
         "model": served.name,
     }
-    pieces = answer(served, ticket, stops, n_prompt)
+    answer = Answer(served, tickets, asked, len(ids))
+    pieces = answer.pieces()
+    if asked.echo is not None:
+        pieces = echo_first(pieces, answer.echo)
+    spell = Spelling(served.texts, kind, asked.request.sampling.logprobs, n)
     if not body.get("stream"):
-        return await collected(http, pieces, kind, head, n_prompt)
+        return await collected(http, pieces, answer, kind, head, spell)
     from fastapi.responses import StreamingResponse
 
     if kind == CHAT:
         head["object"] += ".chunk"
     usage_too = bool((body.get("stream_options") or {}).get("include_usage"))
     # the stream starts with its first piece: a refusal before it is still a plain error
-    first = await failing_plainly(pieces.__anext__())
-    events = sse_events(starting_with(first, pieces), kind, head, n_prompt, usage_too)
+    pieces = starting_with(await failing_plainly(pieces.__anext__()), pieces)
+    if asked.plain:  # the exercise's seam writes the stream of one plain choice
+        triples = ((p.text, p.finish_reason, p.n_out) async for p in pieces)
+        events = sse_events(triples, kind, head, len(ids), usage_too)
+    else:
+        events = choice_events(pieces, kind, head, len(ids), usage_too, n, spell)
     return StreamingResponse(errors_as_events(events), media_type="text/event-stream")
 
 
@@ -643,33 +722,26 @@ def json_response(content: bytes, status: int = 200):
     return Response(content, status_code=status, media_type="application/json")
 
 
-async def collected(http, pieces, kind: str, head: dict, n_prompt: int):
-    """A non-streamed answer: its pieces (answer()) joined into one JSON body; a client that
-    goes away meanwhile aborts its request and gets a 499."""
+async def collected(http, pieces, answer: Answer, kind: str, head: dict, spell: Spelling):
+    """A non-streamed answer: its pieces joined into one JSON body (answer_body), vLLM's
+    prompt_logprobs in it when asked; a client that goes away meanwhile aborts its request and
+    gets a 499."""
     from fastapi.responses import Response
 
     async def collect():
-        text, reason, n_out = "", None, 0
-        async for piece, reason, n_out in pieces:
-            text += piece
-        return text, reason, n_out
+        return [piece async for piece in pieces]
 
     task = asyncio.ensure_future(collect())
     while not (await asyncio.wait([task], timeout=0.25))[0]:
         if await http.is_disconnected():  # the client went away: abort
             task.cancel()
             return Response(status_code=499)
-    text, reason, n_out = await failing_plainly(task)
-    choice = (
-        {"text": text}
-        if kind == COMPLETIONS
-        else {"message": {"role": "assistant", "content": text}}
-    )
-    return {
-        **head,
-        "choices": [{"index": 0, **choice, "finish_reason": reason, "logprobs": None}],
-        "usage": usage(n_prompt, n_out),
-    }
+    got = await failing_plainly(task)
+    k, prompt = answer.asked.prompt_logprobs, None
+    if k is not None and answer.prompt_logprobs is not None:
+        prompt = vllm_prompt_logprobs(answer.prompt_logprobs, answer.served.texts, k)
+    choices = joined(got, len(answer.tickets))
+    return answer_body(kind, head, choices, answer.n_prompt, spell, prompt)
 
 
 def error_response(e: APIError):
@@ -831,6 +903,7 @@ def build(
     """What make_app serves: an engine loop around engine (not started), with its metrics; a
     body over max_body bytes is refused."""
     loop = EngineLoop(engine, max_waiting)
+    chars, vocab = longest_token_chars(tok), engine.model.cfg.vocab_size
     return Served(
-        loop, tok, name, engine.max_len, Metrics(loop), longest_token_chars(tok), max_body
+        loop, tok, name, engine.max_len, Metrics(loop), chars, max_body, vocab, TokenTexts(tok)
     )
