@@ -1,7 +1,8 @@
 """Exercise 10 - serving: the settled pieces of a streamed answer, each step's tokens to their
-requests, the server-sent events of a stream, and the load generator's percentiles.
+requests, the server-sent events of a stream, the load generator's percentiles, and the token
+stage's penalties.
 
-Four seams of the reference package:
+Five seams of the reference package:
 - `tinyllm.serving.textstream.next_piece`: after each token the server decodes the whole answer so
   far and sends only what is settled: never an unfinished character, never the text of a stop
   string, nor the start of one until the next tokens decide;
@@ -9,14 +10,21 @@ Four seams of the reference package:
   step, the tokens it made for all requests; the HTTP side hands each to its request's queue;
 - `tinyllm.serving.server.sse_events`: a streamed answer goes out as server-sent events, the framing
   every OpenAI client reads (`data: {json}`, a blank line, and `data: [DONE]` at the end);
-- `tinyllm.serving.loadgen.percentile`: the p-th percentile of the latencies a run measured.
+- `tinyllm.serving.loadgen.percentile`: the p-th percentile of the latencies a run measured;
+- `tinyllm.logits_processors.apply_penalties`: the presence, frequency and repetition
+  penalties of every row of a step at once, from each row's counts of its tokens, before the
+  sampler picks (the token stage).
 
 Check your work with `make check EX=10` (or `check_exercise("10")` in notebook 10). The tests
 plug your functions into the server (and the load generator), stream answers through the
-official `openai` client, and compare every answer with solo generate().
+official `openai` client, and compare every answer with solo generate(); your apply_penalties
+runs inside a paged engine, on requests with penalties, against solo().
 """
 
 import math
+
+import torch
+from torch import Tensor
 
 from tinyllm.requests import Event
 from tinyllm.serving.server import APIError, Ticket, sse_event, usage
@@ -123,3 +131,20 @@ def percentile(xs: list[float], p: float) -> float:
     k = (len(xs) - 1) * p / 100
     lo, hi = math.floor(k), math.ceil(k)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def apply_penalties(logits: Tensor, counts: Tensor, seen: Tensor, presence: Tensor,
+                    frequency: Tensor, repetition: Tensor) -> Tensor:
+    """The penalties of every row at once, as vLLM applies them: logits (B, V); counts (B, V),
+    how often each token is among the row's generated tokens; seen (B, V) bool, whether it is
+    in the row's prompt or generated tokens; presence, frequency, repetition (B, 1), the rows'
+    penalties. Returns new logits (B, V), the input unchanged:
+    1) repetition: a seen token's logit is divided by the row's repetition penalty where it is
+       positive, multiplied by it where it is not (1.0 changes nothing);
+    2) then frequency and presence: logit - frequency * count - presence * (count > 0).
+    Example: logits [[2., -1., 0.5]], counts [[0, 2, 0]], seen [[True, True, False]],
+    presence [[0.5]], frequency [[0.25]], repetition [[2.]]
+    -> [[1., -2. - 0.5 - 0.5, 0.5]] = [[1., -3., 0.5]]."""
+    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)   # (B, V)
+    logits = torch.where(seen, scaled, logits)          # only the tokens the row has seen
+    return logits - frequency * counts - presence * (counts > 0)             # (B, V)

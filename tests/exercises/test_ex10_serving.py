@@ -1,7 +1,8 @@
 """Exercise 10 - serving: your next_piece inside the server's text stream, your dispatch between
 the engine's process and the requests, your sse_events on the wire, and your percentile inside
 the load generator. Every answer, streamed through the official `openai` client, equals the
-decoded solo generate() tokens, cut at its earliest stop string, no character split."""
+decoded solo generate() tokens, cut at its earliest stop string, no character split. Your
+apply_penalties inside a paged engine gives every request with penalties its solo() tokens."""
 
 import asyncio
 import json
@@ -11,11 +12,16 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
+from tests.conftest import make_tiny
 from tests.test_server import NAME, PROMPTS, Running, solo_text
-from tinyllm.course.check import explained
-from tinyllm.generate import generate
-from tinyllm.requests import Event
+from tinyllm.continuous import ContinuousEngine
+from tinyllm.course.check import divergence, explained
+from tinyllm.generate import generate, solo
+from tinyllm.logits_processors import penalize_row
+from tinyllm.requests import Event, Request
+from tinyllm.sampling import Sampling
 from tinyllm.serving import loadgen
 from tinyllm.serving.server import APIError, Ticket
 from tinyllm.serving.textstream import REPLACEMENT, TextStream
@@ -322,6 +328,261 @@ def test_loadgen_figures_use_your_percentile(impl, plug):
     assert out["ttft_p50_ms"] == pytest.approx(550.0) and out["ttft_p90_ms"] == pytest.approx(
         910.0
     ), f"TTFTs 100..1000 ms: p50 550, p90 910, got {out['ttft_p50_ms']}, {out['ttft_p90_ms']}"
+
+
+# ---- apply_penalties -------------------------------------------------------------------------
+def penalties_of(impl, logits, counts, seen, presence, frequency, repetition, what: str):
+    """impl.apply_penalties on plain lists, its answer checked for shape and dtype."""
+    logits = torch.tensor(logits, dtype=torch.float64)
+    args = (
+        torch.tensor(counts),
+        torch.tensor(seen),
+        *(torch.tensor(x, dtype=torch.float64) for x in (presence, frequency, repetition)),
+    )
+    with explained(f"apply_penalties ({what})"):
+        got = impl.apply_penalties(logits, *args)
+    assert isinstance(got, torch.Tensor) and got.shape == logits.shape, (
+        f"apply_penalties returns new logits of the logits' shape {tuple(logits.shape)}, got "
+        f"{got!r}"
+    )
+    assert got.dtype == logits.dtype, (
+        f"apply_penalties returns logits of the input's dtype {logits.dtype}, got {got.dtype}"
+    )
+    return got
+
+
+def first_difference(got, want, tol: float = 0.0, row: int = 0) -> str | None:
+    """'row 1, token 7: expected -3.0, got -2.0' for the first value off by more than tol
+    (relative, at least 1 in absolute), None when every value agrees; rows numbered from
+    `row`."""
+    got, want = torch.as_tensor(got).tolist(), torch.as_tensor(want).tolist()
+    for b, (g_row, w_row) in enumerate(zip(got, want), start=row):
+        for t, (g, w) in enumerate(zip(g_row, w_row)):
+            if not (g == w or abs(g - w) <= tol * max(1.0, abs(w))):
+                return f"row {b}, token {t}: expected {w!r}, got {g!r}"
+    return None
+
+
+def test_apply_penalties_worked_example(impl):
+    """The docstring's example: repetition first (token 0 halved, token 1 doubled away from
+    zero), then frequency and presence on the generated token 1; token 2 was never seen."""
+    got = penalties_of(
+        impl,
+        [[2.0, -1.0, 0.5]],
+        [[0, 2, 0]],
+        [[True, True, False]],
+        [[0.5]],
+        [[0.25]],
+        [[2.0]],
+        "the docstring's example",
+    )
+    msg = first_difference(got, [[1.0, -3.0, 0.5]])
+    assert msg is None, (
+        f"logits [[2., -1., 0.5]], counts [[0, 2, 0]], seen [[True, True, False]], presence "
+        f"0.5, frequency 0.25, repetition 2: expected [[1., -3., 0.5]] (token 1: -1 * 2 = -2, "
+        f"then - 0.25 * 2 - 0.5), {msg}"
+    )
+
+
+def test_repetition_divides_positive_logits_and_multiplies_the_others(impl):
+    """Repetition pushes every seen token's logit towards less likely: a positive one is
+    divided by it, a negative one multiplied (a penalty below 1 does the opposite); a token
+    never seen keeps its logit, and repetition alone never touches counts."""
+    logits = [[3.0, -3.0, 0.0, 1.5, -0.5]] * 2
+    seen = [[True, True, True, False, False]] * 2
+    got = penalties_of(
+        impl,
+        logits,
+        [[0] * 5] * 2,
+        seen,
+        [[0.0], [0.0]],
+        [[0.0], [0.0]],
+        [[1.5], [0.5]],
+        "repetition alone",
+    )
+    want = [[2.0, -4.5, 0.0, 1.5, -0.5], [6.0, -1.5, 0.0, 1.5, -0.5]]
+    msg = first_difference(got, want)
+    assert msg is None, (
+        f"logits [3, -3, 0, 1.5, -0.5], tokens 0..2 seen, repetition 1.5 (row 0) and 0.5 "
+        f"(row 1): a positive logit / penalty, a negative one * penalty, an unseen one as it "
+        f"was: expected {want}, {msg}"
+    )
+
+
+def test_presence_and_frequency_come_from_the_counts(impl):
+    """frequency * count, and presence once for every token generated at least once; a token
+    seen only in the prompt (count 0) is not charged; negative penalties encourage."""
+    counts = [[0, 1, 3, 0, 2]] * 2
+    seen = [[False, True, True, True, True]] * 2  # token 3: in the prompt only
+    got = penalties_of(
+        impl,
+        [[0.0] * 5] * 2,
+        counts,
+        seen,
+        [[0.5], [-1.0]],
+        [[0.25], [-0.5]],
+        [[1.0], [1.0]],
+        "presence and frequency",
+    )
+    want = [[0.0, -0.75, -1.25, 0.0, -1.0], [0.0, 1.5, 2.5, 0.0, 2.0]]
+    msg = first_difference(got, want)
+    assert msg is None, (
+        f"logits 0, counts {counts[0]} (token 3 seen in the prompt only): row 0 presence 0.5, "
+        f"frequency 0.25; row 1 presence -1, frequency -0.5: expected {want}, {msg}"
+    )
+
+
+def test_each_row_has_its_own_penalties(impl):
+    """One batch, three rows with the same logits and history but their own penalties: a
+    row's result comes from its own (B, 1) penalties alone."""
+    rows = [(0.5, 0.25, 2.0), (0.0, 1.0, 1.0), (1.0, 0.0, 0.5)]
+    got = penalties_of(
+        impl,
+        [[2.0, -1.0, 0.5, 1.0]] * 3,
+        [[0, 2, 0, 1]] * 3,
+        [[True, True, False, True]] * 3,
+        [[p] for p, _, _ in rows],
+        [[f] for _, f, _ in rows],
+        [[r] for _, _, r in rows],
+        "three rows, each its own penalties",
+    )
+    want = [[1.0, -3.0, 0.5, -0.25], [2.0, -3.0, 0.5, 0.0], [4.0, -1.5, 0.5, 1.0]]
+    for b, (p, f, r) in enumerate(rows):
+        msg = first_difference(got[b : b + 1], want[b : b + 1], row=b)
+        assert msg is None, (
+            f"row {b} (presence {p}, frequency {f}, repetition {r}) of logits [2, -1, 0.5, 1], "
+            f"counts [0, 2, 0, 1]: expected {want[b]}, got {got[b].tolist()} ({msg})"
+        )
+
+
+def random_rows(n: int, vocab: int, seed: int):
+    """n rows of random float64 logits and histories, with random penalties (row 1 none)."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=g, dtype=torch.float64) * 3
+    counts = torch.zeros(n, vocab, dtype=torch.long)
+    seen = torch.zeros(n, vocab, dtype=torch.bool)
+    rows = []
+    for b in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        output = [rng.randrange(vocab // 2) for _ in range(rng.randint(0, 20))]
+        for t in output:
+            counts[b, t] += 1
+        seen[b, prompt + output] = True
+        pen = (
+            (0.0, 0.0, 1.0)
+            if b == 1
+            else (rng.uniform(-2, 2), rng.uniform(-2, 2), rng.uniform(0.3, 3.0))
+        )
+        rows.append((prompt, output, pen))
+    column = lambda k: torch.tensor([[pen[k]] for _, _, pen in rows], dtype=torch.float64)
+    return logits, counts, seen, column(0), column(1), column(2), rows
+
+
+def test_a_row_without_penalties_keeps_its_logits_bit_for_bit(impl):
+    """Presence 0, frequency 0, repetition 1 change nothing, to the last bit, whatever the
+    history and whatever the rows beside it do: solo generate() never passes such a row
+    through the penalties at all."""
+    logits, counts, seen, presence, frequency, repetition, _ = random_rows(4, 40, 1)
+    with explained("apply_penalties on four random rows"):
+        got = impl.apply_penalties(logits, counts, seen, presence, frequency, repetition)
+    msg = first_difference(got[1:2], logits[1:2], row=1)
+    assert msg is None, (
+        f"row 1 has presence 0, frequency 0, repetition 1: its logits must come back bit for "
+        f"bit, {msg}"
+    )
+
+
+def test_apply_penalties_leaves_its_inputs_unchanged(impl):
+    """A new tensor comes back; the logits, counts, seen and the penalties are as they were
+    (the engine reads the raw logits again for the logprobs)."""
+    args = random_rows(4, 40, 2)[:6]
+    before = [a.clone() for a in args]
+    with explained("apply_penalties on four random rows"):
+        impl.apply_penalties(*args)
+    for name, a, b in zip(
+        ["logits", "counts", "seen", "presence", "frequency", "repetition"], before, args
+    ):
+        if not torch.equal(a, b):
+            i, t = (a != b).nonzero()[0].tolist()
+            raise AssertionError(
+                f"apply_penalties changed its input {name} in place (row {i}, token {t} was "
+                f"{a[i, t].item()!r}, is now {b[i, t].item()!r}): compute new logits "
+                f"(torch.where, or a clone first), never write into the arguments"
+            )
+
+
+def test_batched_penalties_equal_one_row_at_a_time(impl):
+    """Eight random float64 rows, each with its own history and penalties, in one call: each
+    row equals the rule applied to that row alone, token by token (penalize_row), to 1e-12."""
+    logits, counts, seen, presence, frequency, repetition, rows = random_rows(8, 50, 3)
+    wants = [penalize_row(logits[b], *row[:2], *row[2]) for b, row in enumerate(rows)]
+    with explained("apply_penalties on eight random rows"):
+        got = impl.apply_penalties(logits, counts, seen, presence, frequency, repetition)
+    assert isinstance(got, torch.Tensor) and got.shape == logits.shape, (
+        f"new logits of shape {tuple(logits.shape)}, got {got!r}"
+    )
+    for b, ((prompt, output, (p, f, r)), want) in enumerate(zip(rows, wants)):
+        msg = first_difference(got[b : b + 1], want[None], tol=1e-12, row=b)
+        assert msg is None, (
+            f"row {b} (presence {p:.3f}, frequency {f:.3f}, repetition {r:.3f}; prompt "
+            f"{prompt}, generated {output}) against the same rule on that row alone: {msg}"
+        )
+
+
+PENALTY_MODEL = make_tiny(seed=10)  # float64
+
+
+def penalized_requests(n: int, seed: int) -> list[Request]:
+    """Random prompts, each request with penalties (most), some with a logit bias or
+    min_tokens, greedy or sampled with its own seed (so its solo run is defined)."""
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        s = Sampling(
+            temperature=rng.choice([0.0, 0.0, 0.9]),
+            seed=i,
+            presence_penalty=rng.choice([0.0, 0.6, 1.5, -0.5]),
+            frequency_penalty=rng.choice([0.0, 0.4, 1.0]),
+            repetition_penalty=rng.choice([1.0, 1.3, 2.0, 0.8]) if i % 4 else 1.5,
+            logit_bias=rng.choice([{}, {}, {7: 2.0}]),
+            min_tokens=rng.choice([0, 0, 3]),
+        )
+        prompt = [rng.randrange(97) for _ in range(rng.randint(1, 20))]
+        reqs.append(Request(prompt, rng.randint(4, 28), rng.choice([None, 5]), s))
+    return reqs
+
+
+def settings_of(s: Sampling) -> str:
+    return (
+        f"temperature {s.temperature}, presence {s.presence_penalty}, frequency "
+        f"{s.frequency_penalty}, repetition {s.repetition_penalty}"
+    )
+
+
+def test_the_paged_engine_with_your_penalties_matches_solo(impl, plug):
+    """Twelve requests with penalties (greedy and seeded sampling, some with a logit bias or
+    min_tokens) through 3 paged slots and a pool small enough to preempt, on a tiny float64
+    model: each request's tokens are those solo() gives it with the reference penalties."""
+    model, reqs = PENALTY_MODEL, penalized_requests(12, 0)
+    expected = [solo(model, r).tokens for r in reqs]  # the reference: before plugging
+    plain = [solo(model, Request(r.prompt, r.max_new_tokens, r.eos_id)).tokens for r in reqs]
+    assert sum(e != p for e, p in zip(expected, plain)) >= 4, (
+        "the requests are chosen so that penalties change their answers"
+    )
+    plug("apply_penalties")
+    need = max(-(-(len(r.prompt) + r.max_new_tokens) // 4) for r in reqs)
+    eng = ContinuousEngine(model, 3, kv="paged", block_size=4, kv_blocks=need + 6)
+    with explained("the paged engine with your apply_penalties"):
+        rids = [eng.add_request(r) for r in reqs]
+        for _ in range(2000):
+            if not eng.has_work():
+                break
+            eng.step()
+    assert not eng.has_work(), "the engine never finished its requests"
+    for i, (e, rid, r) in enumerate(zip(expected, rids, reqs)):
+        msg = divergence(f"request {i} ({settings_of(r.sampling)})", e, eng.results[rid].tokens)
+        assert msg is None, msg
+    assert eng.stats.preemptions > 0, "the pool is small enough that someone is preempted"
 
 
 # ---- the server with your functions ------------------------------------------------------------

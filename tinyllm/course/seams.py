@@ -27,7 +27,8 @@ SEAMS: dict[str, tuple[tuple[str, str], ...]] = {
            ("tinyllm.prefix_cache", "take_blocks"), ("tinyllm.prefix_cache", "share_blocks"),
            ("tinyllm.prefix_cache", "release_blocks")),
     "10": (("tinyllm.serving.textstream", "next_piece"), ("tinyllm.serving.server", "dispatch"),
-           ("tinyllm.serving.server", "sse_events"), ("tinyllm.serving.loadgen", "percentile")),
+           ("tinyllm.serving.server", "sse_events"), ("tinyllm.serving.loadgen", "percentile"),
+           ("tinyllm.logits_processors", "apply_penalties")),
 }
 
 
