@@ -20,7 +20,7 @@ does: 1 to k + 1 tokens per request per target pass. The caches then roll back t
 of the guesses that fell (`rollback`), never into a block a prefix cache shares (those hold
 computed context only).
 
-Seams: `accept_greedy` and `accept_sampled` (exercise 11).
+Seams: `accept_greedy`, `accept_sampled` and `roll_back` (exercise 11).
 """
 
 import copy
@@ -73,6 +73,20 @@ def residual(p: Tensor, q: Tensor | None, guess: int) -> Tensor:
     r = (p - q.to(p.dtype)).clamp(min=0)
     total = r.sum()
     return r / total if total > 0 else p
+
+
+def roll_back(cache, slot: int, fed: int, kept: int) -> None:
+    """The cache's books after a target pass that fed a row `fed` positions (its last token
+    and fed - 1 guesses) and kept `kept` new tokens (1 to fed: the guesses that stood and the
+    target's own): the slot keeps the positions whose tokens are now the row's context, its
+    last token and the kept guesses, kept positions of the fed; the rest are rolled back
+    (cache.rollback(slot, n), which frees a paged slot's emptied blocks), and nothing is rolled
+    back when every position stands. The newest kept token is not in the cache: the next step
+    feeds it.
+    Example: fed 5 (last token + 4 guesses), kept 3 (2 guesses stood, then the target's own):
+    cache.rollback(slot, 2); fed 5, kept 5: nothing."""
+    if fed - kept:
+        cache.rollback(slot, fed - kept)
 
 
 # ---- the verdict, a batch ------------------------------------------------------------------
@@ -316,7 +330,7 @@ class Speculator:
         logits = self.runner.verify(seqs, [[t] + g for t, g in zip(last, guesses)])
         verdicts = verify(logits, seqs, guesses, drafts, shared)
         for seq, g, v in zip(seqs, guesses, verdicts):
-            self.cache.rollback(seq.slot, 1 + len(g) - len(v.tokens))
+            roll_back(self.cache, seq.slot, 1 + len(g), len(v.tokens))
             if hasattr(self.proposer, "kept"):
                 self.proposer.kept(seq, v)
         self.stats.record_speculation(verdicts)
