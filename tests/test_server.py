@@ -431,3 +431,41 @@ def test_an_engine_that_fails_gives_a_500_that_says_why(bundled64):
         }
     finally:
         srv.stop()
+
+
+def test_a_speculating_server_streams_the_solo_text_and_counts_its_guesses(bundled64):
+    """With speculation (11) a step may make several tokens of a request: the streams still
+    carry solo's text, a stop string still ends it where solo's text has it, and /metrics
+    counts the guesses proposed and accepted."""
+    model, tok = bundled64
+    for spec in ("ngram", "draft"):
+        srv = Running(ContinuousEngine(model, 4, kv="paged", speculate=spec, spec_tokens=3), tok)
+        try:
+            cl = srv.client()
+            for prompt in PROMPTS[:3]:
+                expected = solo_text(srv, prompt, 40)
+                stream = cl.completions.create(
+                    model=NAME, prompt=prompt, max_tokens=40, temperature=0, stream=True
+                )
+                assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+            stop = expected[len(expected) // 2 : len(expected) // 2 + 3]
+            r = cl.completions.create(
+                model=NAME, prompt=PROMPTS[2], max_tokens=40, temperature=0, stop=[stop]
+            )
+            assert r.choices[0].text == expected[: expected.index(stop)], spec
+            srv.wait_idle()
+            text = httpx.get(srv.url[:-3] + "/metrics").text
+            counts = {
+                line.split()[0]: float(line.split()[1])
+                for line in text.splitlines()
+                if line.startswith("tinyllm_spec_decode_")
+            }
+            assert counts["tinyllm_spec_decode_num_draft_tokens_total"] > 0, (spec, counts)
+            assert (
+                0
+                <= counts["tinyllm_spec_decode_num_accepted_tokens_total"]
+                <= counts["tinyllm_spec_decode_num_draft_tokens_total"]
+            )
+            assert counts["tinyllm_spec_decode_tokens_per_pass"] >= 1
+        finally:
+            srv.stop()

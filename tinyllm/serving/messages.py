@@ -54,7 +54,9 @@ class StepReport:
     reserved; integrity: the KV cache's verdict on its books when the engine was last idle
     (`check_integrity(idle=True)`): None when they are sound, else one sentence; logprobs:
     {index in tokens: (the token's TokenLogprobs or None, the prompt's list or None)} for the
-    tokens of requests that ask for them (the prompt's on a request's first token)."""
+    tokens of requests that ask for them (the prompt's on a request's first token);
+    speculation: the engine's totals so far (rows verified by a target pass, guesses proposed,
+    guesses accepted, tokens those rows made), all 0 without speculation (step 11)."""
 
     tokens: list[tuple[int, int, str | None]]
     refused: list[tuple[int, str]]
@@ -63,6 +65,7 @@ class StepReport:
     kv_used: float
     integrity: str | None
     logprobs: dict[int, tuple[TokenLogprobs | None, list | None]] = field(default_factory=dict)
+    speculation: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 @dataclass(frozen=True)

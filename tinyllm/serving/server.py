@@ -115,6 +115,7 @@ class EngineLoop:
         self.reported = (0, 0)  # the engine's (waiting, running), last step
         self.kv_used = 0.0
         self.integrity: str | None = None  # the KV cache's books, last checked idle
+        self.speculation = (0, 0, 0, 0)  # the engine's totals: rows, proposed, accepted, tokens
         self.failed: str | None = None
         self.process = None
 
@@ -210,7 +211,7 @@ class EngineLoop:
         """One step's report: the engine's state as it says, its tokens to their requests."""
         self.submitted -= report.taken
         self.reported, self.kv_used = report.request_counts, report.kv_used
-        self.integrity = report.integrity
+        self.integrity, self.speculation = report.integrity, report.speculation
         for i, (key, _, _) in enumerate(report.tokens):  # logprobs first, then their tokens
             if (ticket := self.tickets.get(key)) is not None:
                 ticket.logprobs.append(report.logprobs.get(i))
@@ -281,7 +282,9 @@ def engine_process(engine: ContinuousEngine, conn, n_threads: int) -> None:
             return
         taken, refused = news
         counts, kv_used = engine.request_counts(), engine.kv_used_frac()
-        conn.send(StepReport(tokens, refused, taken, counts, kv_used, integrity, logprobs))
+        st = engine.stats
+        spec = (st.spec_rows, st.spec_proposed, st.spec_accepted, st.spec_tokens)
+        conn.send(StepReport(tokens, refused, taken, counts, kv_used, integrity, logprobs, spec))
 
 
 @dataclass
@@ -379,8 +382,10 @@ class Served:
 class Metrics:
     """The server's Prometheus metrics, in a registry of its own: requests running and
     waiting, KV cache use and whether the KV cache's books are sound (read at each scrape),
-    prompt and generated tokens, finished requests by finish reason, and histograms of TTFT,
-    inter-token latency and end-to-end latency."""
+    prompt and generated tokens, finished requests by finish reason, histograms of TTFT,
+    inter-token latency and end-to-end latency, and with speculation (11) the guesses proposed
+    and accepted (vLLM's spec_decode counters), the acceptance rate and the tokens a request
+    makes per target pass."""
 
     def __init__(self, loop: EngineLoop):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -415,6 +420,17 @@ class Metrics:
         self.e2e = Histogram(
             "tinyllm_e2e_request_latency_seconds", "arrival to last token", buckets=secs, registry=r
         )
+        spec = "tinyllm_spec_decode_"
+        self.spec = [
+            Counter(spec + "num_drafts", "rows verified by a target pass", registry=r),
+            Counter(spec + "num_draft_tokens", "guesses proposed", registry=r),
+            Counter(spec + "num_accepted_tokens", "guesses accepted", registry=r),
+        ]
+        self.spec_seen = (0, 0, 0, 0)
+        self.acceptance = Gauge(spec + "acceptance_rate", "accepted / proposed", registry=r)
+        self.per_pass = Gauge(
+            spec + "tokens_per_pass", "a request's new tokens per target pass", registry=r
+        )
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -424,6 +440,12 @@ class Metrics:
         self.running.set(running)
         self.kv_used.set(self.loop.kv_used)
         self.kv_sound.set(self.loop.integrity is None)
+        rows, proposed, accepted, tokens = now = self.loop.speculation
+        for counter, total, seen in zip(self.spec, now, self.spec_seen):
+            counter.inc(total - seen)
+        self.spec_seen = now
+        self.acceptance.set(accepted / proposed if proposed else 0.0)
+        self.per_pass.set(tokens / rows if rows else 0.0)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
