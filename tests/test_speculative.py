@@ -232,3 +232,18 @@ def test_a_seeded_sampled_request_is_reproducible_alone_or_batched():
         while eng.has_work():
             eng.step()
         assert [eng.results.pop(rid).tokens for rid in rids] == alone, spec
+
+
+def test_a_draft_of_its_own_proposes_and_a_bad_one_is_named():
+    """A separately given draft (here the target itself: every greedy guess stands) proposes;
+    one with another vocabulary, or given without speculate='draft', is refused."""
+    eng = ContinuousEngine(TINY, 2, speculate="draft", spec_tokens=3, draft=make_tiny(seed=3))
+    rid = eng.add_request(Request([5, 6, 7, 8] * 3, 12))
+    while eng.has_work():
+        eng.step()
+    assert eng.results[rid].tokens == solo(TINY, Request([5, 6, 7, 8] * 3, 12)).tokens
+    assert eng.stats.spec_accepted == eng.stats.spec_proposed > 0
+    with pytest.raises(ValueError, match="a draft shares the tokenizer"):
+        ContinuousEngine(TINY, 2, speculate="draft", draft=SMALL)
+    with pytest.raises(ValueError, match="a draft model proposes only with speculate='draft'"):
+        ContinuousEngine(TINY, 2, draft=TINY)

@@ -188,6 +188,9 @@ def add_speculation_arguments(g) -> None:
                    help="guesses per request per step at most (default: 4)")
     g.add_argument("--draft-layers", type=int, default=None, metavar="N",
                    help="the draft is the target's first N layers (default: half of them)")
+    g.add_argument("--draft", default=None, metavar="MODEL",
+                   help="a draft checkpoint of its own, with the target's tokenizer (a "
+                        "directory, a GGUF file or a known name, as --model takes)")
     g.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
                    help="the ngram proposer's longest n (default: 4)")
     g.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N",

@@ -33,7 +33,7 @@ from tinyllm.requests import Event, Request, Result, Sequence, check_request
 from tinyllm.sampling import check_generator
 from tinyllm.scheduler import Scheduler
 from tinyllm.slot_cache import SlotCache, SlotKVCache
-from tinyllm.speculative import Speculator, make_proposer
+from tinyllm.speculative import make_speculator
 from tinyllm.stats import Stats, Trace, kv_bytes_per_token, sync_device
 
 
@@ -249,9 +249,8 @@ class ContinuousEngine:
         self.stats = Stats(kv_bytes_per_token=per_token,
                            kv_reserved_tokens=self.cache.reserved_tokens())
         self.runner = ModelRunner(model, self.cache, self.decoder, self.stats, device)
-        self.speculator = None if config.speculate is None else Speculator(
-            make_proposer(model, config, max_len, device, draft), config.spec_tokens,
-            self.cache, self.runner, self.stats)
+        self.speculator = make_speculator(model, config, max_len, device, draft, self.cache,
+                                          self.runner, self.stats)
         self.results: dict[int, Result] = {}
         self._seqs: dict[int, Sequence] = {}            # unfinished requests, by id
         self._next_id = 0

@@ -285,6 +285,19 @@ class DraftProposer:
             self.cache.rollback(seq.slot, extra)
 
 
+def make_speculator(model: Transformer, config, max_len: int, device,
+                    draft: Transformer | None, cache, runner, stats) -> "Speculator | None":
+    """The engine's speculator (None without config.speculate); a draft model is given only
+    to speculate with (speculate='draft')."""
+    if draft is not None and config.speculate != "draft":
+        raise ValueError(f"a draft model proposes only with speculate='draft' (got "
+                         f"speculate={config.speculate!r})")
+    if config.speculate is None:
+        return None
+    return Speculator(make_proposer(model, config, max_len, device, draft), config.spec_tokens,
+                      cache, runner, stats)
+
+
 def make_proposer(model: Transformer, config, max_len: int, device, draft: Transformer | None):
     """The config's proposer: a lookup, or a draft (the one given, or the target's first
     draft_layers layers, half of them by default)."""
@@ -295,6 +308,9 @@ def make_proposer(model: Transformer, config, max_len: int, device, draft: Trans
     elif draft.cfg.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"the draft's vocabulary has {draft.cfg.vocab_size} tokens, the "
                          f"target's {model.cfg.vocab_size}: a draft shares the tokenizer")
+    elif draft.cfg.max_seq_len < max_len:
+        raise ValueError(f"the draft holds {draft.cfg.max_seq_len} positions, the engine's "
+                         f"requests up to {max_len}: give a shorter max_len")
     return DraftProposer(draft, config.n_slots, max_len, device)
 
 

@@ -117,12 +117,13 @@ def engine_configs(names: list[str], args,
 
 
 def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed: int = 0,
-        progress=None, static: bool = False) -> dict:
+        progress=None, static: bool = False, draft=None) -> dict:
     """One benchmark run of the workload's n requests (fixed by seed) -> its Stats.summary():
     static batching (03) of config.n_slots requests at a time when static, else the
     continuous engine of config (engine_config's), whose max_len, where it is None, is the
     workload's longest request. A compiled decoder compiles every bucket before the clock
-    starts: the summary's compile_s. progress: a tqdm bar, told of finished requests."""
+    starts: the summary's compile_s. progress: a tqdm bar, told of finished requests. draft:
+    the model a +draft engine's proposer runs (None: the model's first layers)."""
     reqs, arrivals = workload(workload_name, tok, n, seed)
     if static:
         if any(arrivals):
@@ -132,7 +133,7 @@ def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed:
     if config.max_len is None:
         config = replace(config, max_len=longest(reqs))
     if config.decoder != "compiled":
-        return run_continuous(model, reqs, config, arrivals, progress=progress)[1]
+        return run_continuous(model, reqs, config, arrivals, progress=progress, draft=draft)[1]
     decoder = compiled_decoder(model, config)
     summary = run_continuous(model, reqs, config, arrivals, progress=progress, decoder=decoder)[1]
     return {**summary, "compile_s": sum(decoder.compile_s.values())}
@@ -421,7 +422,7 @@ def compare_engines(ap, args, model, tok) -> None:
     for name, (base, config) in engines.items():
         bar = _bar(args.requests, name, quiet=args.json)
         runs[name] = run(model, tok, args.workload, config, args.requests, args.seed, bar,
-                         static=base == "static")
+                         static=base == "static", draft=args.draft_model)
         if bar is not None:
             bar.close()
     device = next(model.parameters()).device
@@ -442,6 +443,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     import tinyllm
     model, tok = tinyllm.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype))
+    args.draft_model = None if args.draft is None else \
+        tinyllm.load(args.draft, device=args.device, dtype=DTYPES.get(args.dtype))[0]
     if args.peers:
         compare_peers(args, model, tok)
     elif args.decode_steps:

@@ -887,8 +887,9 @@ def serve_main(argv=None) -> None:
     except ValueError as e:
         ap.error(str(e))
     model, tok = tinyllm.load(args.model, device=args.device)
+    draft = None if args.draft is None else tinyllm.load(args.draft, device=args.device)[0]
     try:
-        engine = ContinuousEngine(model, config)
+        engine = ContinuousEngine(model, config, draft=draft)
     except ValueError as e:
         ap.error(str(e))
     name = "tinyllm-" + resolve(args.model).name.removesuffix(".gguf")
