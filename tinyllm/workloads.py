@@ -65,9 +65,11 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
               448-token prompt (8 new tokens): each long one is admitted while others decode;
     chat:     English questions (QUESTIONS, in turn) as one user message each, in the model's
               chat template, greedy, ended by any of the model's EOS ids (cap 128 tokens);
-    quote:    as chat, each message asking for a passage (five of QUESTIONS, drawn in turn) to
-              be repeated word for word: most of the answer is in the prompt, where prompt
-              lookup (11) finds it."""
+    quote:    a passage (five of QUESTIONS, drawn at random) written twice, one line each, and
+              a third time up to its first question mark; the model goes on (greedy, as many
+              new tokens as the passage has, its EOS ids): a model continues such a pattern
+              by copying, so most of its answer is in the prompt, where prompt lookup (11)
+              finds it."""
     rng = random.Random(seed)
     vocab = tok.vocab_size
     rand_prompt = lambda L: [0] + [rng.randrange(1, vocab) for _ in range(L - 1)]
@@ -91,9 +93,9 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
     elif name == "chat":
         reqs = [chat_request(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
     elif name == "quote":
-        reqs = [chat_request(tok, "Repeat the following passage word for word, and nothing "
-                                  "else:\n\n" + " ".join(rng.sample(QUESTIONS, 5)))
-                for _ in range(n)]
+        passages = [" ".join(rng.sample(QUESTIONS, 5)) for _ in range(n)]
+        reqs = [Request(tok.encode(f"{p}\n{p}\n{p.split('?')[0]}"), len(tok.encode(p)),
+                        eos_id=tok.eos_ids or None) for p in passages]
     else:
         raise ValueError(f"unknown workload {name!r}: {', '.join(WORKLOADS)}")
     arrivals = [0.0] * n

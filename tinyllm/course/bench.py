@@ -278,8 +278,8 @@ workloads (--requests of them, fixed by --seed):
               prompt, which joins while the others decode
   chat        a few dozen English questions in the model's chat template, greedy, each
               ended by the model's EOS (at most 128 tokens); with --peers on a real model
-  quote       as chat, each asking for a passage of five questions to be repeated word for
-              word: most of the answer is in the prompt (where +ngram finds it)
+  quote       a passage of five questions written twice, and the model goes on (greedy):
+              it writes the passage again, which is in the prompt (where +ngram finds it)
 
 engines (--engines, comma-separated), each with its KV cache sized to the workload's longest
 request:
