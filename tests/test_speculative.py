@@ -196,7 +196,8 @@ def test_sampled_speculation_keeps_the_targets_distribution(spec):
     expected at least 5 times)."""
     prompt, n = [1, 2, 1, 2, 1], 6000
     other = make_tiny(seed=7, **SMALL_CFG)  # a draft of its own, far from the target
-    eng = ContinuousEngine(SMALL, 16, speculate=spec, spec_tokens=3, draft=other)
+    draft = other if spec == "draft" else None
+    eng = ContinuousEngine(SMALL, 16, speculate=spec, spec_tokens=3, draft=draft)
     rids = [eng.add_request(Request(prompt, 3, sampling=Sampling(1.0, seed=s))) for s in range(n)]
     while eng.has_work():
         eng.step()

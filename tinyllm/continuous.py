@@ -35,6 +35,7 @@ from tinyllm.scheduler import Scheduler
 from tinyllm.slot_cache import SlotCache, SlotKVCache
 from tinyllm.speculative import make_speculator
 from tinyllm.stats import Stats, Trace, kv_bytes_per_token, sync_device
+from tinyllm.structured import new_matchers
 
 
 def make_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks: int | None,
@@ -203,6 +204,12 @@ def mark_computed(seqs: list[Sequence], n: list[int], cache: SlotCache, config: 
             scheduler.release(seq)
 
 
+def leftover(budget: int | None, decodes: list[Sequence], chunks: list[tuple[Sequence, int]]
+             ) -> int | None:
+    """The tokens a step's plan leaves of its budget (None: no budget)."""
+    return None if budget is None else budget - len(decodes) - sum(n for _, n in chunks)
+
+
 def record_decode_step(stats: Stats, cache: SlotCache, n_rows: int, ragged: bool) -> None:
     """A decode step of n_rows requests in Stats: the rows computed (the requests', or every
     slot's for a bucketed decoder), and the cache's use of what it reserves and allocates."""
@@ -230,11 +237,11 @@ class ContinuousEngine:
     time; step() runs one step and returns the new tokens as Events; a finished request's
     Result waits in `results` (pop it). Times are on the engine clock; TTFT and latency count
     from the request's arrival. One generator is shared by every request without a seed of its
-    own. A built decoder passed as `decoder` lends its cache and steps (06); `draft`, a model
-    that proposes (11); a Trace records every step. Not thread-safe: use one thread."""
+    own. A built decoder passed as `decoder` lends its cache and steps (06); `draft` is a model
+    that proposes (11), `grammars` the grammar backend (12); a Trace records every step."""
 
     def __init__(self, model: Transformer, config: EngineConfig | int, *, generator=None,
-                 trace: Trace | None = None, draft: Transformer | None = None, **settings):
+                 trace: Trace | None = None, draft=None, grammars=None, **settings):
         config, decoder = _settings(config, settings)
         check_generator(generator)
         device = next(model.parameters()).device
@@ -245,7 +252,8 @@ class ContinuousEngine:
         self.cache, self.decoder = _cache_and_decoder(model, config, max_len, n_blocks, device,
                                                       decoder)
         self.scheduler = Scheduler(self.cache)
-        self.sampling, self.generator, self.trace = config.sampling, generator, trace
+        self.sampling, self.generator, self.trace, self.grammars = \
+            config.sampling, generator, trace, grammars
         self.stats = Stats(kv_bytes_per_token=per_token,
                            kv_reserved_tokens=self.cache.reserved_tokens())
         self.runner = ModelRunner(model, self.cache, self.decoder, self.stats, device)
@@ -269,9 +277,10 @@ class ContinuousEngine:
         if (why := self.cache.never_fits(n)) is not None:
             raise ValueError(f"prompt of {len(req.prompt)} tokens + {req.max_new_tokens} "
                              f"new tokens {why}")
-        now, first = self.now(), None
-        for s in req.sampling.choices():                # n > 1: rids rid, rid + 1, ...
-            seq = Sequence(self._next_id, req, now, s, s.generator(self.device))
+        choices, now, first = req.sampling.choices(), self.now(), None
+        matchers = new_matchers(self.grammars, choices)    # a constraint's, or None (12)
+        for s, matcher in zip(choices, matchers):       # n > 1: rids rid, rid + 1, ...
+            seq = Sequence(self._next_id, req, now, s, s.generator(self.device), matcher)
             self._next_id += 1
             self._seqs[seq.rid] = seq
             self.scheduler.add(seq, first if self.config.prefix_cache else None)
@@ -315,8 +324,7 @@ class ContinuousEngine:
         decodes, chunks = self.scheduler.plan(self.config.max_step_tokens)
         if self.trace is not None:
             record_trace(self.trace, self.cache, self.holders(), decodes, chunks)
-        budget = self.config.max_step_tokens
-        room = None if budget is None else budget - len(decodes) - sum(n for _, n in chunks)
+        room = leftover(self.config.max_step_tokens, decodes, chunks)   # for guesses (11)
         events = self._decode(decodes, room) if decodes else []
         if chunks:
             ends, logits, every = self.runner.prefill(chunks)

@@ -30,6 +30,7 @@ from tinyllm.requests import (
     finish_reason,
 )
 from tinyllm.sampling import Sampling, check_generator, check_sampling, sample_next
+from tinyllm.structured import new_matchers
 
 
 def autocast_for(device: torch.device):
@@ -96,12 +97,13 @@ def prompt_logprobs(model: Transformer, idx: Tensor, k: int) -> list[TokenLogpro
 
 
 @torch.no_grad()
-def solo(model: Transformer, request: Request, generator: torch.Generator | None = None
-         ) -> Result:
+def solo(model: Transformer, request: Request, generator: torch.Generator | None = None,
+         grammars=None) -> Result:
     """Solo generation of a Request with any settings, the oracle of the token stage: its
     tokens, their logprobs and its prompt's when its sampling asks for them (a Result whose
     times are 0). A seeded sampling draws from its own generator, an unseeded one from
-    `generator`. One choice: for n > 1, run each of sampling.choices()."""
+    `generator`; a constrained one is masked by a matcher of the grammar backend `grammars`
+    (12). One choice: for n > 1, run each of sampling.choices()."""
     model.eval()
     req = check_request(request, model.cfg.vocab_size, model.cfg.max_seq_len)
     check_generator(generator)
@@ -110,13 +112,16 @@ def solo(model: Transformer, request: Request, generator: torch.Generator | None
         raise ValueError(f"solo runs one choice, got n={s.n}: run each of sampling.choices()")
     device = next(model.parameters()).device
     idx = torch.tensor([req.prompt], dtype=torch.long, device=device)         # (1, T)
-    history, own = History(s, req.prompt, [], req.eos_id), s.generator(device)
+    (matcher,) = new_matchers(grammars, [s])
+    history, own = History(s, req.prompt, [], req.eos_id, matcher), s.generator(device)
     logprobs: list[TokenLogprobs] = []
 
     def pick(logits: Tensor) -> Tensor:                                      # (1, V) -> (1, 1)
         (token,), (lp,) = token_stage.select(logits, [history], [own], generator)
         history.output.append(token)
         logprobs.append(lp)
+        if matcher is not None:
+            matcher.consume(token)
         return torch.tensor([[token]], device=device)
 
     with autocast_for(device):

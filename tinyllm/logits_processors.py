@@ -5,8 +5,8 @@ A `LogitsProcessor` is the declared interface: a batch of logits (B, V) and each
 logits (B, V) out. `process` applies each processor to the rows whose settings ask for it
 (`applies`), so a row that asks for nothing keeps its logits bit for bit, and a row's result
 never depends on the rows beside it: each processor reads only its own row. The built-in ones
-are vLLM's, in vLLM's order: `MinTokens` (no stop id before min_tokens tokens), `LogitBias`,
-then `Penalties` (repetition, frequency, presence). A grammar's mask (step 12) is one more.
+are vLLM's, in vLLM's order: a grammar's mask (`GrammarMask`, step 12), `MinTokens` (no stop
+id before min_tokens tokens), `LogitBias`, then `Penalties` (repetition, frequency, presence).
 
 `apply_penalties` is the batched rule, one tensor expression for every row from its counts;
 `penalize_row` is the same rule written for one row, token by token: they agree exactly.
@@ -25,12 +25,13 @@ from tinyllm.sampling import Sampling
 @dataclass
 class History:
     """What a processor may read of one row: its request's settings, prompt and generated
-    tokens (the engine's own lists: read, never change them), and the ids that end it (the
-    checked request's eos_id: None, one id or a tuple)."""
+    tokens (the engine's own lists: read, never change them), the ids that end it (the
+    checked request's eos_id: None, one id or a tuple), and its grammar's matcher, if any."""
     sampling: Sampling
     prompt: list[int]
     output: list[int]
     eos_id: int | tuple[int, ...] | None = None
+    matcher: object | None = None   # its grammar's matcher (12), at the state after output
 
     def stop_ids(self) -> list[int]:
         eos = self.eos_id
@@ -135,7 +136,19 @@ class Penalties(LogitsProcessor):
                                column("frequency_penalty"), column("repetition_penalty"))
 
 
-PROCESSORS: tuple[LogitsProcessor, ...] = (MinTokens(), LogitBias(), Penalties())
+class GrammarMask(LogitsProcessor):
+    """A constrained request's grammar (12): the tokens its matcher does not allow next get
+    -inf. The matcher says what it allows in the state after the row's output."""
+
+    def applies(self, sampling: Sampling) -> bool:
+        return sampling.constraint is not None
+
+    def __call__(self, logits: Tensor, rows: list[History]) -> Tensor:
+        allowed = torch.stack([h.matcher.allowed() for h in rows]).to(logits.device)  # (B, V)
+        return logits.masked_fill(~allowed, float("-inf"))
+
+
+PROCESSORS: tuple[LogitsProcessor, ...] = (GrammarMask(), MinTokens(), LogitBias(), Penalties())
 
 
 def process(logits: Tensor, rows: list[History],

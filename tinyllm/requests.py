@@ -191,12 +191,13 @@ class Sequence:
     """
 
     def __init__(self, rid: int, request: Request, arrival: float, sampling: Sampling,
-                 generator: torch.Generator | None):
+                 generator: torch.Generator | None, matcher=None):
         self.rid = rid                                  # its id, in arrival order (lower: earlier)
         self.request = request                          # the checked Request
         self.arrival = arrival                          # the engine clock when it came
         self.sampling = sampling                        # the request's sampling, or the engine's
         self.generator = generator                      # its own when seeded, else None
+        self.matcher = matcher                          # its grammar's, when constrained (12)
         self.tokens: list[int] = []                     # made so far (kept if preempted)
         self.ttft: float | None = None                  # the clock at its first token
         self.itl: list[float] = []                      # the gaps between its tokens
@@ -227,7 +228,8 @@ class Sequence:
 
     def history(self) -> History:
         """What the token stage's processors read of it (its own lists, not copies)."""
-        return History(self.sampling, self.request.prompt, self.tokens, self.request.eos_id)
+        return History(self.sampling, self.request.prompt, self.tokens, self.request.eos_id,
+                       self.matcher)
 
     def left(self) -> int:
         """Tokens of the context still to compute before the next token can be sampled: 1
@@ -240,6 +242,8 @@ class Sequence:
         self.tokens.append(token)
         if logprobs is not None:
             self.logprobs.append(logprobs)
+        if self.matcher is not None:
+            self.matcher.consume(token)
         if self.ttft is None:
             self.ttft = now
         else:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from tinyllm.structured import Constraint
+
 GREEDY_BELOW = 1e-5     # a temperature this small is greedy: dividing by it would overflow
 
 
@@ -61,7 +63,8 @@ class Sampling:
     does (kept as its last token); ignore_eos: its EOS does not end it (its stop_token_ids still
     do). logprobs: each generated token comes with its log-probability and the top `logprobs`
     alternatives; prompt_logprobs: each prompt token too (from the first one on). n: n choices
-    of one prompt, choice i seeded seed + i (choices())."""
+    of one prompt, choice i seeded seed + i (choices()). constraint: a grammar the output must
+    match (structured.py, 12), applied as a mask by the engine's grammar backend."""
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
@@ -77,6 +80,7 @@ class Sampling:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    constraint: Constraint | None = None
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_k, self.top_p)
@@ -103,6 +107,8 @@ class Sampling:
                                  f"{getattr(self, name)!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint or None, got {self.constraint!r}")
         if self.seed is not None and self.seed + self.n > 2**64:
             raise ValueError(f"seed {self.seed} with n={self.n}: choice i is seeded seed + i, "
                              f"which must stay below 2**64")

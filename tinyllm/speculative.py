@@ -114,15 +114,8 @@ def verify(logits: Tensor, seqs: list[Sequence], guesses: list[list[int]],
     that falls); then accept_greedy's rule (greedy rows) or accept_sampled's, in order, with
     the row's generator (drafts[i]: the proposer's distributions; None for a lookup). A row
     stops at its EOS or its max_new_tokens: nothing after it is kept."""
-    B, dev = len(seqs), logits.device
-    processed: list[list[Tensor]] = [[] for _ in range(B)]            # per row, per position
-    for j in range(max(len(g) for g in guesses) + 1):
-        rows = [i for i in range(B) if j <= len(guesses[i])]
-        hist = [History(seqs[i].sampling, seqs[i].request.prompt,
-                        seqs[i].tokens + guesses[i][:j], seqs[i].request.eos_id) for i in rows]
-        out = process(logits[torch.tensor(rows, device=dev), j], hist)          # (R, V)
-        for r, i in enumerate(rows):
-            processed[i].append(out[r])
+    proposed = guesses
+    processed, guesses = processed_logits(logits, seqs, guesses)
     verdicts = []
     for i, (seq, g) in enumerate(zip(seqs, guesses)):
         if is_greedy(seq.sampling.temperature):
@@ -134,8 +127,48 @@ def verify(logits: Tensor, seqs: list[Sequence], guesses: list[list[int]],
         accepted = min(n, len(kept) - 1)                # all but the last were guesses
         kept, k = kept[:n], seq.sampling.logprobs
         lps = [None] * n if k is None else token_logprobs(logits[i, :n], kept, k)
-        verdicts.append(Verdict(kept, lps, len(g), accepted))
+        verdicts.append(Verdict(kept, lps, len(proposed[i]), accepted))
     return verdicts
+
+
+def processed_logits(logits: Tensor, seqs: list[Sequence], guesses: list[list[int]]):
+    """Each row's processed logits at each position it needs (position j with the history
+    of its guesses before j), and the guesses its verdict reads. A constrained row's matcher
+    (12) moves over each guess to give the next position's mask, and back at the end; a guess
+    its grammar does not allow ends the row's positions there: greedy, the guess is dropped
+    (the target's masked pick cannot equal it); sampled, it stays, and falls (p is 0 there).
+    A guess that would end the request is dropped there too (a matcher never moves past its
+    end): the target's pick at its position decides."""
+    B, dev = len(seqs), logits.device
+    guesses = [list(g) for g in guesses]
+    n_pos, moved = [len(g) + 1 for g in guesses], [0] * B
+    processed: list[list[Tensor]] = [[] for _ in range(B)]            # per row, per position
+    for j in range(max(n_pos)):
+        for i in range(B):
+            m = seqs[i].matcher
+            if m is None or not 0 < j < n_pos[i]:
+                continue
+            guess = guesses[i][j - 1]
+            if is_done(seqs[i].request, seqs[i].tokens + guesses[i][:j]):
+                n_pos[i], guesses[i] = j, guesses[i][:j - 1]    # its end: the pick decides
+            elif processed[i][j - 1][guess] == float("-inf") or not m.consume(guess):
+                n_pos[i] = j
+                greedy = is_greedy(seqs[i].sampling.temperature)
+                guesses[i] = guesses[i][:j - 1] if greedy else guesses[i][:j]
+            else:
+                moved[i] += 1
+        rows = [i for i in range(B) if j < n_pos[i]]
+        if not rows:
+            break
+        hist = [History(seqs[i].sampling, seqs[i].request.prompt, seqs[i].tokens +
+                        guesses[i][:j], seqs[i].request.eos_id, seqs[i].matcher) for i in rows]
+        out = process(logits[torch.tensor(rows, device=dev), j], hist)          # (R, V)
+        for r, i in enumerate(rows):
+            processed[i].append(out[r])
+    for i, seq in enumerate(seqs):
+        if seq.matcher is not None:
+            seq.matcher.rollback(moved[i])
+    return processed, guesses
 
 
 def _sampled(processed: list[Tensor], seq: Sequence, guesses: list[int], drafts,
@@ -230,37 +263,58 @@ class DraftProposer:
 
     def propose(self, seqs: list[Sequence], ks: list[int], shared: torch.Generator | None):
         """Up to ks[i] guesses per row, and the draft's distribution at each (None for a
-        greedy row: it proposes its argmax, and greedy verification needs no q)."""
+        greedy row: it proposes its argmax, and greedy verification needs no q). A
+        constrained row's guesses keep to its grammar: its matcher moves over them, then back."""
         rows = [i for i, k in enumerate(ks) if k > 0]
         guesses: list[list[int]] = [[] for _ in seqs]
         dists: list[list[Tensor] | None] = [None] * len(seqs)
-        if not rows:
-            return guesses, dists
         for i in rows:
-            if self.owner[seqs[i].slot] is not seqs[i]:
-                if self.cache.active[seqs[i].slot]:
-                    self.cache.release(seqs[i].slot)
-                self.cache.admit(seqs[i].slot, seqs[i].context_len())
-                self.owner[seqs[i].slot] = seqs[i]
-        feed = [seqs[i].context()[self.cache.lens[seqs[i].slot]:] for i in rows]
-        for j in range(max(ks[i] for i in rows)):
+            self._take(seqs[i])
+        feed = {i: seqs[i].context()[self.cache.lens[seqs[i].slot]:] for i in rows}
+        moved = [0] * len(seqs)                         # guesses each matcher moved over
+        ks = list(ks)
+        for j in range(max((ks[i] for i in rows), default=0)):
             rows_j = [i for i in rows if j < ks[i]]
-            inputs = [feed[rows.index(i)] if j == 0 else [guesses[i][-1]] for i in rows_j]
+            if not rows_j:
+                break
+            inputs = [feed[i] if j == 0 else [guesses[i][-1]] for i in rows_j]
             logits = self._forward([seqs[i].slot for i in rows_j], inputs)          # (R, V)
-            hist = [History(seqs[i].sampling, seqs[i].request.prompt,
-                            seqs[i].tokens + guesses[i], seqs[i].request.eos_id) for i in rows_j]
+            hist = [History(seqs[i].sampling, seqs[i].request.prompt, seqs[i].tokens +
+                            guesses[i], seqs[i].request.eos_id, seqs[i].matcher) for i in rows_j]
             processed = process(logits, hist)
             for r, i in enumerate(rows_j):
-                seq = seqs[i]
-                if is_greedy(seq.sampling.temperature):
-                    guesses[i].append(int(processed[r].argmax()))
-                    continue
-                q = distribution(processed[r], seq)
-                u = torch.rand(1, 1, generator=seq.generator or shared, dtype=torch.float64,
-                               device=self.device)
-                guesses[i].append(int(draw(q[None], u)))
-                dists[i] = (dists[i] or []) + [q]
+                guesses[i].append(self._guess(processed[r], seqs[i], shared, dists, i))
+                if is_done(seqs[i].request, seqs[i].tokens + guesses[i]):
+                    ks[i] = j + 1                       # nothing is guessed past its end
+                elif seqs[i].matcher is not None:
+                    if seqs[i].matcher.consume(guesses[i][-1]):
+                        moved[i] += 1
+                    else:                               # its grammar allows nothing more
+                        guesses[i].pop()
+                        ks[i] = j
+        for i in rows:
+            if seqs[i].matcher is not None:
+                seqs[i].matcher.rollback(moved[i])
         return guesses, dists
+
+    def _take(self, seq: Sequence) -> None:
+        """The draft slot of seq's engine slot, taken anew when another held it."""
+        if self.owner[seq.slot] is not seq:
+            if self.cache.active[seq.slot]:
+                self.cache.release(seq.slot)
+            self.cache.admit(seq.slot, seq.context_len())
+            self.owner[seq.slot] = seq
+
+    def _guess(self, processed: Tensor, seq: Sequence, shared, dists: list, i: int) -> int:
+        """The draft's guess from its processed logits (V,): the argmax for a greedy request,
+        else a draw from its distribution, recorded in dists[i]."""
+        if is_greedy(seq.sampling.temperature):
+            return int(processed.argmax())
+        q = distribution(processed, seq)
+        u = torch.rand(1, 1, generator=seq.generator or shared, dtype=torch.float64,
+                       device=self.device)
+        dists[i] = (dists[i] or []) + [q]
+        return int(draw(q[None], u))
 
     def _forward(self, slots: list[int], inputs: list[list[int]]) -> Tensor:
         """One ragged draft step: each slot's inputs -> the last position's logits (R, V)."""

@@ -114,16 +114,17 @@ def checked_batches(requests: list[Request], batch_size: int, cfg,
     """The requests, checked (check_request, with default sampling where a request has none;
     a bad one is named by its index), once every batch of batch_size fits the model: its
     padded prompt and its longest answer within max_seq_len. Static batching runs one choice
-    a request and no prompt logprobs (the continuous engine does both)."""
+    a request, no prompt logprobs and no constraint (the continuous engine does all three)."""
     checked = []
     for i, r in enumerate(requests):
         try:
             checked.append(check_request(r, cfg.vocab_size, cfg.max_seq_len, default))
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from None
-        if checked[-1].sampling.n != 1 or checked[-1].sampling.prompt_logprobs is not None:
+        s = checked[-1].sampling
+        if s.n != 1 or s.prompt_logprobs is not None or s.constraint is not None:
             raise ValueError(f"request {i}: static batching runs one choice (n=1) without "
-                             f"prompt logprobs; the continuous engine runs both")
+                             f"prompt logprobs or a constraint; the continuous engine runs them")
     for b0 in range(0, len(checked), batch_size):
         batch = checked[b0:b0 + batch_size]
         L, new_max = max(len(r.prompt) for r in batch), max(r.max_new_tokens for r in batch)

@@ -1,0 +1,177 @@
+"""Step 12 - structured output: a constrained request's output matches its grammar, and every
+engine gives it exactly the tokens of its solo run under the same matcher, among free requests,
+with preemption, chunks, prefix hits and speculation; free requests are untouched."""
+
+import json
+import math
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tinyllm.continuous import ContinuousEngine
+from tinyllm.generate import solo
+from tinyllm.requests import Request
+from tinyllm.sampling import Sampling
+from tinyllm.structured import Constraint, LLGuidance
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+CONSTRAINTS = [
+    Constraint.json_schema(PERSON),
+    Constraint("json_object"),
+    Constraint("regex", r"(Ham|Oph)\. [a-z ]{3,20}\."),
+    Constraint("lark", 'start: "yes" | "no" | /[0-9]{1,3}/'),
+]
+PROMPTS = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Hor.\nWhat"]
+
+
+@pytest.fixture(scope="module")
+def grammars(bundled64):
+    model, tok = bundled64
+    return LLGuidance(tok, model.cfg.vocab_size)
+
+
+def test_a_constraint_is_checked_and_equal_schemas_are_one():
+    assert Constraint.json_schema({"b": 1, "type": "object"}) == Constraint.json_schema(
+        '{"type": "object", "b": 1}'
+    )
+    with pytest.raises(ValueError, match="constraint kind must be one of"):
+        Constraint("yaml", "")
+    with pytest.raises(ValueError, match="constraint must be a Constraint"):
+        Sampling(constraint="json")
+
+
+def test_the_backend_names_what_it_refuses_and_the_engine_is_unchanged(bundled64, grammars):
+    model, tok = bundled64
+    assert grammars.check(Constraint.json_schema({"type": "objectz"})) == "Invalid type: objectz"
+    assert "unclosed group" in grammars.check(Constraint("regex", "(ab"))
+    eng = ContinuousEngine(model, 2, kv="paged", block_size=4, grammars=grammars)
+    bad = Sampling(constraint=Constraint.json_schema({"type": "objectz"}))
+    with pytest.raises(ValueError, match="constraint: the json_schema is refused: Invalid type"):
+        eng.add_request(Request(tok.encode("Ham.\n"), 8, sampling=bad))
+    assert not eng.has_work() and eng.cache.check_integrity(idle=True) is None
+    plain = ContinuousEngine(model, 2)
+    with pytest.raises(ValueError, match="constraint: this engine has no grammar backend"):
+        plain.add_request(Request([1, 2], 4, sampling=Sampling(constraint=CONSTRAINTS[1])))
+
+
+def test_a_grammar_is_compiled_once(grammars):
+    c = Constraint("regex", "[a-z]{2,5}")
+    a, b = grammars.matcher(c), grammars.matcher(c)
+    assert a is not b and list(grammars.compiled).count(c) == 1
+    assert a.consume(grammars.llt.tokenize_str("ab")[0])
+    assert not torch.equal(a.allowed(), b.allowed()), "each request has a matcher of its own"
+
+
+def test_constrained_outputs_validate_and_end_with_their_grammar(bundled64, grammars):
+    """The bundled model, sampled with 12 seeds under the schema: every output is JSON that
+    the schema accepts, ended by EOS where the grammar completes ("stop")."""
+    model, tok = bundled64
+    eng = ContinuousEngine(model, 4, grammars=grammars)
+    s = lambda seed: Sampling(0.9, seed=seed, constraint=CONSTRAINTS[0])
+    rids = [
+        eng.add_request(Request(tok.encode(PROMPTS[i % 4]), 60, tok.eos_id, s(i)))
+        for i in range(12)
+    ]
+    while eng.has_work():
+        eng.step()
+    for rid in rids:
+        r = eng.results.pop(rid)
+        assert r.finish_reason == "stop" and r.tokens[-1] == tok.eos_id, tok.decode(r.tokens)
+        jsonschema.validate(json.loads(tok.decode(r.tokens)), PERSON)
+
+
+@st.composite
+def workloads(draw, tok):
+    reqs = []
+    for i in range(draw(st.integers(1, 6))):
+        prompt = tok.encode(draw(st.sampled_from(PROMPTS)))
+        s = Sampling(
+            temperature=draw(st.sampled_from([0.0, 0.0, 0.8])),
+            seed=i,
+            presence_penalty=draw(st.sampled_from([0.0, 0.5])),
+            logprobs=draw(st.sampled_from([None, 1])),
+            constraint=draw(st.sampled_from([None, *CONSTRAINTS])),
+        )
+        reqs.append(Request(prompt, draw(st.integers(1, 24)), tok.eos_id, s))
+    return reqs
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_every_engine_gives_a_constrained_request_its_solo_masked_run(bundled64, grammars, data):
+    """Constrained and free requests mixed, both caches, a tight pool (preemption), a budget
+    (chunks), prefix hits and speculation (greedy requests then): each equals its solo run
+    under the same grammar (free ones: plain solo), and nothing is left behind."""
+    model, tok = bundled64
+    reqs = data.draw(workloads(tok))
+    speculate = data.draw(st.sampled_from([None, None, "ngram", "draft"]))
+    if speculate:  # sampled requests under speculation keep the distribution, not the tokens
+        reqs = [
+            Request(
+                r.prompt,
+                r.max_new_tokens,
+                r.eos_id,
+                Sampling(**{**vars(r.sampling), "temperature": 0.0}),
+            )
+            for r in reqs
+        ]
+    n_slots = data.draw(st.integers(1, 3))
+    kw = dict(kv=data.draw(st.sampled_from(["slots", "paged"])), speculate=speculate)
+    if kw["kv"] == "paged":
+        need = max(math.ceil((len(r.prompt) + r.max_new_tokens + 1) / 4) for r in reqs)
+        kw.update(
+            block_size=4,
+            kv_blocks=need + data.draw(st.integers(0, 3)),
+            prefix_cache=data.draw(st.booleans()),
+        )
+    kw["max_step_tokens"] = data.draw(st.sampled_from([None, n_slots + 4]))
+    eng = ContinuousEngine(model, n_slots, grammars=grammars, **kw)
+    rids = [eng.add_request(r) for r in reqs]
+    while eng.has_work():
+        eng.step()
+        assert eng.cache.check_integrity() is None
+    assert eng.cache.check_integrity(idle=True) is None and not eng._seqs
+    for i, (r, rid) in enumerate(zip(reqs, rids)):
+        want, got = solo(model, r, grammars=grammars), eng.results.pop(rid)
+        assert got.tokens == want.tokens, (
+            f"request {i} ({r.sampling.constraint}): {tok.decode(got.tokens)!r}, "
+            f"solo {tok.decode(want.tokens)!r} ({kw})"
+        )
+        for a, b in zip(want.logprobs or [], got.logprobs or []):
+            assert abs(a.logprob - b.logprob) < 1e-9
+
+
+def test_matchers_follow_their_requests_through_preemption_and_speculation(bundled64, grammars):
+    """Six constrained requests (greedy) on a pool too small for them, with a draft guessing:
+    requests are preempted and guesses fall, and every output is solo's under its grammar."""
+    model, tok = bundled64
+    reqs = [
+        Request(tok.encode(PROMPTS[i % 4]), 30, tok.eos_id, Sampling(constraint=CONSTRAINTS[i % 4]))
+        for i in range(6)
+    ]
+    for speculate in ("draft", "ngram"):
+        eng = ContinuousEngine(
+            model, 3, kv="paged", block_size=4, kv_blocks=10, speculate=speculate, grammars=grammars
+        )
+        rids = [eng.add_request(r) for r in reqs]
+        while eng.has_work():
+            eng.step()
+        assert eng.stats.preemptions > 0 and eng.stats.spec_proposed > 0, speculate
+        for i, (r, rid) in enumerate(zip(reqs, rids)):
+            got = eng.results.pop(rid).tokens
+            assert got == solo(model, r, grammars=grammars).tokens, f"request {i} ({speculate})"
