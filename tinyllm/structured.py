@@ -94,12 +94,23 @@ class LLGuidance:
     of vocab_size logits: compiled grammars cached per constraint, a matcher per request."""
 
     def __init__(self, tok, vocab_size: int):
+        self._setup(tok.tok.to_str(), vocab_size, list(tok.eos_ids) or [0])
+
+    def _setup(self, tokenizer_json: str, vocab_size: int, eos: list[int]) -> None:
         from llguidance import LLTokenizer
 
-        eos = list(tok.eos_ids) or [0]
-        self.llt = LLTokenizer(tok.tok.to_str(), n_vocab=vocab_size, eos_token=eos)
-        self.vocab_size = vocab_size
+        self.llt = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+        self.tokenizer_json, self.vocab_size, self.eos = tokenizer_json, vocab_size, eos
         self.compiled: dict[Constraint, object] = {}       # constraint -> a template matcher
+
+    def __getstate__(self) -> dict:
+        """What crosses a process boundary (the server's engine process): the tokenizer's
+        JSON, not llguidance's objects, which do not pickle; the other side builds them."""
+        return {"tokenizer_json": self.tokenizer_json, "vocab_size": self.vocab_size,
+                "eos": self.eos}
+
+    def __setstate__(self, state: dict) -> None:
+        self._setup(state["tokenizer_json"], state["vocab_size"], state["eos"])
 
     def grammar(self, c: Constraint) -> str:
         from llguidance import LLMatcher
