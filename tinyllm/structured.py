@@ -23,6 +23,7 @@ matcher's `allowed`, `consume`, `rollback`.
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -53,24 +54,22 @@ class Constraint:
         return cls("json_schema", json.dumps(schema, sort_keys=True))
 
 
-SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 class LLGuidanceMatcher:
-    """One request's matcher over llguidance's LLMatcher."""
+    """One request's matcher over llguidance's LLMatcher. Its mask comes as bits, 32 tokens
+    to a word (llguidance's numpy helpers: its torch ones import torch.compile, seconds)."""
 
     def __init__(self, matcher, vocab_size: int):
-        import llguidance.torch as lgt
+        import llguidance.numpy as lgn
 
         self.m, self.vocab_size = matcher, vocab_size
-        self.bits = lgt.allocate_token_bitmask(1, matcher_words(vocab_size) * 32)
-        self._fill = lgt.fill_next_token_bitmask
+        self.bits = lgn.allocate_token_bitmask(1, vocab_size)            # (1, ceil(V / 32))
+        self._fill = lgn.fill_next_token_bitmask
 
     def allowed(self) -> Tensor:
         """The tokens that may come next: (V,) bool."""
         self._fill(self.m, self.bits, 0)
-        bits = ((self.bits[0].unsqueeze(-1) >> SHIFTS) & 1).bool().view(-1)
-        return bits[:self.vocab_size]
+        bits = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[:self.vocab_size]
+        return torch.from_numpy(bits).bool()
 
     def consume(self, token: int) -> bool:
         """Move on with a token the request keeps; False if the grammar does not allow it."""
@@ -83,10 +82,6 @@ class LLGuidanceMatcher:
 
     def is_error(self) -> bool:
         return self.m.is_error()
-
-
-def matcher_words(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
 
 
 class LLGuidance:

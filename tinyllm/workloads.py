@@ -3,16 +3,19 @@
 Each workload is a list of `Request`s and their arrival times, fixed by a seed, so that every
 engine (and every server) measured on it serves exactly the same requests. Shared vocabulary,
 like requests.py: the course's benchmark and peers and the serving wing's load generator
-import it, and it imports only the requests and the sampling settings.
+import it, and it imports only the requests, the sampling settings and the constraints.
 """
 
 import random
 
 from tinyllm.requests import Request
 from tinyllm.sampling import Sampling
+from tinyllm.structured import Constraint
 
 WORKLOADS = ("uniform", "longtail", "eos", "poisson", "shared-prefix", "long-prompt", "chat",
-             "quote")
+             "quote", "json")
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 60}},
+          "required": ["answer"], "additionalProperties": False}     # the json workload's schema
 
 SPEAKERS = ["Ham.", "Hor.", "Oph.", "King.", "Queen.", "Rom.", "Jul.", "Nurse.", "Mer.", "Macb.",
             "Lady M.", "Lear.", "Fool.", "Oth.", "Iago.", "Pro."]
@@ -69,7 +72,9 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
               a third time up to its first question mark; the model goes on (greedy, as many
               new tokens as the passage has, its EOS ids): a model continues such a pattern
               by copying, so most of its answer is in the prompt, where prompt lookup (11)
-              finds it."""
+              finds it;
+    json:     as chat, every other request constrained (12) to a JSON object of one short
+              answer (ANSWER's schema), the others free."""
     rng = random.Random(seed)
     vocab = tok.vocab_size
     rand_prompt = lambda L: [0] + [rng.randrange(1, vocab) for _ in range(L - 1)]
@@ -96,6 +101,11 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
         passages = [" ".join(rng.sample(QUESTIONS, 5)) for _ in range(n)]
         reqs = [Request(tok.encode(f"{p}\n{p}\n{p.split('?')[0]}"), len(tok.encode(p)),
                         eos_id=tok.eos_ids or None) for p in passages]
+    elif name == "json":
+        constraint = Constraint.json_schema(ANSWER)
+        reqs = [chat_request(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
+        for r in reqs[::2]:
+            r.sampling = Sampling(constraint=constraint)
     else:
         raise ValueError(f"unknown workload {name!r}: {', '.join(WORKLOADS)}")
     arrivals = [0.0] * n

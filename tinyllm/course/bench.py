@@ -42,6 +42,7 @@ from tinyllm.model import Transformer, gpu_dtype
 from tinyllm.requests import Request, longest
 from tinyllm.slot_cache import SlotKVCache
 from tinyllm.static import run_static
+from tinyllm.structured import LLGuidance
 from tinyllm.workloads import WORKLOADS, workload
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -132,10 +133,15 @@ def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed:
         return run_static(model, reqs, config.n_slots, progress=progress)[1]
     if config.max_len is None:
         config = replace(config, max_len=longest(reqs))
+    grammars = None
+    if any(r.sampling is not None and r.sampling.constraint is not None for r in reqs):
+        grammars = LLGuidance(tok, model.cfg.vocab_size)                # the json workload (12)
     if config.decoder != "compiled":
-        return run_continuous(model, reqs, config, arrivals, progress=progress, draft=draft)[1]
+        return run_continuous(model, reqs, config, arrivals, progress=progress, draft=draft,
+                              grammars=grammars)[1]
     decoder = compiled_decoder(model, config)
-    summary = run_continuous(model, reqs, config, arrivals, progress=progress, decoder=decoder)[1]
+    summary = run_continuous(model, reqs, config, arrivals, progress=progress, decoder=decoder,
+                             grammars=grammars)[1]
     return {**summary, "compile_s": sum(decoder.compile_s.values())}
 
 
@@ -280,6 +286,8 @@ workloads (--requests of them, fixed by --seed):
               ended by the model's EOS (at most 128 tokens); with --peers on a real model
   quote       a passage of five questions written twice, and the model goes on (greedy):
               it writes the passage again, which is in the prompt (where +ngram finds it)
+  json        the chat questions, every other one constrained to a JSON object of one short
+              answer (step 12), the others free
 
 engines (--engines, comma-separated), each with its KV cache sized to the workload's longest
 request:
