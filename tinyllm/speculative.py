@@ -56,8 +56,9 @@ def accept_greedy(guesses: list[int], picks: list[int]) -> list[int]:
 
 def accept_sampled(guess: int, p: Tensor, q: Tensor | None, u: float) -> bool:
     """Whether a sampled request keeps `guess`: with probability min(1, p[guess] / q[guess]),
-    decided by u, uniform in [0, 1) (keep when u < that). p (V,): the target's distribution at
-    the guess's position; q (V,): the proposer's, from which the guess was drawn; None when the
+    decided by u, uniform in [0, 1) (keep when u < that). p (V,): the target's distribution
+    for the guess's token (from the logits of the position before it, which judge it); q (V,):
+    the proposer's, from which the guess was drawn (so q[guess] > 0); None when the
     proposer is certain (a lookup: q is one-hot at guess, and the rule is u < p[guess]).
     Example: p[guess] 0.3, q[guess] 0.6 -> kept when u < 0.5."""
     qx = 1.0 if q is None else float(q[guess])
@@ -78,8 +79,8 @@ def residual(p: Tensor, q: Tensor | None, guess: int) -> Tensor:
 def roll_back(cache, slot: int, fed: int, kept: int) -> None:
     """The cache's books after a target pass that fed a row `fed` positions (its last token
     and fed - 1 guesses) and kept `kept` new tokens (1 to fed: the guesses that stood and the
-    target's own): the slot keeps the positions whose tokens are now the row's context, its
-    last token and the kept guesses, kept positions of the fed; the rest are rolled back
+    target's own): the slot keeps `kept` of the `fed` positions, those whose tokens are now the
+    row's context (its last token and the guesses that stood); the rest are rolled back
     (cache.rollback(slot, n), which frees a paged slot's emptied blocks), and nothing is rolled
     back when every position stands. The newest kept token is not in the cache: the next step
     feeds it.

@@ -6,7 +6,9 @@ the engine's process, waits in the scheduler (04, 05, 07) until it is admitted i
 cache (01, 04, 05, 08), and then every step the model runs one ragged forward pass (00, 02,
 06) whose logits the token stage turns into the next token (01), until it ends and streams
 back. The weights and the tokenizer come from a checkpoint (00, 09); static batching (03)
-is the scheduler that waits for a whole batch.
+is the scheduler that waits for a whole batch. Speculative decoding (11) checks a request's
+guessed tokens in that one pass, keeps a run of them in the token stage, and rolls the KV cache
+back past the guesses that fell.
 """
 
 import matplotlib.pyplot as plt
@@ -23,11 +25,14 @@ PARTS = {
                   "waiting -> admitted -> running;\npreempt; a token budget",
                   {"03", "04", "05", "07"}),
     "cache": (8.6, 0.8, 3.2, 1.5, "KV cache\none request (01), slots (04),\n"
-              "blocks of a pool (05),\nshared prefix blocks (08)", {"01", "04", "05", "08"}),
+              "blocks of a pool (05),\nshared prefix blocks (08);\nrolled back (11)",
+              {"01", "04", "05", "08", "11"}),
     "model": (4.9, 0.8, 3.0, 1.5, "model (00): one forward pass\na ragged step: prefill (02),\n"
-              "chunks (07), decode;\nreplayed or compiled (06)", {"00", "02", "03", "06", "07"}),
+              "chunks (07), decode, guesses (11);\nreplayed or compiled (06)",
+              {"00", "02", "03", "06", "07", "11"}),
     "tokens": (1.6, 0.8, 2.6, 1.5, "token stage (01)\nlogits -> the next token\n"
-               "(greedy or sampled);\nstop at EOS", {"00", "01", "03"}),
+               "(greedy or sampled), or the\nguesses that stand (11);\nstop at EOS",
+               {"00", "01", "03", "11"}),
     "checkpoint": (4.9, -1.0, 3.0, 1.0, "checkpoint (00, 09)\nweights, tokenizer,\nchat template",
                    {"00", "09"}),
 }
@@ -54,7 +59,7 @@ def _anchor(name: str, toward: str) -> tuple[float, float]:
 
 def engine_map(step: str | None = None, ax=None):
     """Draw the engine's parts and a request's numbered path; the parts of `step` ("00" to
-    "10") are lit, the others pale. Returns the axes."""
+    "11") are lit, the others pale. Returns the axes."""
     if ax is None:
         _, ax = plt.subplots(figsize=(11.5, 4.6))
     for name, (x, y, w, h, text, steps) in PARTS.items():

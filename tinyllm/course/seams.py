@@ -29,6 +29,8 @@ SEAMS: dict[str, tuple[tuple[str, str], ...]] = {
     "10": (("tinyllm.serving.textstream", "next_piece"), ("tinyllm.serving.server", "dispatch"),
            ("tinyllm.serving.server", "sse_events"), ("tinyllm.serving.loadgen", "percentile"),
            ("tinyllm.logits_processors", "apply_penalties")),
+    "11": (("tinyllm.speculative", "accept_greedy"), ("tinyllm.speculative", "accept_sampled"),
+           ("tinyllm.speculative", "roll_back")),
 }
 
 
