@@ -154,19 +154,20 @@ def test_every_no_op_of_the_table_is_taken():
         ("completions", "skip_special_tokens", False),
         ("completions", "suffix", "end"),
         ("completions", "best_of", 2),
-        ("completions", "response_format", {"type": "json_object"}),
+        ("completions", "response_format", {"type": "yaml"}),
         ("chat", "echo", True),
         ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("chat", "tool_choice", "required"),
         ("chat", "modalities", ["text", "audio"]),
-        ("chat", "response_format", {"type": "json_schema", "json_schema": {}}),
+        ("chat", "response_format", {"type": "json_schema", "json_schema": []}),
         ("chat", "user", 7),
         ("chat", "chat_template", "{{ messages }}"),
         ("chat", "best_of", 1),
         ("completions", "use_beam_search", True),
         ("completions", "allowed_token_ids", [1, 2]),
         ("completions", "bad_words", ["fie"]),
-        ("chat", "guided_json", {"type": "object"}),
+        ("chat", "guided_json", 7),
+        ("chat", "guided_decoding_backend", "xgrammar"),
         ("chat", "logits_processors", ["m.f"]),
         ("chat", "prompt_embeds", "AAAA"),
         ("completions", "return_tokens_as_token_ids", True),
@@ -195,6 +196,16 @@ def test_a_field_that_would_change_the_answer_gets_a_400_naming_it(running, kind
         or "wrong type" in error["message"]
         or "unknown field" in error["message"]
     ), error["message"]
+    assert running.request_counts() == (0, 0)
+
+
+def test_a_constraint_to_a_server_without_a_grammar_backend_gets_a_400(running):
+    """This server's engine has no grammar backend (`python -m tinyllm serve` gives it one):
+    a constrained request is refused, naming the field that asks for it."""
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4}
+    for field, value in [("response_format", {"type": "json_object"}), ("guided_regex", "a+")]:
+        error = refused(post(running, "/v1/completions", {**body, field: value}))
+        assert error["param"] == field and "no grammar backend" in error["message"], error
     assert running.request_counts() == (0, 0)
 
 

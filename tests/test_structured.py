@@ -42,9 +42,11 @@ def grammars(bundled64):
 
 
 def test_a_constraint_is_checked_and_equal_schemas_are_one():
-    assert Constraint.json_schema({"b": 1, "type": "object"}) == Constraint.json_schema(
-        '{"type": "object", "b": 1}'
-    )
+    assert Constraint.json_schema({"type": "object", "b": 1}) == Constraint.json_schema(
+        '{"type": "object",  "b": 1}'
+    ), "a schema as a dict or as its JSON text is one constraint"
+    with pytest.raises(ValueError, match="min_tokens with a constraint"):
+        Sampling(min_tokens=2, constraint=Constraint("json_object"))
     with pytest.raises(ValueError, match="constraint kind must be one of"):
         Constraint("yaml", "")
     with pytest.raises(ValueError, match="constraint must be a Constraint"):

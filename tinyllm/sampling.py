@@ -109,6 +109,9 @@ class Sampling:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError(f"constraint must be a Constraint or None, got {self.constraint!r}")
+        if self.constraint is not None and self.min_tokens:
+            raise ValueError("min_tokens with a constraint: the grammar decides where the "
+                             "answer ends (its EOS may be all it allows)")
         if self.seed is not None and self.seed + self.n > 2**64:
             raise ValueError(f"seed {self.seed} with n={self.n}: choice i is seeded seed + i, "
                              f"which must stay below 2**64")

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
+MAX_COMPILED = 256      # compiled grammars kept per backend, the least recently used dropped
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,10 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict | str) -> "Constraint":
-        """A JSON schema, given as a dict or as JSON text (kept with sorted keys, so equal
-        schemas are one constraint)."""
+        """A JSON schema, given as a dict or as JSON text, kept as compact JSON text in its own
+        key order (the order in which the answer writes an object's properties)."""
         schema = json.loads(schema) if isinstance(schema, str) else schema
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
 class LLGuidanceMatcher:
@@ -86,7 +87,8 @@ class LLGuidanceMatcher:
 
 class LLGuidance:
     """The grammar backend over llguidance for one tokenizer (tinyllm's Tokenizer) and a model
-    of vocab_size logits: compiled grammars cached per constraint, a matcher per request."""
+    of vocab_size logits: compiled grammars cached per constraint (the MAX_COMPILED most
+    recently used), a matcher per request."""
 
     def __init__(self, tok, vocab_size: int):
         self._setup(tok.tok.to_str(), vocab_size, list(tok.eos_ids) or [0])
@@ -134,11 +136,14 @@ class LLGuidance:
         then copied). Raises ValueError naming what the backend refuses."""
         from llguidance import LLMatcher
 
-        template = self.compiled.get(c)
+        template = self.compiled.pop(c, None)
         if template is None:
             if (why := self.check(c)) is not None:
                 raise ValueError(f"constraint: the {c.kind} is refused: {why}")
-            template = self.compiled[c] = LLMatcher(self.llt, self.grammar(c), log_level=0)
+            template = LLMatcher(self.llt, self.grammar(c), log_level=0)
+        self.compiled[c] = template                     # the most recently used last
+        while len(self.compiled) > MAX_COMPILED:
+            del self.compiled[next(iter(self.compiled))]
         return LLGuidanceMatcher(template.deep_copy(), self.vocab_size)
 
 

@@ -53,6 +53,19 @@ def chat_request(tok, message: str) -> Request:
                    128, eos_id=tok.eos_ids or None)
 
 
+def text_requests(name: str, tok, n: int, rng: random.Random) -> list[Request]:
+    """The quote and json workloads' requests (workload() says what they are)."""
+    if name == "quote":
+        passages = [" ".join(rng.sample(QUESTIONS, 5)) for _ in range(n)]
+        return [Request(tok.encode(f"{p}\n{p}\n{p.split('?')[0]}"), len(tok.encode(p)),
+                        eos_id=tok.eos_ids or None) for p in passages]
+    constraint = Constraint.json_schema(ANSWER)
+    reqs = [chat_request(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
+    for r in reqs[::2]:
+        r.sampling = Sampling(constraint=constraint)
+    return reqs
+
+
 def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request], list[float]]:
     """Requests and their arrival times (all 0 but for 'poisson').
 
@@ -97,15 +110,8 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
                 Request(rand_prompt(rng.randint(8, 32)), rng.randint(32, 96)) for i in range(n)]
     elif name == "chat":
         reqs = [chat_request(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
-    elif name == "quote":
-        passages = [" ".join(rng.sample(QUESTIONS, 5)) for _ in range(n)]
-        reqs = [Request(tok.encode(f"{p}\n{p}\n{p.split('?')[0]}"), len(tok.encode(p)),
-                        eos_id=tok.eos_ids or None) for p in passages]
-    elif name == "json":
-        constraint = Constraint.json_schema(ANSWER)
-        reqs = [chat_request(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
-        for r in reqs[::2]:
-            r.sampling = Sampling(constraint=constraint)
+    elif name in ("quote", "json"):
+        reqs = text_requests(name, tok, n, rng)
     else:
         raise ValueError(f"unknown workload {name!r}: {', '.join(WORKLOADS)}")
     arrivals = [0.0] * n

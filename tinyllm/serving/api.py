@@ -4,9 +4,10 @@ A body's fields are of three kinds. Those the server reads (`FIELDS`): the promp
 max_tokens, the sampler's (temperature, top_p, top_k, min_p, seed), the token stage's
 (presence, frequency and repetition penalties, logit_bias, stop_token_ids, min_tokens,
 ignore_eos), n choices, logprobs (completions' an int; chat's a bool with top_logprobs),
-completions' echo and vLLM's prompt_logprobs, stop strings, stream. Those OpenAI's API or
-vLLM's define that it takes only at a value that changes nothing (`NO_OPS`: `tools: []`,
-`best_of` equal to n, `response_format: {"type": "text"}`, `use_beam_search: false`, ...), as
+completions' echo and vLLM's prompt_logprobs, stop strings, stream, and the constraint on the
+answer (12: OpenAI's response_format, vLLM's structured_outputs and guided_*). Those OpenAI's
+API or vLLM's define that it takes only at a value that changes nothing (`NO_OPS`: `tools: []`,
+`best_of` equal to n, `guided_decoding_backend` naming this one, `use_beam_search: false`, ...), as
 clients and benchmarks send them: any other value gets a 400 that names the field and says it
 is not supported. Any other field gets a 400 that names it. A value out of its range gets a
 400 naming the field and the range: OpenAI's ranges where OpenAI says them (n in [1, 128], a
@@ -14,6 +15,13 @@ logit bias in [-100, 100]), at most 20 alternatives a token (vLLM's default boun
 engine's checks (`Sampling`, `check_token_stage`: its message names the setting, which names
 the field). A chat message's content is a string or a list of text parts, joined with
 newlines as vLLM joins them.
+
+Structured output (12): `constraint_of` reads the one constraint a body asks for as the
+engine's `Constraint` (a JSON schema, kept in the client's key order, as the answer's
+properties follow it; any JSON object; a regex; a Lark grammar, GBNF converted to Lark, a
+choice of strings written as one), with the field that asks it; two in one body get a 400.
+`check_constraint` asks the grammar backend before the request goes to the engine: what it
+refuses gets a 400 naming that field, with the backend's sentence.
 
 A prompt is refused by its size before it is tokenized: no token covers more characters than
 the tokenizer's longest, so a text longer than max_len times that cannot fit. Tokenizing and
@@ -32,6 +40,7 @@ from jinja2.exceptions import TemplateError
 
 from tinyllm.requests import Request, check_token_stage
 from tinyllm.sampling import Sampling
+from tinyllm.structured import Constraint
 
 COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE = "completions", "chat", "tokenize", "detokenize"
 GENERATE = {COMPLETIONS, CHAT}
@@ -91,6 +100,14 @@ FIELDS = {
     "add_generation_prompt": (bool, {CHAT, TOKENIZE}),
     "return_token_strs": (bool, {TOKENIZE}),
     "tokens": (list, {DETOKENIZE}),
+    # structured output (12): OpenAI's response_format, vLLM's structured_outputs, and its
+    # legacy guided_* fields (constraint_of reads them)
+    "response_format": (dict, GENERATE),
+    "structured_outputs": (dict, GENERATE),
+    "guided_json": ((dict, str), GENERATE),
+    "guided_regex": (str, GENERATE),
+    "guided_choice": (list, GENERATE),
+    "guided_grammar": (str, GENERATE),
 }
 REQUIRED = {COMPLETIONS: "prompt", CHAT: "messages", DETOKENIZE: "tokens"}
 
@@ -98,10 +115,10 @@ REQUIRED = {COMPLETIONS: "prompt", CHAT: "messages", DETOKENIZE: "tokens"}
 # values that change nothing (null always does), or a type whose every value changes nothing,
 # and what another value would ask for)
 CHAT_T = {CHAT, TOKENIZE}
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")  # vLLM's names for this server's one
 NO_OPS = {
     # OpenAI's, both endpoints
     "echo": ({CHAT}, (False,), "the last message echoed"),
-    "response_format": (GENERATE, ({"type": "text"},), "structured output"),
     "user": (GENERATE, str, ""),
     # OpenAI's, completions
     "suffix": ({COMPLETIONS}, ("",), "a suffix to fill in before"),
@@ -133,18 +150,8 @@ NO_OPS = {
     "truncate_prompt_tokens": (GENERATE, (), "prompt truncation"),
     "logits_processors": (GENERATE, (), "logits processors"),
     # vLLM's other parameters
-    **{
-        name: (GENERATE, (), "structured output")
-        for name in (
-            "structured_outputs",
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-            "guided_decoding_backend",
-            "guided_whitespace_pattern",
-        )
-    },
+    "guided_decoding_backend": (GENERATE, GRAMMAR_BACKENDS, "another grammar backend"),
+    "guided_whitespace_pattern": (GENERATE, (), "a whitespace pattern for JSON"),
     "priority": (GENERATE, (0,), "priority scheduling"),
     "request_id": (GENERATE, str, ""),
     "cache_salt": (GENERATE, (), "a salted prefix cache"),
@@ -449,6 +456,187 @@ def prompt_ids(tok, body: dict, kind: str, limit: tuple[int, int] | None) -> lis
     )
 
 
+# ---- structured output: the constraint a body asks (12) -----------------------------------------
+CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's constraints
+# structured_outputs' other keys, as NO_OPS has them: where they change nothing
+STRUCTURED_NO_OPS = {
+    "disable_any_whitespace": (bool, ""),  # this backend writes JSON compactly either way
+    "disable_fallback": (bool, ""),  # one backend: nothing to fall back to
+    "disable_additional_properties": ((False,), "additionalProperties: false added to a schema"),
+    "whitespace_pattern": ((), "a whitespace pattern for JSON"),
+    "structural_tag": ((), "structural tags"),
+}
+SCHEMA_KEYS = {"name": str, "description": str, "strict": bool, "schema": dict}
+SPELLED = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON object",
+    "regex": "regular expression",
+    "lark": "grammar",
+}
+
+
+def constraint_of(body: dict) -> tuple[str, Constraint] | None:
+    """The constraint a checked body asks for, with the field that asks it (response_format,
+    structured_outputs or one of vLLM's guided_*), or None; a 400 naming the field when its
+    value is no constraint this server reads, or when two fields ask for one."""
+    asked = []
+    for name in CONSTRAINT_FIELDS:
+        if body.get(name) is not None and (c := constraint_in(name, body[name])) is not None:
+            asked.append((name, c))
+    if len(asked) > 1:
+        (first, _), (second, _) = asked[:2]
+        raise APIError(
+            400,
+            f"{first} and {second} each ask for a constraint on the answer: a request takes one",
+            second,
+        )
+    return asked[0] if asked else None
+
+
+def constraint_in(name: str, value) -> Constraint | None:
+    """The constraint one field asks for (its type checked already), or None."""
+    if name == "response_format":
+        return response_format_constraint(value)
+    if name == "structured_outputs":
+        return structured_outputs_constraint(value)
+    return vllm_constraint(name.removeprefix("guided_"), value, name)
+
+
+def response_format_constraint(value: dict) -> Constraint | None:
+    """OpenAI's response_format: {"type": "text"} (none), {"type": "json_object"} (any JSON
+    object) or {"type": "json_schema", "json_schema": {"name", "schema", "strict",
+    "description"}} (its schema; the name, which OpenAI asks for, may be left out)."""
+    param, kind = "response_format", value.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise APIError(
+            400,
+            f"response_format.type={shown(kind)} is not supported: this server takes "
+            f'"text", "json_object" or "json_schema"',
+            param,
+        )
+    if extra := sorted(set(value) - {"type", *(("json_schema",) if kind == "json_schema" else ())}):
+        raise APIError(
+            400, f"unknown field 'response_format.{extra[0]}' (of type {shown(kind)})", param
+        )
+    if kind != "json_schema":
+        return None if kind == "text" else Constraint("json_object")
+    spec = value.get("json_schema")
+    if spec is None or isinstance(spec, dict) and spec.get("schema") is None:
+        raise APIError(
+            400,
+            'response_format.json_schema.schema is required: {"type": "json_schema", '
+            '"json_schema": {"name": ..., "schema": a JSON schema, "strict": ...}}',
+            param,
+        )
+    if not isinstance(spec, dict):
+        raise APIError(
+            400, f"response_format.json_schema has the wrong type: {type(spec).__name__}", param
+        )
+    for key, v in spec.items():
+        if key not in SCHEMA_KEYS:
+            raise APIError(400, f"unknown field 'response_format.json_schema.{key}'", param)
+        if v is not None and not isinstance(v, SCHEMA_KEYS[key]):
+            raise APIError(400, f"response_format.json_schema.{key} has the wrong type", param)
+    return json_schema_constraint(spec["schema"], param)
+
+
+def structured_outputs_constraint(value: dict) -> Constraint | None:
+    """vLLM's structured_outputs: at most one of json (a schema), regex, choice, grammar and
+    json_object, with options where they change nothing (STRUCTURED_NO_OPS)."""
+    for key, v in value.items():
+        if key in STRUCTURED_NO_OPS:
+            check_no_op(f"structured_outputs.{key}", v, *STRUCTURED_NO_OPS[key])
+        elif key not in VLLM_KINDS:
+            raise APIError(
+                400,
+                f"unknown field 'structured_outputs.{key}': this server reads "
+                f"{', '.join(VLLM_KINDS)}",
+                "structured_outputs",
+            )
+    kinds = [k for k in VLLM_KINDS if value.get(k) is not None and value[k] is not False]
+    if len(kinds) > 1:
+        raise APIError(
+            400,
+            f"structured_outputs asks for {' and '.join(kinds)}: a request takes one constraint",
+            "structured_outputs",
+        )
+    return vllm_constraint(kinds[0], value[kinds[0]], "structured_outputs") if kinds else None
+
+
+def vllm_constraint(key: str, value, param: str) -> Constraint | None:
+    """One of vLLM's constraints, asked by param: json (a schema, or its JSON text), regex,
+    choice (a list of strings: the answer is one of them), grammar (Lark, or llama.cpp's GBNF)
+    or json_object (true: any JSON object)."""
+    if key == "json":
+        return json_schema_constraint(value, param)
+    if key == "json_object":
+        if not isinstance(value, bool):
+            raise APIError(400, f"{param}.json_object must be true or false", param)
+        return Constraint("json_object") if value else None
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise APIError(400, f"{param}: a choice is a non-empty list of strings", param)
+        return Constraint("lark", choice_grammar([checked_text(c, param) for c in value]))
+    if not isinstance(value, str):
+        raise APIError(400, f"{param}: a {key} is a string, got {type(value).__name__}", param)
+    if key == "regex":
+        return Constraint("regex", checked_text(value, param))
+    return Constraint("lark", lark_of(checked_text(value, param), param))
+
+
+def json_schema_constraint(schema, param: str) -> Constraint:
+    """A JSON schema (an object, or its JSON text) as a Constraint, its keys in the client's
+    order: the answer's properties come in it, as OpenAI's do."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise APIError(400, f"{param} is not valid JSON: {e}", param) from None
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{param}: a JSON schema is an object, got {shown(schema)}", param)
+    try:
+        return Constraint("json_schema", json.dumps(schema))
+    except RecursionError:
+        raise APIError(400, f"{param}: the schema is nested too deep", param) from None
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The Lark grammar whose sentences are exactly these strings (each a JSON-quoted literal,
+    as llguidance writes a choice)."""
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def lark_of(grammar: str, param: str) -> str:
+    """A grammar as Lark: as it is, or converted from GBNF (llama.cpp's `root ::= ...`, which
+    vLLM's other backends take) by llguidance's converter."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(grammar)
+    except Exception as e:  # the converter's own error says where
+        raise APIError(400, f"{param}: the grammar is neither Lark nor GBNF: {e}", param) from None
+
+
+def check_constraint(grammars, param: str, constraint: Constraint) -> None:
+    """A 400 naming param when there is no grammar backend, or it refuses the constraint: its
+    sentence says why. It compiles nothing, yet a big schema takes a while to read: the server
+    calls it off its event loop."""
+    if grammars is None:
+        raise APIError(
+            400, f"{param} is not supported: this server's engine has no grammar backend", param
+        )
+    if (why := grammars.check(constraint)) is not None:
+        raise APIError(400, f"{param}: the {SPELLED[constraint.kind]} is refused: {why}", param)
+
+
 # ---- the engine's request -----------------------------------------------------------------------
 MAX_N = 128  # choices a request, at most (OpenAI's bound)
 MAX_LOGPROBS = 20  # alternatives a token, at most (vLLM's default bound; OpenAI's is 5 or 20)
@@ -531,10 +719,13 @@ def engine_error(e: ValueError, kind: str) -> APIError:
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
-def sampling_of(body: dict, kind: str, vocab_size: int, echo: bool = False) -> Sampling:
+def sampling_of(
+    body: dict, kind: str, vocab_size: int, echo: bool = False, constraint: Constraint | None = None
+) -> Sampling:
     """The body's Sampling: sampler, penalties, logit bias, stop token ids, min tokens, n
     choices (choice i seeded seed + i), logprobs (and the prompt's, for echo or vLLM's
-    prompt_logprobs); its token ids checked against vocab_size. A 400 names a bad field."""
+    prompt_logprobs), the constraint (constraint_of's); its token ids checked against
+    vocab_size. A 400 names a bad field."""
     n = count_in(body, "n", 1, MAX_N) or 1
     if body.get("best_of") not in (None, n):
         raise APIError(
@@ -564,6 +755,7 @@ def sampling_of(body: dict, kind: str, vocab_size: int, echo: bool = False) -> S
             logprobs=logprobs,
             prompt_logprobs=prompt,
             n=n,
+            constraint=constraint,
         )
         check_token_stage(sampling, vocab_size)
     except ValueError as e:
@@ -615,10 +807,17 @@ class Asked:
 
 
 def to_request(
-    body: dict, kind: str, ids: list[int], tok, max_len: int, vocab_size: int | None = None
+    body: dict,
+    kind: str,
+    ids: list[int],
+    tok,
+    max_len: int,
+    vocab_size: int | None = None,
+    constraint: Constraint | None = None,
 ) -> Asked:
     """What a checked body whose prompt is ids asks (its token ids in settings checked against
-    vocab_size, the tokenizer's by default)."""
+    vocab_size, the tokenizer's by default), its answer under constraint (constraint_of's,
+    checked by the grammar backend: check_constraint)."""
     param = "prompt" if kind == COMPLETIONS else "messages"
     if not ids:
         raise APIError(400, f"{param} is empty", param)
@@ -637,8 +836,15 @@ def to_request(
             f"min_tokens ({body['min_tokens']}) is more than max_tokens ({max_tokens})",
             "min_tokens",
         )
+    if constraint is not None and body.get("min_tokens"):
+        raise APIError(
+            400,
+            "min_tokens is not supported with a constraint on the answer: its grammar says "
+            "where the answer ends",
+            "min_tokens",
+        )
     echo = echo_text(body, ids, tok) if kind == COMPLETIONS and body.get("echo") else None
-    sampling = sampling_of(body, kind, vocab_size or tok.vocab_size, echo is not None)
+    sampling = sampling_of(body, kind, vocab_size or tok.vocab_size, echo is not None, constraint)
     request = Request(ids, max_tokens, eos_id=tok.eos_ids or None, sampling=sampling)
     return Asked(request, stops_of(body), echo, body.get("prompt_logprobs"))
 

@@ -16,10 +16,12 @@ The HTTP side (uvicorn's event loop) reads the reports and hands each token to t
 the request it belongs to (`EngineLoop`). Each HTTP request is one coroutine: it reads the
 body a chunk at a time (a 413 past max_body bytes), checks it as api.py says (a 400 naming the
 field: every field OpenAI's and vLLM's APIs define is read, or taken where its value changes
-nothing, or refused where it would ask for what the server does not do), tokenizes its prompt
-off the event loop (a prompt too long to fit is refused by its size first), and submits one
-`Request`. A request of n choices is n sequences in the engine, each its own key here (a 429
-when max_waiting sequences would wait). It then reads its queue (`Answer`), turning each
+nothing, or refused where it would ask for what the server does not do), has the grammar
+backend check the constraint it asks for, if any (12: the engine's backend, LLGuidance, which
+serve_main gives it; a 400 naming the field when it refuses), tokenizes its prompt off the event
+loop (a prompt too long to fit is refused by its size first), and submits one `Request`. A
+request of n choices is n sequences in the engine, each its own key here (a 429 when
+max_waiting sequences would wait). It then reads its queue (`Answer`), turning each
 choice's tokens into text a settled piece at a time (textstream.py, each choice with the stop
 strings), with their logprobs when asked, and streams them as server-sent events (one plain
 choice by `sse_events`, any other by responses.choice_events) or collects them into one body
@@ -56,8 +58,10 @@ from tinyllm.serving.api import (
     APIError,
     Asked,
     check_body,
+    check_constraint,
     check_model,
     check_token_ids,
+    constraint_of,
     longest_token_chars,
     parse_json,
     prompt_ids,
@@ -76,6 +80,7 @@ from tinyllm.serving.responses import (
 )
 from tinyllm.serving.responses import usage as usage  # the exercise's files take it from here
 from tinyllm.serving.textstream import TextStream
+from tinyllm.structured import LLGuidance
 
 
 # ---- the engine loop: the engine in a process of its own ----------------------------------------
@@ -361,8 +366,9 @@ class Served:
     """What the server serves: the engine loop, the tokenizer (with the model's chat template
     and its EOS ids), the model's name, the positions a request may use, the most characters
     one token stands for (a longer prompt is refused by its size before it is tokenized), the
-    largest body it reads, in bytes, the model's vocabulary size (None: the tokenizer's) and
-    its tokens' texts as logprobs spell them."""
+    largest body it reads, in bytes, the model's vocabulary size (None: the tokenizer's), its
+    tokens' texts as logprobs spell them, and the grammar backend that checks a constraint
+    before it goes to the engine (the engine's own, LLGuidance; None: a constraint is refused)."""
 
     loop: EngineLoop
     tok: object
@@ -373,6 +379,7 @@ class Served:
     max_body: int = MAX_BODY
     vocab_size: int | None = None
     texts: TokenTexts | None = None
+    grammars: object = None
 
     def limit(self) -> tuple[int, int]:
         """(positions a request may use, characters a token stands for at most)."""
@@ -667,8 +674,11 @@ async def serve_completion(served: Served, http, kind: str):
     collected into one JSON body."""
     body = check_body(await json_body(http, served.max_body), kind)
     check_model(body, served.name)
+    if (constraint := constraint_of(body)) is not None:  # the grammar backend's word first
+        await asyncio.to_thread(check_constraint, served.grammars, *constraint)
     ids = await asyncio.to_thread(prompt_ids, served.tok, body, kind, served.limit())
-    asked = to_request(body, kind, ids, served.tok, served.max_len, served.vocab_size)
+    constrained = constraint[1] if constraint is not None else None
+    asked = to_request(body, kind, ids, served.tok, served.max_len, served.vocab_size, constrained)
     n, queue = asked.request.sampling.n, asyncio.Queue()
     tickets = [Ticket(asked.request, events=queue) for _ in range(n)]
     served.loop.submit(tickets)
@@ -889,7 +899,8 @@ def serve_main(argv=None) -> None:
     model, tok = tinyllm.load(args.model, device=args.device)
     draft = None if args.draft is None else tinyllm.load(args.draft, device=args.device)[0]
     try:
-        engine = ContinuousEngine(model, config, draft=draft)
+        grammars = LLGuidance(tok, model.cfg.vocab_size)  # structured output (12)
+        engine = ContinuousEngine(model, config, draft=draft, grammars=grammars)
     except ValueError as e:
         ap.error(str(e))
     name = "tinyllm-" + resolve(args.model).name.removesuffix(".gguf")
@@ -924,9 +935,11 @@ def build(
     engine: ContinuousEngine, tok, name: str, max_waiting: int = 64, max_body: int = MAX_BODY
 ) -> Served:
     """What make_app serves: an engine loop around engine (not started), with its metrics; a
-    body over max_body bytes is refused."""
+    body over max_body bytes is refused. The engine's grammar backend (its `grammars`) checks
+    each constraint on this side too: the engine process gets a copy of its own."""
     loop = EngineLoop(engine, max_waiting)
     chars, vocab = longest_token_chars(tok), engine.model.cfg.vocab_size
+    texts, grammars = TokenTexts(tok), engine.grammars
     return Served(
-        loop, tok, name, engine.max_len, Metrics(loop), chars, max_body, vocab, TokenTexts(tok)
+        loop, tok, name, engine.max_len, Metrics(loop), chars, max_body, vocab, texts, grammars
     )
