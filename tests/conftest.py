@@ -1,5 +1,7 @@
 """Shared fixtures: a tiny random model for fast exact checks, and the bundled checkpoint."""
 
+import math
+
 import pytest
 import torch
 
@@ -34,6 +36,16 @@ def make_tiny(seed: int = 0, dtype=torch.float64, **overrides) -> Transformer:
     torch.manual_seed(seed)
     cfg = ModelConfig(**{**TINY.to_dict(), **overrides})
     return Transformer(cfg).to(dtype).eval()
+
+
+SMALL_CFG = dict(  # a 6-token model: a chi-square over its outputs needs few samples
+    vocab_size=6, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32, max_seq_len=16
+)
+
+
+def chi_square_bound(df: int, z: float = 3.29) -> float:
+    """The chi-square distribution's upper quantile (z = 3.29: p = 0.0005), Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import pytest
 import tinyllm
 from tests.test_server import NAME, Running
 from tests.test_server_api import post, refused
+from tests.test_structured import PERSON  # closed and bounded: the bundled model ends it
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import solo
 from tinyllm.requests import Request
@@ -25,16 +26,6 @@ from tinyllm.sampling import Sampling
 from tinyllm.serving import api
 from tinyllm.structured import Constraint, LLGuidance
 
-# a closed schema, its strings and integers bounded: the bundled model then always ends it
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 AS_PERSON = {
     "type": "json_schema",
     "json_schema": {"name": "person", "schema": PERSON, "strict": True},

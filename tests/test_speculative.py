@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import make_tiny
+from tests.conftest import SMALL_CFG, chi_square_bound, make_tiny
 from tests.test_engine import TINY, V
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
@@ -164,9 +164,6 @@ def test_speculation_counts_what_it_proposed_and_kept():
 
 # ---- sampled: the target's distribution --------------------------------------------------------
 
-SMALL_CFG = dict(
-    vocab_size=6, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32, max_seq_len=16
-)
 SMALL = make_tiny(seed=1, **SMALL_CFG)
 
 
@@ -181,11 +178,6 @@ def target_triples(prompt: list[int]) -> torch.Tensor:
             for b in range(6):
                 out[a, b] = p1[a] * p2[b] * p([a, b])
     return out
-
-
-def chi_square_bound(df: int, z: float = 3.29) -> float:
-    """The chi-square distribution's upper quantile (z = 3.29: p = 0.0005), Wilson-Hilferty."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 @pytest.mark.parametrize("spec", ["ngram", "draft"])

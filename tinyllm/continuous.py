@@ -197,10 +197,12 @@ def mark_computed(seqs: list[Sequence], n: list[int], cache: SlotCache, config: 
     bs = config.block_size
     for i, (seq, k) in enumerate(zip(seqs, n)):
         filled = (seq.num_computed_tokens + k) // bs > seq.num_computed_tokens // bs
+        prompt_done = seq.num_computed_tokens < len(seq.request.prompt) <= \
+            seq.num_computed_tokens + k
         seq.num_computed_tokens += k
         if config.prefix_cache and filled:
             cache.cache_blocks(seq.slot, seq.context() + (ahead[i] if ahead else []))
-        if seq.num_computed_tokens >= len(seq.request.prompt):
+        if prompt_done:
             scheduler.release(seq)
 
 

@@ -226,9 +226,11 @@ class Sequence:
     def context_len(self) -> int:
         return len(self.request.prompt) + len(self.tokens)
 
-    def history(self) -> History:
-        """What the token stage's processors read of it (its own lists, not copies)."""
-        return History(self.sampling, self.request.prompt, self.tokens, self.request.eos_id,
+    def history(self, ahead: list[int] | None = None) -> History:
+        """What the token stage's processors read of it (its own lists, not copies); with
+        ahead, as if those tokens followed its own (speculation's guesses, 11)."""
+        output = self.tokens if not ahead else self.tokens + ahead
+        return History(self.sampling, self.request.prompt, output, self.request.eos_id,
                        self.matcher)
 
     def left(self) -> int:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from tinyllm.generate import autocast_for
-from tinyllm.logits_processors import History, process
+from tinyllm.logits_processors import process
 from tinyllm.model import Transformer
 from tinyllm.requests import Sequence, TokenLogprobs, is_done
 from tinyllm.sampling import draw, is_greedy, sampling_probs
@@ -161,8 +161,7 @@ def processed_logits(logits: Tensor, seqs: list[Sequence], guesses: list[list[in
         rows = [i for i in range(B) if j < n_pos[i]]
         if not rows:
             break
-        hist = [History(seqs[i].sampling, seqs[i].request.prompt, seqs[i].tokens +
-                        guesses[i][:j], seqs[i].request.eos_id, seqs[i].matcher) for i in rows]
+        hist = [seqs[i].history(guesses[i][:j]) for i in rows]
         out = process(logits[torch.tensor(rows, device=dev), j], hist)          # (R, V)
         for r, i in enumerate(rows):
             processed[i].append(out[r])
@@ -201,6 +200,9 @@ class NgramProposer:
         """Up to ks[i] guesses per row, and None (no distributions: a lookup is certain)."""
         return [lookup(s.context(), k, self.n_max, self.n_min) for s, k in zip(seqs, ks)], \
             [None] * len(seqs)
+
+    def kept(self, seq: Sequence, verdict: "Verdict") -> None:
+        """A lookup keeps no state: nothing to roll back."""
 
     def sync(self, running: dict) -> None:
         """A lookup keeps no state."""
@@ -280,8 +282,7 @@ class DraftProposer:
                 break
             inputs = [feed[i] if j == 0 else [guesses[i][-1]] for i in rows_j]
             logits = self._forward([seqs[i].slot for i in rows_j], inputs)          # (R, V)
-            hist = [History(seqs[i].sampling, seqs[i].request.prompt, seqs[i].tokens +
-                            guesses[i], seqs[i].request.eos_id, seqs[i].matcher) for i in rows_j]
+            hist = [seqs[i].history(guesses[i]) for i in rows_j]
             processed = process(logits, hist)
             for r, i in enumerate(rows_j):
                 guesses[i].append(self._guess(processed[r], seqs[i], shared, dists, i))
@@ -402,7 +403,6 @@ class Speculator:
         verdicts = verify(logits, seqs, guesses, drafts, shared)
         for seq, g, v in zip(seqs, guesses, verdicts):
             roll_back(self.cache, seq.slot, 1 + len(g), len(v.tokens))
-            if hasattr(self.proposer, "kept"):
-                self.proposer.kept(seq, v)
+            self.proposer.kept(seq, v)
         self.stats.record_speculation(verdicts)
         return verdicts

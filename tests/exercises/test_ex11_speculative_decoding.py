@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tests.conftest import make_tiny
+from tests.conftest import SMALL_CFG, chi_square_bound, make_tiny
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
@@ -400,19 +400,11 @@ def test_seeded_sampled_requests_get_the_packages_tokens(plug, speculate):
     assert_same_counts(eng, ref, f"seeded, {speculate}")
 
 
-SMALL = dict(vocab_size=6, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32, max_seq_len=16)
-
-
-def chi_square_bound(df: int, z: float = 3.29) -> float:
-    """The chi-square distribution's upper quantile (z = 3.29: p = 0.0005), Wilson-Hilferty."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
 def test_sampled_speculation_with_your_functions_keeps_the_targets_distribution(plug):
     """3000 seeded requests of three tokens on a 6-token model, the second and third guessed by
     a draft model far from the target (so many guesses fall): the counts of each triple agree
     with the target's own probabilities (chi-square over the cells expected 5 times or more)."""
-    target, other = make_tiny(seed=1, **SMALL), make_tiny(seed=7, **SMALL)
+    target, other = make_tiny(seed=1, **SMALL_CFG), make_tiny(seed=7, **SMALL_CFG)
     prompt, n = [1, 2, 1, 2, 1], 3000
     with torch.no_grad():
         p = lambda ids: target(torch.tensor([prompt + ids]))[0][0, -1].softmax(-1)
