@@ -72,7 +72,7 @@ def test_a_grammar_is_compiled_once(grammars):
     a, b = grammars.matcher(c), grammars.matcher(c)
     assert a is not b and list(grammars.compiled).count(c) == 1
     assert a.consume(grammars.llt.tokenize_str("ab")[0])
-    assert not torch.equal(a.allowed(), b.allowed()), "each request has a matcher of its own"
+    assert not torch.equal(a.bitmask(), b.bitmask()), "each request has a matcher of its own"
 
 
 def test_constrained_outputs_validate_and_end_with_their_grammar(bundled64, grammars):

@@ -11,7 +11,10 @@ id before min_tokens tokens), `LogitBias`, then `Penalties` (repetition, frequen
 `apply_penalties` is the batched rule, one tensor expression for every row from its counts;
 `penalize_row` is the same rule written for one row, token by token: they agree exactly.
 
-Seam: `apply_penalties` (exercise 10).
+A grammar's mask comes as bits (`apply_bitmask`), 32 tokens to a word, as the grammar libraries
+give it.
+
+Seams: `apply_penalties` (exercise 10), `apply_bitmask` (exercise 12).
 """
 
 from dataclasses import dataclass
@@ -136,16 +139,34 @@ class Penalties(LogitsProcessor):
                                column("frequency_penalty"), column("repetition_penalty"))
 
 
+def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """(B, W) int32 words -> (B, vocab_size) bool: token 32 w + j is bit j of word w."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, device=bitmask.device)) & 1  # (B, W, 32)
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def apply_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """A batch of grammar masks at once, the way XGrammar, llguidance and vLLM apply them:
+    logits (B, V); bitmask (B, W) int32, W = ceil(V / 32), one bit per token: token t is
+    allowed when bit t % 32 of word t // 32 is 1 (the low bit first; bit 31 is the word's
+    sign). Returns new logits (B, V): an allowed token's logit as it was, the others -inf (the
+    bits past V, padding, are ignored); the input unchanged.
+    Example: logits [[1., 2., 3.]], bitmask [[5]] (0b101: tokens 0 and 2) -> [[1., -inf, 3.]]."""
+    allowed = unpack_bitmask(bitmask.to(logits.device), logits.size(-1))     # (B, V)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 class GrammarMask(LogitsProcessor):
     """A constrained request's grammar (12): the tokens its matcher does not allow next get
-    -inf. The matcher says what it allows in the state after the row's output."""
+    -inf. Each matcher gives its bitmask in the state after its row's output; the rows' masks
+    are applied together (apply_bitmask)."""
 
     def applies(self, sampling: Sampling) -> bool:
         return sampling.constraint is not None
 
     def __call__(self, logits: Tensor, rows: list[History]) -> Tensor:
-        allowed = torch.stack([h.matcher.allowed() for h in rows]).to(logits.device)  # (B, V)
-        return logits.masked_fill(~allowed, float("-inf"))
+        bitmask = torch.stack([h.matcher.bitmask() for h in rows])          # (B, ceil(V / 32))
+        return apply_bitmask(logits, bitmask)
 
 
 PROCESSORS: tuple[LogitsProcessor, ...] = (GrammarMask(), MinTokens(), LogitBias(), Penalties())

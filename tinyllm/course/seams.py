@@ -31,6 +31,8 @@ SEAMS: dict[str, tuple[tuple[str, str], ...]] = {
            ("tinyllm.logits_processors", "apply_penalties")),
     "11": (("tinyllm.speculative", "accept_greedy"), ("tinyllm.speculative", "accept_sampled"),
            ("tinyllm.speculative", "roll_back")),
+    "12": (("tinyllm.structured", "walk"), ("tinyllm.structured", "token_mask"),
+           ("tinyllm.logits_processors", "apply_bitmask")),
 }
 
 
