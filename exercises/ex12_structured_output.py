@@ -35,8 +35,10 @@ def walk(dfa: DFA, state: int, piece: bytes) -> int | None:
     a byte has no move (the token is not allowed there).
     Example: for x=[0-9]{1,3}, walk(dfa, dfa.start, b"x=4") is the state after one digit, and
     walk(dfa, dfa.start, b"x4") is None."""
-    raise NotImplementedError("exercise 12: follow dfa.moves from state, a byte of piece at a "
-                              "time; None where a byte has no move")
+    raise NotImplementedError(
+        "exercise 12: follow dfa.moves from state, a byte of piece at a "
+        "time; None where a byte has no move"
+    )
 
 
 def token_mask(dfa: DFA, state: int, pieces: list[bytes], eos_ids: tuple[int, ...]) -> Tensor:
@@ -46,8 +48,10 @@ def token_mask(dfa: DFA, state: int, pieces: list[bytes], eos_ids: tuple[int, ..
     accepts (so a text ends only where the grammar does).
     Example: for x=[0-9]{1,3} after "x=1", the tokens "3", "4" and "45" are allowed
     ("456" is not: 4 digits), and EOS is."""
-    raise NotImplementedError("exercise 12: walk each token's bytes from state (a token of "
-                              "no bytes is not allowed), then EOS where state accepts")
+    raise NotImplementedError(
+        "exercise 12: walk each token's bytes from state (a token of "
+        "no bytes is not allowed), then EOS where state accepts"
+    )
 
 
 def apply_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
@@ -57,5 +61,7 @@ def apply_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
     sign). Returns new logits (B, V): an allowed token's logit as it was, the others -inf (the
     bits past V, padding, are ignored); the input unchanged.
     Example: logits [[1., 2., 3.]], bitmask [[5]] (0b101: tokens 0 and 2) -> [[1., -inf, 3.]]."""
-    raise NotImplementedError("exercise 12: unpack bit t % 32 of word t // 32 for each "
-                              "token t < V, and -inf where it is 0")
+    raise NotImplementedError(
+        "exercise 12: unpack bit t % 32 of word t // 32 for each "
+        "token t < V, and -inf where it is 0"
+    )

@@ -62,6 +62,6 @@ def apply_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
     bits past V, padding, are ignored); the input unchanged.
     Example: logits [[1., 2., 3.]], bitmask [[5]] (0b101: tokens 0 and 2) -> [[1., -inf, 3.]]."""
     shifts = torch.arange(32, device=logits.device)
-    bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1              # (B, W, 32)
-    allowed = bits.flatten(1)[:, : logits.size(-1)].bool()                      # (B, V)
+    bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1  # (B, W, 32)
+    allowed = bits.flatten(1)[:, : logits.size(-1)].bool()  # (B, V)
     return logits.masked_fill(~allowed, float("-inf"))

@@ -29,8 +29,9 @@ X = DFA.sequence("x=", (DIGITS, 1, 3))  # the docstrings' grammar: x=[0-9]{1,3}
 HAND = {
     Constraint("regex", "[A-Z]{3,10}:"): DFA.sequence((UPPER, 3, 10), ":"),
     Constraint("regex", "[0-9]{1,3}"): DFA.sequence((DIGITS, 1, 3)),
-    Constraint("regex", "[a-z ]{2,12}[.!?]"): DFA.sequence(("abcdefghijklmnopqrstuvwxyz ", 2, 12),
-                                                           (".!?", 1, 1)),
+    Constraint("regex", "[a-z ]{2,12}[.!?]"): DFA.sequence(
+        ("abcdefghijklmnopqrstuvwxyz ", 2, 12), (".!?", 1, 1)
+    ),
 }
 
 
@@ -159,8 +160,7 @@ def test_apply_bitmask_the_docstrings_example(impl):
     got = impl.apply_bitmask(logits, torch.tensor([[5]], dtype=torch.int32))
     want = torch.tensor([[1.0, float("-inf"), 3.0]])
     assert got is not None and torch.equal(got, want), (
-        f"logits [[1, 2, 3]] with bitmask [[5]] (0b101: tokens 0 and 2) should be {want}, "
-        f"got {got}"
+        f"logits [[1, 2, 3]] with bitmask [[5]] (0b101: tokens 0 and 2) should be {want}, got {got}"
     )
 
 
@@ -205,9 +205,10 @@ def test_apply_bitmask_on_random_batches(impl, dtype):
 PROMPTS = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Hor.\nWhat", "Pol.\n"]
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer",
-                                                                        "minimum": 0,
-                                                                        "maximum": 99}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
