@@ -22,10 +22,12 @@ from tinyllm.checkpoints.checkpoint import (
 from tinyllm.checkpoints.gguf_file import load_gguf
 from tinyllm.checkpoints.tokenizer import Tokenizer
 from tinyllm.model import Transformer
+from tinyllm.quant import MODES, quantize
 
 
 def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = None,
-         max_seq_len: int | None = None, download: bool = False) -> tuple[Transformer, Tokenizer]:
+         max_seq_len: int | None = None, download: bool = False,
+         quant: str | None = None) -> tuple[Transformer, Tokenizer]:
     """Load a Hugging Face checkpoint directory or a GGUF file -> (model in eval mode, tokenizer).
 
     path: "default" (the bundled Shakespeare model), "smollm2" (SmolLM2-135M-Instruct's GGUF
@@ -36,12 +38,30 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
     (exact arithmetic for the oracle; float64 for the tests). max_seq_len: positions to serve
     (default: the checkpoint's own, at most checkpoint.MAX_SEQ_LEN, which keeps the RoPE table
     and caches small). A device torch cannot use, or a dtype other than float32, float64,
-    bfloat16 and float16, is refused before anything is read or fetched."""
+    bfloat16 and float16, is refused before anything is read or fetched.
+
+    quant (step 13): None keeps float weights; "int8" (per output channel) or "int4" (groups
+    of 32) quantizes every linear layer at load (quant.quantize); "gguf" keeps a GGUF file's
+    Q8_0, Q4_0 and Q4_1 blocks as they are (a GGUF file only)."""
     device, dtype = pick_device_dtype(device, dtype)
     check_max_seq_len(max_seq_len)
+    if quant not in (None, *MODES):
+        raise ValueError(f"quant must be one of {', '.join(MODES)} or None, got {quant!r}")
     path = resolve(path)
+    if quant == "gguf" and not (path.is_file() and path.suffix == ".gguf"):
+        raise ValueError(f"quant='gguf' keeps a GGUF file's own blocks; {path} is not a .gguf "
+                         f"file (quant='int8' or 'int4' quantizes any checkpoint)")
+    model, tok = load_float(path, device, dtype, max_seq_len, download, quant == "gguf")
+    if quant in ("int8", "int4"):
+        quantize(model, quant)
+    return model, tok
+
+
+def load_float(path: Path, device, dtype, max_seq_len, download: bool,
+               keep_blocks: bool) -> tuple[Transformer, Tokenizer]:
+    """load's model from a resolved path (a GGUF file's blocks kept when asked)."""
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, device, dtype, max_seq_len)
+        return load_gguf(path, device, dtype, max_seq_len, keep_blocks)
     if not path.is_dir():
         if download:
             path = fetch(str(path))

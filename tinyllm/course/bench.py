@@ -39,6 +39,7 @@ from tinyllm.continuous import compiled_decoder, run_continuous
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer, gpu_dtype
+from tinyllm.quant import MODES, weight_bytes
 from tinyllm.requests import Request, longest
 from tinyllm.slot_cache import SlotKVCache
 from tinyllm.static import run_static
@@ -364,11 +365,23 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="default", metavar="DIR",
                     help="a checkpoint directory (runs/shakespeare), a .gguf file, or smollm2 "
                          "(fetched once) (default: the bundled model)")
+    ap.add_argument("--quant", type=quant_modes, default="none", metavar="MODES",
+                    help="the weights (13): none (float), int8, int4 or gguf (a GGUF file's own "
+                         "blocks), comma-separated to compare them" + default)
     ap.add_argument("--device", default=None,
                     help="cpu, cuda, cuda:1, ... (default: cuda when there is one, else cpu)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     EngineConfig.add_arguments(ap, kv=False)
     return ap
+
+
+def quant_modes(text: str) -> list[str]:
+    """--quant's value: "none,int8" -> ["none", "int8"], each checked."""
+    modes = text.split(",")
+    for m in modes:
+        if m not in ("none", *MODES):
+            raise argparse.ArgumentTypeError(f"{m!r} is not one of none, {', '.join(MODES)}")
+    return modes
 
 
 def where(model) -> str:
@@ -401,15 +414,18 @@ def compare_peers(args, model, tok) -> None:
           "cache tinyllm reserved, sized to the workload")
 
 
-def time_decode_steps(args, model) -> None:
-    """--decode-steps: one decode step's time per batch size, eager, graphed and compiled."""
-    rows = decode_step_times(model, args.batch_sizes, compile_mode=args.compile_mode)
+def time_decode_steps(args, model, quant: str = "none") -> None:
+    """--decode-steps: one decode step's time per batch size, eager, graphed and compiled (a
+    quantized model's eager step only: its layers compile their own loops)."""
+    rows = decode_step_times(model, args.batch_sizes, compiled=quant == "none",
+                             compile_mode=args.compile_mode)
     if args.json:
         device = str(next(model.parameters()).device)
         print(json.dumps({"device": device, "context": 100, "rows": rows}, indent=2))
         return
-    print(f"one decode step, every slot holding 100 tokens, {where(model)}, compile mode "
-          f"{args.compile_mode}, ms per step\n")
+    print(f"one decode step, every slot holding 100 tokens, {where(model)}, weights "
+          f"{'float' if quant == 'none' else quant} ({weight_bytes(model) / 2**20:.1f} MiB "
+          f"read a step), compile mode {args.compile_mode}, ms per step\n")
     print(decode_steps_table(rows))
     if "graphed_ms" not in rows[0]:
         print("\nno CUDA here: bucketed is the graph decoder's eager bucketed step")
@@ -417,22 +433,25 @@ def time_decode_steps(args, model) -> None:
           "the compiled step must save it")
 
 
-def compare_engines(ap, args, model, tok) -> None:
+def compare_engines(ap, args, models: dict, tok) -> None:
     """--engines: each engine, its config parsed from its name and the flags, on the same
-    requests; their summaries side by side. A bad name is refused before any run."""
+    requests, on each model of --quant (named "engine int8" when there are several); their
+    summaries side by side. A bad name is refused before any run."""
     reqs, _ = workload(args.workload, tok, args.requests, args.seed)
     try:
         engines = engine_configs(args.engines.split(","), args, max_len=longest(reqs))
     except ValueError as e:
         ap.error(str(e))
-    warm_up(model)
     runs = {}
-    for name, (base, config) in engines.items():
-        bar = _bar(args.requests, name, quiet=args.json)
-        runs[name] = run(model, tok, args.workload, config, args.requests, args.seed, bar,
-                         static=base == "static", draft=args.draft_model)
-        if bar is not None:
-            bar.close()
+    for quant, model in models.items():
+        warm_up(model)
+        for name, (base, config) in engines.items():
+            key = name if len(models) == 1 else f"{name} {quant}"
+            bar = _bar(args.requests, key, quiet=args.json)
+            runs[key] = run(model, tok, args.workload, config, args.requests, args.seed, bar,
+                            static=base == "static", draft=args.draft_model)
+            if bar is not None:
+                bar.close()
     device = next(model.parameters()).device
     if args.json:
         print(json.dumps({"workload": args.workload, "slots": args.n_slots,
@@ -450,12 +469,18 @@ def main(argv=None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
     import tinyllm
-    model, tok = tinyllm.load(args.model, device=args.device, dtype=DTYPES.get(args.dtype))
+    models = {}
+    for quant in args.quant:
+        models[quant], tok = tinyllm.load(args.model, device=args.device,
+                                          dtype=DTYPES.get(args.dtype),
+                                          quant=None if quant == "none" else quant)
+    model = next(iter(models.values()))
     args.draft_model = None if args.draft is None else \
         tinyllm.load(args.draft, device=args.device, dtype=DTYPES.get(args.dtype))[0]
     if args.peers:
         compare_peers(args, model, tok)
     elif args.decode_steps:
-        time_decode_steps(args, model)
+        for quant, model in models.items():
+            time_decode_steps(args, model, quant)
     else:
-        compare_engines(ap, args, model, tok)
+        compare_engines(ap, args, models, tok)

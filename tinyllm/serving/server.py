@@ -48,6 +48,7 @@ import torch.multiprocessing
 
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
+from tinyllm.quant import MODES
 from tinyllm.requests import Event, Request
 from tinyllm.serving.api import (
     CHAT,
@@ -866,6 +867,13 @@ def serve_parser():
         "fetched once) (default: the bundled model)",
     )
     g.add_argument(
+        "--quant",
+        default=None,
+        choices=MODES,
+        help="quantized weights (13): int8 (per output channel), int4 (groups of 32), or gguf "
+        "(a GGUF file's own Q8_0, Q4_0 and Q4_1 blocks) (default: float weights)",
+    )
+    g.add_argument(
         "--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)"
     )
     g.add_argument("--port", type=int, default=8000, help="the port to listen on (default: 8000)")
@@ -896,7 +904,7 @@ def serve_main(argv=None) -> None:
         config = EngineConfig.from_args(args)
     except ValueError as e:
         ap.error(str(e))
-    model, tok = tinyllm.load(args.model, device=args.device)
+    model, tok = tinyllm.load(args.model, device=args.device, quant=args.quant)
     draft = None if args.draft is None else tinyllm.load(args.draft, device=args.device)[0]
     try:
         grammars = LLGuidance(tok, model.cfg.vocab_size)  # structured output (12)

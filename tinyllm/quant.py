@@ -1,0 +1,255 @@
+"""Step 13 - quantized weights: a linear layer that keeps its weight in 8 or 4 bits.
+
+A decode step at a small batch reads every weight of the model to make one token per request,
+so its time is about the weights' bytes over the memory's bandwidth. Fewer bytes per weight,
+fewer bytes per token: int8 reads a quarter of float32's, int4 an eighth (plus a scale per
+group). The arithmetic stays in floating point: a weight is stored as a small integer q and
+read back as q * scale + zero (weight-only quantization, as gpt-fast and llama.cpp do it).
+
+`QuantLinear` holds W (N, K) in groups of `group_size` along its input dimension K:
+  8 bits: q int8 (N, K), W[n, k] = q[n, k] * scale[n, g]            (g = k // group_size)
+  4 bits: q uint8 (N, G, group_size / 2), two weights a byte: the low nibble is the group's
+          element j, the high nibble element j + group_size / 2 (GGUF's own layout), and
+          W[n, k] = q * scale[n, g] + zero[n, g], q in 0 .. 15.
+int8 per output channel is one group the width of the row (`quantize_int8`); int4 is groups of
+32 with their minimum and step (`quantize_int4`); GGUF's Q8_0, Q4_0 and Q4_1 blocks are the same
+layouts with groups of 32, so a GGUF file's weights are kept as the file has them
+(`from_gguf`), not expanded to float32.
+
+Three ways to compute y = x W^T (`QuantLinear.kernel`):
+- "int8mm" (int8 with one scale per row, on a CPU): the activations are quantized too, each
+  row by its own largest magnitude, and the product is an integer one (`torch._int_mm`, exact
+  in int32), scaled back: what llama.cpp's Q8_0 products do. It reads a quarter of the bytes
+  and computes in 8-bit integers, for one row or many.
+- "fused" (the others): a few rows (a decode step, `FUSED_ROWS` at most) run one fused loop
+  that reads each weight once, as its integer, and turns it into a float in registers
+  (torch.compile of `fused_matmul`, compiled per layer shape on first use); reading fewer bytes
+  is the whole gain. Many rows (a prefill): the weight is de-quantized to the activations'
+  dtype and the math library's product runs, compute-bound there, the de-quantization paid
+  once for all the rows.
+- "eager": de-quantize every time (no compiler needed: the reference the others are checked
+  against).
+Each row's result depends on that row alone in all three, so batching changes nothing.
+
+The embeddings stay in float: a lookup reads one row per token, not the whole table; a head
+tied to them gets a quantized copy of its own.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+MODES = ("int8", "int4", "gguf")
+FUSED_ROWS = 16         # rows (tokens in a step) up to which the fused loop runs
+KERNELS = ("auto", "int8mm", "fused", "eager")
+_compiled = None        # fused_matmul compiled: one program per layer shape and row bucket
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w (N, K) float -> q (N, K) int8 and scale (N, 1) float16: one scale per output channel,
+    its largest magnitude over 127 (symmetric, no zero point)."""
+    scale = (w.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-4).half()
+    return torch.round(w / scale.to(w.dtype)).clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_int4(w: Tensor, group_size: int = 32) -> tuple[Tensor, Tensor, Tensor]:
+    """w (N, K) float -> q (N, G, group_size / 2) uint8, scale and zero (N, G) float16: each
+    group of group_size weights along K spans its minimum (zero) to its maximum in 15 steps
+    (scale), as GGUF's Q4_1 blocks do."""
+    N, K = w.shape
+    wg = w.reshape(N, K // group_size, group_size)
+    zero = wg.amin(-1).half()
+    scale = ((wg.amax(-1) - zero.to(w.dtype)) / 15).clamp(min=1e-4).half()
+    steps = (wg - zero.to(w.dtype)[..., None]) / scale.to(w.dtype)[..., None]
+    q = torch.round(steps).clamp(0, 15).to(torch.uint8)
+    half = group_size // 2
+    return q[..., :half] | (q[..., half:] << 4), scale, zero
+
+
+def unpack_int4(q: Tensor) -> Tensor:
+    """(N, G, g / 2) uint8 -> (N, G, g) uint8 values 0 .. 15: the low nibbles, then the high."""
+    return torch.cat([q & 15, q >> 4], dim=-1)
+
+
+def dequantize(bits: int, q: Tensor, scale: Tensor, zero: Tensor | None, K: int,
+               dtype: torch.dtype) -> Tensor:
+    """The float weight (N, K) in dtype."""
+    N, G = scale.shape
+    values = (q if bits == 8 else unpack_int4(q)).reshape(N, G, -1).to(dtype)
+    w = values * scale.to(dtype)[..., None]
+    if zero is not None:
+        w = w + zero.to(dtype)[..., None]
+    return w.reshape(N, K)
+
+
+def fused_matmul(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor | None, bits: int) -> Tensor:
+    """x (M, K) @ W^T -> (M, N) without W in float: per group, the integers' dot product with
+    x, times the group's scale, plus its zero times the sum of x over the group. Written for
+    torch.compile, which makes it one loop over the weight's bytes."""
+    M, K = x.shape
+    N, G = scale.shape
+    xg = x.reshape(M, 1, G, -1)                                            # (M, 1, G, g)
+    if bits == 8:
+        dots = (xg * q.reshape(1, N, G, -1).to(x.dtype)).sum(-1)           # (M, N, G)
+    else:
+        half = q.size(-1)
+        low, high = (q & 15).to(x.dtype), (q >> 4).to(x.dtype)            # (N, G, g / 2)
+        dots = (xg[..., :half] * low + xg[..., half:] * high).sum(-1)     # (M, N, G)
+    y = (dots * scale).sum(-1)                                             # (M, N)
+    if zero is not None:
+        y = y + (xg.sum(-1) * zero).sum(-1)
+    return y
+
+
+def compiled_matmul(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor | None, bits: int):
+    """fused_matmul compiled for fixed shapes (a loop specialised to its sizes is the fast
+    one): x's rows are padded with zeros to a power of two, so a model compiles a program per
+    layer shape for 1, 2, 4, 8 and 16 rows at most, each on first use (a second or two)."""
+    global _compiled
+    if _compiled is None:
+        config = torch._dynamo.config                   # room for every shape's program
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), 256))
+        _compiled = torch.compile(fused_matmul, dynamic=False)
+    rows = x.size(0)
+    bucket = 1 << (rows - 1).bit_length()
+    if bucket != rows:
+        x = torch.cat([x, x.new_zeros(bucket - rows, x.size(1))])
+    return _compiled(x, q, scale, zero, bits)[:rows]
+
+
+def int8_matmul(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """x (M, K) @ W^T for an int8 weight of one scale per row (q (N, K), scale (N, 1)), with
+    x quantized too, row by row (its largest magnitude over 127): an integer matrix product
+    (torch._int_mm, exact in int32), then both scales. llama.cpp's Q8_0 products quantize
+    the activations the same way. Each row's result depends on that row alone."""
+    sx = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127                # (M, 1)
+    xq = torch.round(x / sx).to(torch.int8)                                   # (M, K)
+    return torch._int_mm(xq, q.T).to(x.dtype) * (sx * scale.to(x.dtype).T)     # (M, N)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ bias), W (out_features, in_features) kept quantized (see the module's
+    docstring for the layouts). kernel: "int8mm" (8 bits, one scale per row: the activations
+    quantized too, an integer product), "fused" (a few rows: the compiled loop over the bytes;
+    more: de-quantize, then the library's product), "eager" (de-quantize every time), or
+    "auto": int8mm where it applies on a CPU, else fused."""
+
+    def __init__(self, bits: int, q: Tensor, scale: Tensor, zero: Tensor | None,
+                 in_features: int, bias: Tensor | None = None, kernel: str = "auto"):
+        super().__init__()
+        if bits not in (8, 4):
+            raise ValueError(f"bits must be 8 or 4, got {bits}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        self.bits, self.in_features, self.kernel = bits, in_features, kernel
+        self.out_features, groups = scale.shape
+        self.group_size = in_features // groups
+        if kernel == "int8mm" and (bits != 8 or groups != 1):
+            raise ValueError("kernel 'int8mm' needs 8 bits and one scale per row (int8 per "
+                             "output channel), not groups")
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero", zero)
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str, group_size: int = 32,
+                    kernel: str = "auto") -> "QuantLinear":
+        """A float layer quantized: mode "int8" (per output channel) or "int4" (groups of
+        group_size along the input, halved until they divide its width)."""
+        w = linear.weight.detach()
+        if mode == "int8":
+            q, scale = quantize_int8(w)
+            return cls(8, q, scale, None, w.size(1), linear.bias, kernel)
+        if group_size < 2 or group_size & (group_size - 1):
+            raise ValueError(f"group_size must be a power of two, at least 2, got {group_size}")
+        while w.size(1) % group_size:                   # a row of 688 weights: groups of 16
+            group_size //= 2
+        q, scale, zero = quantize_int4(w, group_size)
+        return cls(4, q, scale, zero, w.size(1), linear.bias, kernel)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The de-quantized weight (N, K) in dtype."""
+        return dequantize(self.bits, self.q, self.scale, self.zero, self.in_features, dtype)
+
+    def nbytes(self) -> int:
+        """The bytes a product reads: the integers, the scales and the zero points."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.zero)
+                   if t is not None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead, K = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, K)                                              # (M, K)
+        rows = x2.size(0)
+        kernel = self.kernel
+        if kernel == "auto":
+            per_row = self.bits == 8 and self.group_size == self.in_features
+            kernel = "int8mm" if per_row and x.device.type == "cpu" else "fused"
+        if kernel == "int8mm":
+            y = int8_matmul(x2, self.q, self.scale)
+            y = y if self.bias is None else y + self.bias
+        elif kernel == "fused" and 0 < rows <= FUSED_ROWS:
+            zero = None if self.zero is None else self.zero.to(x.dtype)
+            y = compiled_matmul(x2, self.q, self.scale.to(x.dtype), zero, self.bits)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = F.linear(x2, self.dequantized(x.dtype), self.bias)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, group_size={self.group_size}, kernel={self.kernel}")
+
+
+GGUF_BLOCKS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}     # bytes per block of 32 weights
+
+
+def from_gguf(kind: str, blocks: Tensor, bias: Tensor | None = None,
+              kernel: str = "auto") -> QuantLinear:
+    """A GGUF tensor's blocks, kept as they are: blocks (N, G * block bytes) uint8, the rows
+    of a (N, K = 32 G) weight. Q8_0: a float16 scale d and 32 int8, W = d q; Q4_0: d and 16
+    bytes of nibbles, W = d (q - 8); Q4_1: d, a float16 minimum m and the nibbles, W = d q + m.
+    The float weight is then what llama.cpp (and the gguf package) de-quantize, bit for bit."""
+    N = blocks.size(0)
+    b = blocks.reshape(N, -1, GGUF_BLOCKS[kind])                           # (N, G, bytes)
+    d = b[..., :2].contiguous().view(torch.float16)[..., 0]                # (N, G)
+    if kind == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).reshape(N, -1)        # (N, K)
+        return QuantLinear(8, q, d, None, q.size(1), bias, kernel)
+    if kind == "Q4_0":
+        return QuantLinear(4, b[..., 2:].contiguous(), d, -8 * d, b.size(1) * 32, bias, kernel)
+    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0]
+    return QuantLinear(4, b[..., 4:].contiguous(), d, m, b.size(1) * 32, bias, kernel)
+
+
+def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """Every (parent, attribute name, nn.Linear) of a model: its projections and its head."""
+    return [(parent, name, child) for parent in model.modules()
+            for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+
+
+def quantize(model: nn.Module, mode: str, group_size: int = 32, kernel: str = "auto"):
+    """Replace every linear layer of the model by its QuantLinear, in place (mode "int8" or
+    "int4"); a head tied to the embeddings gets its own quantized copy. Returns the model."""
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"quantize's mode must be 'int8' or 'int4' (a GGUF file's own blocks "
+                         f"load with tinyllm.load(path, quant='gguf')), got {mode!r}")
+    for parent, name, linear in linears(model):
+        setattr(parent, name, QuantLinear.from_linear(linear, mode, group_size, kernel))
+    model.quant = mode
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes of weights a decode step reads: every product's weight (quantized or not)
+    and the norms; of the embeddings only a row per token, so none of the table."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            total += module.nbytes()
+        elif isinstance(module, nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+        elif not isinstance(module, nn.Embedding):
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
