@@ -24,6 +24,7 @@ from tests.test_gguf import (
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import solo
 from tinyllm.quant import (
+    GemvLinear,
     QuantLinear,
     int8_matmul,
     quantize,
@@ -61,7 +62,7 @@ def test_a_row_that_does_not_divide_into_groups_of_32_gets_smaller_groups():
     assert narrow.layers[0].mlp.down_proj.group_size == 16
     with pytest.raises(ValueError, match="group_size must be a power of two"):
         quantize(make_tiny(), "int4", group_size=24)
-    with pytest.raises(ValueError, match="quantize's mode must be 'int8' or 'int4'"):
+    with pytest.raises(ValueError, match="quantize.s mode must be .float., .int8. or .int4."):
         quantize(make_tiny(), "int3")
 
 
@@ -77,6 +78,21 @@ def test_the_fused_loop_equals_the_de_quantized_product():
         for rows in (1, 3, 20):  # 20 rows: past FUSED_ROWS, the de-quantized product
             x = torch.randn(rows, 64, generator=gen)
             torch.testing.assert_close(fused(x), eager(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_gemv_layer_is_the_float_layer_read_by_a_compiled_loop(bundled):
+    """quant="float": the same weights (the head still tied), one row through the compiled
+    loop equal to the plain layer's product up to rounding, many rows through the library."""
+    model, _ = bundled
+    gemv = tinyllm.load(device="cpu", quant="float")[0]
+    assert isinstance(gemv.lm_head, GemvLinear) and gemv.quant == "float"
+    assert gemv.lm_head.weight is gemv.embed_tokens.weight, "the head stays tied"
+    assert weight_bytes(gemv) == weight_bytes(model)
+    x = torch.randn(1, 1, model.cfg.d_model, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for rows in (x, x.expand(1, 5, -1)):
+            want = model.lm_head(rows)
+            torch.testing.assert_close(gemv.lm_head(rows), want, rtol=1e-5, atol=1e-5)
 
 
 def test_int8mm_quantizes_each_row_alone():
@@ -102,7 +118,7 @@ def test_load_quantizes_and_names_what_it_refuses(bundled):
     assert q8.embed_tokens.weight.dtype == torch.float32, "the embeddings stay float"
     full = weight_bytes(model)
     assert weight_bytes(q8) < 0.3 * full and weight_bytes(q4) < weight_bytes(q8)
-    with pytest.raises(ValueError, match="quant must be one of int8, int4, gguf"):
+    with pytest.raises(ValueError, match="quant must be one of float, int8, int4, gguf"):
         tinyllm.load(device="cpu", quant="int3")
     with pytest.raises(ValueError, match="quant='gguf' keeps a GGUF file's own blocks"):
         tinyllm.load(device="cpu", quant="gguf")

@@ -3,8 +3,8 @@
 A decode step at a small batch reads every weight of the model to make one token per request,
 so its time is about the weights' bytes over the memory's bandwidth. Fewer bytes per weight,
 fewer bytes per token: int8 reads a quarter of float32's, int4 an eighth (plus a scale per
-group). The arithmetic stays in floating point: a weight is stored as a small integer q and
-read back as q * scale + zero (weight-only quantization, as gpt-fast and llama.cpp do it).
+group). A weight is stored as a small integer q and read back as q * scale + zero, its group's
+scale and zero point (weight quantization, as gpt-fast and llama.cpp do it).
 
 `QuantLinear` holds W (N, K) in groups of `group_size` along its input dimension K:
   8 bits: q int8 (N, K), W[n, k] = q[n, k] * scale[n, g]            (g = k // group_size)
@@ -39,23 +39,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-MODES = ("int8", "int4", "gguf")
+MODES = ("float", "int8", "int4", "gguf")
 FUSED_ROWS = 16         # rows (tokens in a step) up to which the fused loop runs
 KERNELS = ("auto", "int8mm", "fused", "eager")
-_compiled = None        # fused_matmul compiled: one program per layer shape and row bucket
+_compiled: dict = {}    # fused_matmul -> compiled: one program per layer shape and row bucket
 
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """w (N, K) float -> q (N, K) int8 and scale (N, 1) float16: one scale per output channel,
-    its largest magnitude over 127 (symmetric, no zero point)."""
+    """w (N, K) float -> q (N, K) int8 and scale (N, 1) float16: one scale per output channel
+    (row), its largest magnitude over 127 (symmetric, no zero point; at least 1e-4, so that a
+    row of zeros has a step), rounded to float16; q = round(w / scale), within -127 .. 127.
+    Example: w [[0.5, -1.27, 0.0]] -> scale [[0.01]] (as float16), q [[50, -127, 0]]."""
     scale = (w.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-4).half()
     return torch.round(w / scale.to(w.dtype)).clamp(-127, 127).to(torch.int8), scale
 
 
 def quantize_int4(w: Tensor, group_size: int = 32) -> tuple[Tensor, Tensor, Tensor]:
-    """w (N, K) float -> q (N, G, group_size / 2) uint8, scale and zero (N, G) float16: each
-    group of group_size weights along K spans its minimum (zero) to its maximum in 15 steps
-    (scale), as GGUF's Q4_1 blocks do."""
+    """w (N, K) float -> q (N, G, group_size / 2) uint8, scale and zero (N, G) float16, as
+    GGUF's Q4_1 blocks hold them: each group of group_size weights along K (G = K / group_size)
+    spans its minimum (zero, rounded to float16) to its maximum in 15 steps (scale = (max -
+    zero) / 15, at least 1e-4, rounded to float16); a weight's value is
+    round((w - zero) / scale), within 0 .. 15; byte j of a group holds value j in its low four
+    bits and value j + group_size / 2 in its high four.
+    Example: w [[0.0, 1.5, 3.0, 0.75]], group_size 4 -> zero [[0.0]], scale [[0.2]], values
+    [0, 8, 15, 4], q [[[0 + 16 * 15, 8 + 16 * 4]]] = [[[240, 72]]]."""
     N, K = w.shape
     wg = w.reshape(N, K // group_size, group_size)
     zero = wg.amin(-1).half()
@@ -73,7 +80,12 @@ def unpack_int4(q: Tensor) -> Tensor:
 
 def dequantize(bits: int, q: Tensor, scale: Tensor, zero: Tensor | None, K: int,
                dtype: torch.dtype) -> Tensor:
-    """The float weight (N, K) in dtype."""
+    """The float weight (N, K) in dtype from a layer's integers: bits 8, q (N, K) int8; bits
+    4, q (N, G, g / 2) uint8 as quantize_int4 packs it; scale (N, G) and zero (N, G) or None
+    (no zero point), float16 or any float; K = G * g. W[n, k] = q * scale + zero of k's group
+    (g = K / G weights each), computed in dtype.
+    Example: bits 4, q [[[240, 72]]], scale [[0.2]], zero [[0.0]], K 4 -> [[0.0, 1.6, 3.0, 0.8]]
+    (values 0, 8, 15, 4 times 0.2)."""
     N, G = scale.shape
     values = (q if bits == 8 else unpack_int4(q)).reshape(N, G, -1).to(dtype)
     w = values * scale.to(dtype)[..., None]
@@ -83,9 +95,13 @@ def dequantize(bits: int, q: Tensor, scale: Tensor, zero: Tensor | None, K: int,
 
 
 def fused_matmul(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor | None, bits: int) -> Tensor:
-    """x (M, K) @ W^T -> (M, N) without W in float: per group, the integers' dot product with
-    x, times the group's scale, plus its zero times the sum of x over the group. Written for
-    torch.compile, which makes it one loop over the weight's bytes."""
+    """x (M, K) @ W^T -> (M, N), for W held as dequantize reads it (q, scale (N, G), zero
+    (N, G) or None, bits 8 or 4), without W in float: y[m, n] = sum over groups g of
+    scale[n, g] * (x's group g . the integers of row n's group g) + zero[n, g] * (the sum of
+    x's group g). Written in whole-tensor operations for torch.compile, which turns them into
+    one loop over the weight's bytes; it must equal x @ dequantize(...).T up to rounding.
+    Example: x [[1.0, 2.0, 0.0, 1.0]], q and scale, zero as dequantize's example -> [[4.0]]
+    (0.2 * (1 * 0 + 2 * 8 + 0 * 15 + 1 * 4) + 0.0 * 4)."""
     M, K = x.shape
     N, G = scale.shape
     xg = x.reshape(M, 1, G, -1)                                            # (M, 1, G, g)
@@ -105,17 +121,22 @@ def compiled_matmul(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor | None, bi
     """fused_matmul compiled for fixed shapes (a loop specialised to its sizes is the fast
     one): x's rows are padded with zeros to a power of two, so a model compiles a program per
     layer shape for 1, 2, 4, 8 and 16 rows at most, each on first use (a second or two)."""
-    global _compiled
-    if _compiled is None:
+    if fused_matmul not in _compiled:                   # (an exercise's own is compiled too)
         config = torch._dynamo.config                   # room for every shape's program
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), 256))
-        _compiled = torch.compile(fused_matmul, dynamic=False)
+        _compiled[fused_matmul] = torch.compile(fused_matmul, dynamic=False)
     rows = x.size(0)
     bucket = 1 << (rows - 1).bit_length()
     if bucket != rows:
         x = torch.cat([x, x.new_zeros(bucket - rows, x.size(1))])
-    return _compiled(x, q, scale, zero, bits)[:rows]
+    return _compiled[fused_matmul](x, q, scale, zero, bits)[:rows]
+
+
+def float_matvec(x: Tensor, w: Tensor) -> Tensor:
+    """x (1, K) @ w^T (w (N, K) float) -> (1, N), as a reduction for torch.compile: one loop
+    over the weight's rows, reading each once at the memory's full speed."""
+    return (x[:, None, :] * w[None]).sum(-1)
 
 
 def int8_matmul(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
@@ -223,6 +244,20 @@ def from_gguf(kind: str, blocks: Tensor, bias: Tensor | None = None,
     return QuantLinear(4, b[..., 4:].contiguous(), d, m, b.size(1) * 32, bias, kernel)
 
 
+class GemvLinear(nn.Linear):
+    """A float linear layer whose one-row product (a decode step at batch 1) is a compiled
+    loop (float_matvec) instead of the math library's matrix-vector product, which reads
+    float32 at a fraction of the memory's speed on some CPUs; more rows go to the library."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() != x.shape[-1] or self.bias is not None or x.device.type != "cpu":
+            return super().forward(x)
+        if float_matvec not in _compiled:
+            _compiled[float_matvec] = torch.compile(float_matvec, dynamic=False)
+        y = _compiled[float_matvec](x.reshape(1, -1), self.weight)        # (1, N)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
 def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """Every (parent, attribute name, nn.Linear) of a model: its projections and its head."""
     return [(parent, name, child) for parent in model.modules()
@@ -230,13 +265,20 @@ def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def quantize(model: nn.Module, mode: str, group_size: int = 32, kernel: str = "auto"):
-    """Replace every linear layer of the model by its QuantLinear, in place (mode "int8" or
-    "int4"); a head tied to the embeddings gets its own quantized copy. Returns the model."""
-    if mode not in ("int8", "int4"):
-        raise ValueError(f"quantize's mode must be 'int8' or 'int4' (a GGUF file's own blocks "
-                         f"load with tinyllm.load(path, quant='gguf')), got {mode!r}")
+    """Replace every linear layer of the model, in place: by its QuantLinear (mode "int8" or
+    "int4"; a head tied to the embeddings gets its own quantized copy), or (mode "float") by a
+    GemvLinear sharing its weight. Returns the model."""
+    if mode not in ("float", "int8", "int4"):
+        raise ValueError(f"quantize's mode must be 'float', 'int8' or 'int4' (a GGUF file's "
+                         f"own blocks load with tinyllm.load(path, quant='gguf')), got {mode!r}")
     for parent, name, linear in linears(model):
-        setattr(parent, name, QuantLinear.from_linear(linear, mode, group_size, kernel))
+        if mode == "float":
+            gemv = GemvLinear(linear.in_features, linear.out_features, linear.bias is not None,
+                              device="meta")
+            gemv.weight, gemv.bias = linear.weight, linear.bias
+            setattr(parent, name, gemv)
+        else:
+            setattr(parent, name, QuantLinear.from_linear(linear, mode, group_size, kernel))
     model.quant = mode
     return model
 

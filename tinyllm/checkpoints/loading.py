@@ -40,9 +40,10 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
     and caches small). A device torch cannot use, or a dtype other than float32, float64,
     bfloat16 and float16, is refused before anything is read or fetched.
 
-    quant (step 13): None keeps float weights; "int8" (per output channel) or "int4" (groups
-    of 32) quantizes every linear layer at load (quant.quantize); "gguf" keeps a GGUF file's
-    Q8_0, Q4_0 and Q4_1 blocks as they are (a GGUF file only)."""
+    quant (step 13): None keeps float weights in plain linear layers; "float" keeps them too,
+    read at one row by a compiled loop (quant.GemvLinear); "int8" (per output channel) or
+    "int4" (groups of 32) quantizes every linear layer at load (quant.quantize); "gguf" keeps a
+    GGUF file's Q8_0, Q4_0 and Q4_1 blocks as they are (a GGUF file only)."""
     device, dtype = pick_device_dtype(device, dtype)
     check_max_seq_len(max_seq_len)
     if quant not in (None, *MODES):
@@ -52,7 +53,7 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
         raise ValueError(f"quant='gguf' keeps a GGUF file's own blocks; {path} is not a .gguf "
                          f"file (quant='int8' or 'int4' quantizes any checkpoint)")
     model, tok = load_float(path, device, dtype, max_seq_len, download, quant == "gguf")
-    if quant in ("int8", "int4"):
+    if quant in ("float", "int8", "int4"):
         quantize(model, quant)
     return model, tok
 
