@@ -210,6 +210,10 @@ class QuantLinear(nn.Module):
         if kernel == "int8mm":
             y = int8_matmul(x2, self.q, self.scale)
             y = y if self.bias is None else y + self.bias
+        elif kernel == "fused" and torch.compiler.is_compiling():    # inlined in a compiled step
+            zero = None if self.zero is None else self.zero.to(x.dtype)
+            y = fused_matmul(x2, self.q, self.scale.to(x.dtype), zero, self.bits)
+            y = y if self.bias is None else y + self.bias
         elif kernel == "fused" and 0 < rows <= FUSED_ROWS:
             zero = None if self.zero is None else self.zero.to(x.dtype)
             y = compiled_matmul(x2, self.q, self.scale.to(x.dtype), zero, self.bits)
@@ -252,6 +256,8 @@ class GemvLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() != x.shape[-1] or self.bias is not None or x.device.type != "cpu":
             return super().forward(x)
+        if torch.compiler.is_compiling():           # inside a compiled step: the loop inlined
+            return float_matvec(x.reshape(1, -1), self.weight).reshape(*x.shape[:-1], -1)
         if float_matvec not in _compiled:
             _compiled[float_matvec] = torch.compile(float_matvec, dynamic=False)
         y = _compiled[float_matvec](x.reshape(1, -1), self.weight)        # (1, N)

@@ -197,12 +197,12 @@ def to_hf_name(name: str, where: Path) -> str:
 def dequantize(tensor, where: Path) -> torch.Tensor:
     """One reader tensor -> float32 (rows, cols) in PyTorch's layout. GGUF lists dims innermost
     first (ne0 = the input features), so the shape reads backwards."""
-    from gguf.quants import dequantize as gguf_dequantize
+    from gguf import quants
     kind = tensor.tensor_type.name
     if kind not in READABLE:
         raise CheckpointError(f"{where}: tensor {tensor.name!r} has type {kind}, which tinyllm "
                               f"does not de-quantise (it reads {', '.join(READABLE)})")
-    values = gguf_dequantize(tensor.data, tensor.tensor_type)          # float32, blocks undone
+    values = quants.dequantize(tensor.data, tensor.tensor_type)        # float32, blocks undone
     shape = tuple(int(n) for n in reversed(tensor.shape))
     return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(shape)
 

@@ -33,6 +33,8 @@ SEAMS: dict[str, tuple[tuple[str, str], ...]] = {
            ("tinyllm.speculative", "roll_back")),
     "12": (("tinyllm.structured", "walk"), ("tinyllm.structured", "token_mask"),
            ("tinyllm.logits_processors", "apply_bitmask")),
+    "13": (("tinyllm.quant", "quantize_int8"), ("tinyllm.quant", "quantize_int4"),
+           ("tinyllm.quant", "dequantize"), ("tinyllm.quant", "fused_matmul")),
 }
 
 
