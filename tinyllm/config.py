@@ -15,7 +15,7 @@ from tinyllm.sampling import Sampling
 
 DEFAULT_KV_MIB = 512     # the KV cache's memory when none is given (vLLM's CPU default: 4 GiB)
 KV_KINDS = ("slots", "paged")
-DECODERS = ("eager", "graphs", "compiled")
+DECODERS = ("eager", "graphs", "compiled", "pieces")
 COMPILE_MODES = ("default", "max-autotune")
 PROPOSERS = ("ngram", "draft")
 
@@ -37,7 +37,7 @@ class EngineConfig:
     kv: str = "slots"                       # the KV cache: "slots" (04) or "paged" (05)
     block_size: int = 16                    # positions per block of the paged pool (05)
     kv_blocks: int | None = None            # the paged pool (None: the slots' memory)
-    decoder: str = "eager"                  # the decode step (06): "eager", "graphs" or "compiled"
+    decoder: str = "eager"                  # decode step: eager, graphs, compiled (06), pieces (13)
     compile_mode: str = "default"           # the compiled step's torch.compile mode (06)
     buckets: tuple[int, ...] | None = None  # the bucketed decoders' windows (None: powers of two)
     max_step_tokens: int | None = None      # tokens computed per step at most (07; None: no budget)
@@ -60,7 +60,7 @@ class EngineConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, "
                                  f"got {getattr(self, name)!r}")
-        if self.decoder != "eager" and self.kv != "slots":
+        if self.decoder in ("graphs", "compiled") and self.kv != "slots":
             raise ValueError(f"the {self.decoder} decoder decodes a slot cache: use kv='slots'")
         if self.compile_mode != "default" and self.decoder != "compiled":
             raise ValueError(f"compile_mode is the compiled decoder's: use decoder='compiled' "
@@ -145,8 +145,10 @@ class EngineConfig:
         g.add_argument("--prefix-cache", action="store_true",
                        help="requests share the blocks of common prefixes (step 08, paged)")
         g.add_argument("--decoder", choices=DECODERS, default="eager",
-                       help="the decode step (step 06): eager, CUDA graphs (their eager "
-                            "bucketed twin on a CPU) or compiled by torch.compile (default: eager)")
+                       help="the decode step: eager, CUDA graphs (their eager bucketed twin on "
+                            "a CPU) or compiled by torch.compile (step 06, slots), or each "
+                            "layer compiled in pieces around attention (step 13, any cache) "
+                            "(default: eager)")
         g.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
                        help="the compiled step's mode: max-autotune generates GEMM kernels for "
                             "the step's batch, a faster step for a longer compilation "
@@ -174,9 +176,9 @@ def check_speculation(config: EngineConfig) -> None:
     if config.prompt_lookup_min > config.prompt_lookup_max:
         raise ValueError(f"prompt_lookup_min {config.prompt_lookup_min} is more than "
                          f"prompt_lookup_max {config.prompt_lookup_max}")
-    if config.speculate is not None and config.decoder != "eager":
+    if config.speculate is not None and config.decoder in ("graphs", "compiled"):
         raise ValueError(f"speculation verifies its guesses in a ragged eager pass: use "
-                         f"decoder='eager' (got {config.decoder!r})")
+                         f"decoder='eager' or 'pieces' (got {config.decoder!r})")
 
 
 def add_speculation_arguments(g) -> None:

@@ -11,9 +11,10 @@ every decoding request, the newcomers' contexts), 3) decode, then prefill (the c
 straight into their slots), 4) retire what finished. Each forward pass is one ragged step of the
 cache (slot_cache.py). With kv="paged" (05) the memory is a pool of blocks, and requests may be
 preempted; with decoder="graphs" (06) the decode step is a replayed CUDA graph, with
-decoder="compiled" a step compiled by torch.compile (any device); with max_step_tokens
-(07) contexts are prefilled a chunk at a time; with prefix_cache (08) requests share the blocks
-of a common prefix.
+decoder="compiled" a step compiled by torch.compile (any device), with decoder="pieces" (13)
+each of its layers compiled in pieces around attention (any cache); with max_step_tokens (07)
+contexts are prefilled a chunk at a time; with prefix_cache (08) requests share the blocks of
+a common prefix.
 """
 
 import dataclasses
@@ -29,6 +30,7 @@ from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer, gpu_dtype
 from tinyllm.paged_kv import PagedKVCache
+from tinyllm.piecewise import PiecewiseDecoder
 from tinyllm.requests import Event, Request, Result, Sequence, check_request
 from tinyllm.sampling import check_generator
 from tinyllm.scheduler import Scheduler
@@ -82,6 +84,8 @@ def _cache_and_decoder(model: Transformer, config: EngineConfig, max_len: int,
     these settings and is idle."""
     if decoder is None:
         cache = make_cache(model, config, max_len, n_blocks, device)
+        if config.decoder == "pieces":                  # the decode step in pieces (13)
+            return cache, PiecewiseDecoder(model)
         if config.decoder == "compiled":
             return cache, CompiledDecoder(model, cache, config.buckets, config.compile_mode)
         if config.decoder == "graphs":
@@ -110,10 +114,11 @@ class ModelRunner:
         last = [s.tokens[-1] if s.tokens else s.request.prompt[-1] for s in seqs]
         t0 = time.perf_counter()
         self.cache.plan_step(rows, [1] * len(rows))
-        if self.decoder is None:
+        if not isinstance(self.decoder, SlotGraphDecoder):   # the model, or in pieces (13)
             idx = torch.tensor(last, device=self.device)[:, None]       # (B, 1)
             with autocast_for(self.device):
-                logits, _ = self.model(idx, cache=self.cache)           # (B, 1, V)
+                forward = self.model if self.decoder is None else self.decoder
+                logits, _ = forward(idx, cache=self.cache)              # (B, 1, V)
         else:                                           # every slot, one graph replay (06)
             idx = torch.zeros(self.cache.n_slots, 1, dtype=torch.long, device=self.device)
             idx[rows, 0] = torch.tensor(last, device=self.device)
@@ -345,7 +350,8 @@ class ContinuousEngine:
     # ---- 3) decode: one token for every sequence that has one left ---------------------------
     def _decode(self, seqs: list[Sequence], room: int | None) -> list[Event]:
         t_step = time.perf_counter()
-        record_decode_step(self.stats, self.cache, len(seqs), self.decoder is None)
+        record_decode_step(self.stats, self.cache, len(seqs),
+                           not isinstance(self.decoder, SlotGraphDecoder))
         if self.speculator is None:
             tokens, logprobs = sample(seqs, self.runner.decode(seqs), self.generator)
         else:                                           # guesses, verified in one pass (11)

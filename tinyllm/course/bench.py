@@ -49,7 +49,7 @@ from tinyllm.workloads import WORKLOADS, workload
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 ENGINES = ("static", "continuous", "paged", "graphs", "compiled")
-OPTIONS = ("chunked", "prefix", "ngram", "draft")       # +chunked (07), +prefix (08), +ngram (11)
+OPTIONS = ("chunked", "prefix", "ngram", "draft", "pieces")  # +chunked (07), +prefix (08), ...
 DEFAULT_STEP_TOKENS = 64                                # a +chunked engine's budget by default
 
 
@@ -59,8 +59,8 @@ def engine_name(name: str) -> tuple[str, list[str]]:
     base, *opts = name.split("+")
     if base not in ENGINES or any(o not in OPTIONS for o in opts):
         raise ValueError(f"unknown engine {name!r}: {', '.join(ENGINES)}, the continuous "
-                         f"ones with +chunked, (paged) +prefix and +ngram or +draft (a proposer), "
-                         f"e.g. paged+prefix")
+                         f"ones with +chunked, (paged) +prefix, +ngram or +draft (a proposer) "
+                         f"and +pieces (the decode step compiled in pieces), e.g. paged+prefix")
     if opts and base == "static":
         raise ValueError(f"{name}: static batching has no token budget and no prefix cache")
     if "prefix" in opts and base != "paged":
@@ -84,6 +84,7 @@ def engine_config(name: str, args, max_len: int | None = None, budget_for_all: b
     - +ngram, +draft: that proposer (11); with no proposer named by any engine, --speculate is
       every continuous engine's;
     - graphs and compiled: that decoder; continuous: --decoder; compiled: --compile-mode;
+      +pieces (13): the decode step compiled in pieces (continuous or paged);
     - static: batches of --slots requests; its config holds n_slots alone.
     The flags name settings of several engines at once (--prefix-cache the paged ones',
     --compile-mode the compiled ones'), so each name sets every field that it decides.
@@ -93,6 +94,10 @@ def engine_config(name: str, args, max_len: int | None = None, budget_for_all: b
         return base, EngineConfig(args.n_slots)
     decoder = {"continuous": args.decoder, "graphs": "graphs", "compiled": "compiled"}.get(
         base, "eager")                                  # paged keeps the eager step
+    if "pieces" in opts:
+        if base not in ("continuous", "paged"):
+            raise ValueError(f"{name}: +pieces compiles the eager step of continuous or paged")
+        decoder = "pieces"
     chunked = "chunked" in opts or (budget_for_all and args.max_step_tokens is not None)
     budget = (args.max_step_tokens or DEFAULT_STEP_TOKENS) if chunked else None
     named = [o for o in opts if o in ("ngram", "draft")]
@@ -124,8 +129,9 @@ def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed:
     static batching (03) of config.n_slots requests at a time when static, else the
     continuous engine of config (engine_config's), whose max_len, where it is None, is the
     workload's longest request. A compiled decoder compiles every bucket before the clock
-    starts: the summary's compile_s. progress: a tqdm bar, told of finished requests. draft:
-    the model a +draft engine's proposer runs (None: the model's first layers)."""
+    starts, decoder "pieces" its pieces (a few decode steps at 1 and 2 rows): the summary's
+    compile_s. progress: a tqdm bar, told of finished requests. draft: the model a +draft
+    engine's proposer runs (None: the model's first layers)."""
     reqs, arrivals = workload(workload_name, tok, n, seed)
     if static:
         if any(arrivals):
@@ -137,6 +143,14 @@ def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed:
     grammars = None
     if any(r.sampling is not None and r.sampling.constraint is not None for r in reqs):
         grammars = LLGuidance(tok, model.cfg.vocab_size)                # the json workload (12)
+    if config.decoder == "pieces":
+        t0 = time.perf_counter()
+        run_continuous(model, [Request([1, 2], 3), Request([3], 3)],
+                       replace(config, max_step_tokens=None, speculate=None))
+        compile_s = time.perf_counter() - t0
+        summary = run_continuous(model, reqs, config, arrivals, progress=progress, draft=draft,
+                                 grammars=grammars)[1]
+        return {**summary, "compile_s": compile_s}
     if config.decoder != "compiled":
         return run_continuous(model, reqs, config, arrivals, progress=progress, draft=draft,
                               grammars=grammars)[1]
@@ -309,7 +323,9 @@ request:
               paged engine does with --prefix-cache
   +ngram      step 11: up to --spec-tokens guesses a request a step, by prompt lookup,
   +draft      or by a draft (the model's first --draft-layers layers), verified in one pass;
-              with neither named, every continuous engine speculates as --speculate says"""
+              with neither named, every continuous engine speculates as --speculate says
+  +pieces     step 13, after continuous or paged: each layer's decode compiled in pieces
+              around the eager attention (any cache), on first use (seconds)"""
 
 EPILOG = """\
 examples:
@@ -319,7 +335,9 @@ examples:
   python -m tinyllm bench --decoder compiled --dtype bf16
   python -m tinyllm bench --decode-steps --compile-mode max-autotune --batch-sizes 1,8
   python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
-  python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix"""
+  python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix
+  python -m tinyllm bench --model smollm2 --workload chat --slots 1 --requests 4 \
+      --engines continuous,continuous+pieces --quant none,float,int8,int4"""
 
 
 def batch_sizes(text: str) -> list[int]:

@@ -1,0 +1,95 @@
+"""Step 13 - the decode step compiled in pieces: on any cache, with any weights (float, int8,
+int4) and with speculation, every request gets its solo tokens; the pieces compile once for all
+the layers; the settings that cannot go with them are refused by name."""
+
+import pytest
+import torch
+
+from tests.conftest import make_tiny
+from tinyllm.config import EngineConfig
+from tinyllm.continuous import ContinuousEngine
+from tinyllm.generate import solo
+from tinyllm.piecewise import PiecewiseDecoder
+from tinyllm.quant import quantize
+from tinyllm.requests import Request
+from tinyllm.sampling import Sampling
+from tinyllm.slot_cache import SlotKVCache
+
+MODELS = {
+    "float": quantize(make_tiny(seed=21), "float"),
+    "int8": quantize(make_tiny(seed=21), "int8"),
+    "int4": quantize(make_tiny(seed=21), "int4"),
+}
+REQS = [
+    Request([1, 2, 3, 4], 12, eos_id=0),
+    Request([5, 6], 9, eos_id=0, sampling=Sampling(temperature=1.0, seed=3)),
+    Request([7, 8, 9, 7, 8, 9, 7, 8], 14, eos_id=0),
+    Request([10], 6, eos_id=0),
+    Request([11, 12, 13], 10, eos_id=0, sampling=Sampling(temperature=0.8, seed=5)),
+]
+
+
+def serve(model, reqs, **kw) -> tuple[list[list[int]], ContinuousEngine]:
+    eng = ContinuousEngine(model, 3, decoder="pieces", **kw)
+    rids = [eng.add_request(r) for r in reqs]
+    while eng.has_work():
+        eng.step()
+        assert eng.cache.check_integrity() is None
+    assert eng.cache.check_integrity(idle=True) is None and not eng._seqs
+    return [eng.results.pop(rid).tokens for rid in rids], eng
+
+
+@pytest.mark.parametrize("weights", sorted(MODELS))
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(kv="slots"),
+        dict(kv="paged", block_size=4, kv_blocks=9),  # a tight pool: preemptions
+        dict(kv="paged", block_size=4, prefix_cache=True, max_step_tokens=5),
+    ],
+    ids=["slots", "paged-tight", "paged-prefix-chunked"],
+)
+def test_the_engine_in_pieces_gives_the_solo_tokens(weights, kw):
+    model = MODELS[weights]
+    want = [solo(model, r).tokens for r in REQS]
+    got, eng = serve(model, REQS, **kw)
+    assert got == want, f"{weights}, {kw}"
+    assert isinstance(eng.decoder, PiecewiseDecoder)
+
+
+def test_speculation_verifies_eagerly_beside_the_pieces():
+    model = MODELS["float"]
+    greedy = [r for r in REQS if r.sampling is None]
+    want = [solo(model, r).tokens for r in greedy]
+    got, eng = serve(model, greedy, speculate="ngram", spec_tokens=3)
+    assert got == want and eng.stats.spec_proposed > 0
+
+
+def test_a_decode_step_in_pieces_equals_the_models():
+    """One step of three rows, from the same cache state: the pieces' logits are the model's
+    (float64: the order of additions is all that may differ)."""
+    model = make_tiny(seed=22)
+    cfg = model.cfg
+    caches = [
+        SlotKVCache(cfg.n_layers, 3, cfg.n_kv_heads, cfg.head_dim, 32, torch.float64)
+        for _ in range(2)
+    ]
+    prompt = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 1], [2, 2, 3, 3]])
+    out = []
+    for cache, forward in zip(caches, [model, PiecewiseDecoder(model)]):
+        for s in range(3):
+            cache.admit(s, 8)
+        cache.plan_step([0, 1, 2], [4, 4, 4])
+        with torch.no_grad():
+            model(prompt, cache=cache)
+            cache.plan_step([0, 1, 2], [1, 1, 1])
+            out.append(forward(torch.tensor([[1], [2], [3]]), cache=cache)[0])
+    torch.testing.assert_close(out[1], out[0], rtol=1e-12, atol=1e-12)
+
+
+def test_settings_that_cannot_go_with_the_pieces_are_named():
+    EngineConfig(2, kv="paged", decoder="pieces", speculate="ngram")  # both fine
+    with pytest.raises(ValueError, match="the graphs decoder decodes a slot cache"):
+        EngineConfig(2, kv="paged", decoder="graphs")
+    with pytest.raises(ValueError, match="use decoder='eager' or 'pieces'"):
+        EngineConfig(2, decoder="compiled", speculate="ngram")

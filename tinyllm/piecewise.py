@@ -1,0 +1,92 @@
+"""Step 13 - the decode step compiled in pieces, split at attention.
+
+A decode step at a small batch is a few matrix-vector products per layer and, between them, a
+dozen small operations (the norms, the rotary embedding, the SwiGLU gate, the residual adds, a
+quantized layer's scaling): each one dispatched from Python, each writing its output to memory
+for the next to read back. Step 06's compiled decoder fuses a whole step, but it needs the
+cache in static buffers and compiles for minutes on a 30-layer model. vLLM compiles its models
+piecewise instead: the graph is split at attention, which stays a call of its own, and each
+piece between two attentions is compiled (on a GPU, also captured as a CUDA graph).
+
+`PiecewiseDecoder(model)` does that here (the continuous engine's decoder="pieces", on any
+cache). Each layer of a decode step runs two compiled pieces: `before`
+(the norm, the q, k and v projections, RoPE) and `after` (the output projection, the residual,
+the norm, the MLP, the residual). The cache's update and the attention stay eager between them,
+so any cache works: slots, a paged pool, a prefix cache. Every layer runs the same code at the
+same shapes, so a piece is compiled once for all the layers: one program for a single row, one
+for any other number of rows (dynamic in the batch), a few seconds each on first use. A prefill,
+a chunk or speculation's verification (more than one token a row) runs the model as it is.
+
+The pieces compute what the layer computes, up to the order of additions in the fused loops:
+in float64 the tokens are the eager step's.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tinyllm.model import Transformer, apply_rope
+
+_before = _after = None          # the compiled pieces, shared by every model and layer
+
+
+def before(block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x (B, 1, d) -> q (B, H, 1, hd), k and v (B, n_kv, 1, hd), RoPE applied."""
+    attn, B = block.self_attn, x.size(0)
+    h, hd = block.input_layernorm(x), attn.head_dim
+    q = attn.q_proj(h).view(B, 1, attn.n_heads, hd).transpose(1, 2)
+    k = attn.k_proj(h).view(B, 1, attn.n_kv_heads, hd).transpose(1, 2)
+    v = attn.v_proj(h).view(B, 1, attn.n_kv_heads, hd).transpose(1, 2)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def after(block, x: Tensor, y: Tensor) -> Tensor:
+    """The residual stream x (B, 1, d) and attention's output y (B, H, 1, hd) -> the layer's
+    output (B, 1, d)."""
+    x = x + block.self_attn.o_proj(y.transpose(1, 2).reshape(x.shape))
+    return x + block.mlp(block.post_attention_layernorm(x))
+
+
+def layer_step(block, x: Tensor, cos: Tensor, sin: Tensor, cache) -> Tensor:
+    """One layer of a decode step (x (B, 1, d), one token a row): the compiled pieces around
+    the eager cache update and attention -> (B, 1, d)."""
+    B = x.size(0)
+    if B > 1:                                       # one program for every batch above one
+        for t in (x, cos, sin):
+            if t.size(0) == B:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+    attn = block.self_attn
+    q, k, v = _before(block, x, cos, sin)
+    k, v, mask = cache.update(attn.layer, k, v)         # (B, n_kv, S, hd), mask (B, 1, 1, S)
+    g, hd = attn.n_heads // attn.n_kv_heads, attn.head_dim
+    y = F.scaled_dot_product_attention(q.reshape(B, attn.n_kv_heads, g, hd), k, v,
+                                       attn_mask=mask)                    # (B, n_kv, g, hd)
+    return _after(block, x, y.reshape(B, attn.n_heads, 1, hd))
+
+
+class PiecewiseDecoder:
+    """A model's decode step in compiled pieces: decoder(idx (B, 1), cache) -> (logits
+    (B, 1, V), None), what model(idx, cache=cache) returns, its layers run by layer_step. The
+    model itself is not changed: its other passes (prefill, chunks, verification) stay eager."""
+
+    def __init__(self, model: Transformer):
+        global _before, _after
+        if _before is None:
+            config = torch._dynamo.config               # room for every layer shape's programs
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else \
+                "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), 256))
+            _before, _after = torch.compile(before), torch.compile(after)
+        self.model = model
+
+    def __call__(self, idx: Tensor, cache) -> tuple[Tensor, None]:
+        m = self.model
+        pos = cache.begin_step(1).to(idx.device)                          # (B, 1)
+        dtype = m.embed_tokens.weight.dtype
+        cos = m.rope_cos[pos].to(dtype).unsqueeze(1)                      # (B, 1, 1, hd)
+        sin = m.rope_sin[pos].to(dtype).unsqueeze(1)                      # (B, 1, 1, hd)
+        x = m.embed_tokens(idx)                                           # (B, 1, d)
+        for block in m.layers:
+            x = layer_step(block, x, cos, sin, cache)
+        cache.end_step()
+        return m.lm_head(m.norm(x)), None                                 # (B, 1, V)
