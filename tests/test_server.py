@@ -5,6 +5,7 @@ whether the KV cache's books are sound; the text stream never splits a character
 stop string."""
 
 import asyncio
+import copy
 import pickle
 import socket
 import threading
@@ -17,6 +18,7 @@ import torch
 
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import generate
+from tinyllm.quant import quantize
 from tinyllm.serving import server
 from tinyllm.serving.textstream import REPLACEMENT, TextStream, next_piece
 
@@ -469,3 +471,22 @@ def test_a_speculating_server_streams_the_solo_text_and_counts_its_guesses(bundl
             assert counts["tinyllm_spec_decode_tokens_per_pass"] >= 1
         finally:
             srv.stop()
+
+
+def test_a_quantized_model_served_in_pieces_streams_its_solo_text(bundled64):
+    """serve --quant int8 --decoder pieces: the model and its decoder go to the engine's
+    process (the pieces compile there), and a stream carries solo's text on that model."""
+    model, tok = bundled64
+    q8 = quantize(copy.deepcopy(model), "int8")
+    srv = Running(ContinuousEngine(q8, 4, kv="paged", decoder="pieces"), tok)
+    try:
+        cl = srv.client()
+        for prompt in PROMPTS[:2]:
+            expected = solo_text(srv, prompt, 24)
+            stream = cl.completions.create(
+                model=NAME, prompt=prompt, max_tokens=24, temperature=0, stream=True
+            )
+            assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+        srv.wait_idle()
+    finally:
+        srv.stop()

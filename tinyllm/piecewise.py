@@ -55,13 +55,25 @@ def layer_step(block, x: Tensor, cos: Tensor, sin: Tensor, cache) -> Tensor:
         for t in (x, cos, sin):
             if t.size(0) == B:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-    attn = block.self_attn
-    q, k, v = _before(block, x, cos, sin)
+    attn, (before_fn, after_fn) = block.self_attn, compiled_pieces()
+    q, k, v = before_fn(block, x, cos, sin)
     k, v, mask = cache.update(attn.layer, k, v)         # (B, n_kv, S, hd), mask (B, 1, 1, S)
     g, hd = attn.n_heads // attn.n_kv_heads, attn.head_dim
     y = F.scaled_dot_product_attention(q.reshape(B, attn.n_kv_heads, g, hd), k, v,
                                        attn_mask=mask)                    # (B, n_kv, g, hd)
-    return _after(block, x, y.reshape(B, attn.n_heads, 1, hd))
+    return after_fn(block, x, y.reshape(B, attn.n_heads, 1, hd))
+
+
+def compiled_pieces():
+    """(before, after) compiled, made on first use in this process (a decoder sent to the
+    server's engine process compiles there)."""
+    global _before, _after
+    if _before is None:
+        config = torch._dynamo.config                   # room for every layer shape's programs
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), 256))
+        _before, _after = torch.compile(before), torch.compile(after)
+    return _before, _after
 
 
 class PiecewiseDecoder:
@@ -70,13 +82,6 @@ class PiecewiseDecoder:
     model itself is not changed: its other passes (prefill, chunks, verification) stay eager."""
 
     def __init__(self, model: Transformer):
-        global _before, _after
-        if _before is None:
-            config = torch._dynamo.config               # room for every layer shape's programs
-            name = "recompile_limit" if hasattr(config, "recompile_limit") else \
-                "cache_size_limit"
-            setattr(config, name, max(getattr(config, name), 256))
-            _before, _after = torch.compile(before), torch.compile(after)
         self.model = model
 
     def __call__(self, idx: Tensor, cache) -> tuple[Tensor, None]:

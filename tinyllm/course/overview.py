@@ -9,7 +9,9 @@ back. The weights and the tokenizer come from a checkpoint (00, 09); static batc
 is the scheduler that waits for a whole batch. Speculative decoding (11) checks a request's
 guessed tokens in that one pass, keeps a run of them in the token stage, and rolls the KV cache
 back past the guesses that fell. Structured output (12) masks a constrained request's logits in
-the token stage with its grammar's matcher, which moves on with every token kept.
+the token stage with its grammar's matcher, which moves on with every token kept. Quantized
+weights (13) are read from the checkpoint as small integers, and the decode step compiled in
+pieces around attention.
 """
 
 import matplotlib.pyplot as plt
@@ -29,13 +31,13 @@ PARTS = {
               "blocks of a pool (05),\nshared prefix blocks (08);\nrolled back (11)",
               {"01", "04", "05", "08", "11"}),
     "model": (4.9, 0.8, 3.0, 1.5, "model (00): one forward pass\na ragged step: prefill (02),\n"
-              "chunks (07), decode, guesses (11);\nreplayed or compiled (06)",
-              {"00", "02", "03", "06", "07", "11"}),
+              "chunks (07), decode, guesses (11);\nreplayed, compiled (06, 13)",
+              {"00", "02", "03", "06", "07", "11", "13"}),
     "tokens": (1.6, 0.8, 2.6, 1.5, "token stage (01)\nlogits, a grammar's mask (12)\n"
                "-> the next token, or the\nguesses that stand (11);\nstop at EOS",
                {"00", "01", "03", "11", "12"}),
-    "checkpoint": (4.9, -1.0, 3.0, 1.0, "checkpoint (00, 09)\nweights, tokenizer,\nchat template",
-                   {"00", "09"}),
+    "checkpoint": (4.9, -1.0, 3.0, 1.0, "checkpoint (00, 09)\nweights (quantized: 13),\n"
+                   "tokenizer, chat template", {"00", "09", "13"}),
 }
 
 # a request's path: (from, to, label, where the label sits: dx, dy from the arrow's middle),
@@ -60,7 +62,7 @@ def _anchor(name: str, toward: str) -> tuple[float, float]:
 
 def engine_map(step: str | None = None, ax=None):
     """Draw the engine's parts and a request's numbered path; the parts of `step` ("00" to
-    "12") are lit, the others pale. Returns the axes."""
+    "13") are lit, the others pale. Returns the axes."""
     if ax is None:
         _, ax = plt.subplots(figsize=(11.5, 4.6))
     for name, (x, y, w, h, text, steps) in PARTS.items():
