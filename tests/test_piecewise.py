@@ -30,7 +30,7 @@ REQS = [
 
 
 def serve(model, reqs, **kw) -> tuple[list[list[int]], ContinuousEngine]:
-    eng = ContinuousEngine(model, 3, decoder="pieces", **kw)
+    eng = ContinuousEngine(model, 2, decoder="pieces", **kw)  # programs for 1 and 2 rows
     rids = [eng.add_request(r) for r in reqs]
     while eng.has_work():
         eng.step()
@@ -44,7 +44,7 @@ def serve(model, reqs, **kw) -> tuple[list[list[int]], ContinuousEngine]:
     "kw",
     [
         dict(kv="slots"),
-        dict(kv="paged", block_size=4, kv_blocks=9),  # a tight pool: preemptions
+        dict(kv="paged", block_size=4, kv_blocks=7),  # a tight pool: preemptions
         dict(kv="paged", block_size=4, prefix_cache=True, max_step_tokens=5),
     ],
     ids=["slots", "paged-tight", "paged-prefix-chunked"],
@@ -55,6 +55,7 @@ def test_the_engine_in_pieces_gives_the_solo_tokens(weights, kw):
     got, eng = serve(model, REQS, **kw)
     assert got == want, f"{weights}, {kw}"
     assert isinstance(eng.decoder, PiecewiseDecoder)
+    assert "kv_blocks" not in kw or eng.stats.preemptions > 0, "the tight pool preempts"
 
 
 def test_speculation_verifies_eagerly_beside_the_pieces():

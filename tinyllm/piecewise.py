@@ -13,8 +13,8 @@ cache). Each layer of a decode step runs two compiled pieces: `before`
 (the norm, the q, k and v projections, RoPE) and `after` (the output projection, the residual,
 the norm, the MLP, the residual). The cache's update and the attention stay eager between them,
 so any cache works: slots, a paged pool, a prefix cache. Every layer runs the same code at the
-same shapes, so a piece is compiled once for all the layers: one program for a single row, one
-for any other number of rows (dynamic in the batch), a few seconds each on first use. A prefill,
+same shapes, so a piece is compiled once for all the layers: one program for each power of two
+of rows (a batch is padded up to the next), a few seconds each on first use. A prefill,
 a chunk or speculation's verification (more than one token a row) runs the model as it is.
 
 The pieces compute what the layer computes, up to the order of additions in the fused loops:
@@ -49,19 +49,27 @@ def after(block, x: Tensor, y: Tensor) -> Tensor:
 
 def layer_step(block, x: Tensor, cos: Tensor, sin: Tensor, cache) -> Tensor:
     """One layer of a decode step (x (B, 1, d), one token a row): the compiled pieces around
-    the eager cache update and attention -> (B, 1, d)."""
+    the eager cache update and attention -> (B, 1, d). The pieces see the rows padded with
+    zeros to a power of two (a program for 1, 2, 4, 8, ... rows); attention sees the B rows."""
     B = x.size(0)
-    if B > 1:                                       # one program for every batch above one
-        for t in (x, cos, sin):
-            if t.size(0) == B:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-    attn, (before_fn, after_fn) = block.self_attn, compiled_pieces()
-    q, k, v = before_fn(block, x, cos, sin)
+    before_fn, after_fn = compiled_pieces()
+    q, k, v = (t[:B] for t in before_fn(block, *(padded(t, B) for t in (x, cos, sin))))
+    attn = block.self_attn
     k, v, mask = cache.update(attn.layer, k, v)         # (B, n_kv, S, hd), mask (B, 1, 1, S)
     g, hd = attn.n_heads // attn.n_kv_heads, attn.head_dim
     y = F.scaled_dot_product_attention(q.reshape(B, attn.n_kv_heads, g, hd), k, v,
                                        attn_mask=mask)                    # (B, n_kv, g, hd)
-    return after_fn(block, x, y.reshape(B, attn.n_heads, 1, hd))
+    y = y.reshape(B, attn.n_heads, 1, hd)
+    return after_fn(block, padded(x, B), padded(y, B))[:B]
+
+
+def padded(t: Tensor, B: int) -> Tensor:
+    """t with its first dimension, when it is the batch's B rows, padded with zeros to the
+    next power of two (a (1, ...) tensor, shared by the rows, as it is)."""
+    rows = 1 << (B - 1).bit_length()
+    if t.size(0) != B or rows == B:
+        return t
+    return torch.cat([t, t.new_zeros(rows - B, *t.shape[1:])])
 
 
 def compiled_pieces():
@@ -72,7 +80,7 @@ def compiled_pieces():
         config = torch._dynamo.config                   # room for every layer shape's programs
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), 256))
-        _before, _after = torch.compile(before), torch.compile(after)
+        _before, _after = (torch.compile(f, dynamic=False) for f in (before, after))
     return _before, _after
 
 
