@@ -105,12 +105,16 @@ def fused_matmul(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor | None, bits:
     M, K = x.shape
     N, G = scale.shape
     xg = x.reshape(M, 1, G, -1)                                            # (M, 1, G, g)
-    if bits == 8:
-        dots = (xg * q.reshape(1, N, G, -1).to(x.dtype)).sum(-1)           # (M, N, G)
-    else:
-        half = q.size(-1)
-        low, high = (q & 15).to(x.dtype), (q >> 4).to(x.dtype)            # (N, G, g / 2)
+    if bits == 4:                   # each half-group's weights made in registers, then used
+        half, qi = q.size(-1), q.to(torch.int32)        # int32: the nibbles' shifts vectorize
+        low, high = (qi & 15).to(x.dtype), (qi >> 4).to(x.dtype)          # (N, G, g / 2)
+        if zero is not None:
+            low = low * scale[..., None] + zero[..., None]
+            high = high * scale[..., None] + zero[..., None]
+            return (xg[..., :half] * low + xg[..., half:] * high).sum((-1, -2))    # (M, N)
         dots = (xg[..., :half] * low + xg[..., half:] * high).sum(-1)     # (M, N, G)
+    else:
+        dots = (xg * q.reshape(1, N, G, -1).to(x.dtype)).sum(-1)           # (M, N, G)
     y = (dots * scale).sum(-1)                                             # (M, N)
     if zero is not None:
         y = y + (xg.sum(-1) * zero).sum(-1)
