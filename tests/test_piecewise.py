@@ -94,3 +94,18 @@ def test_settings_that_cannot_go_with_the_pieces_are_named():
         EngineConfig(2, kv="paged", decoder="graphs")
     with pytest.raises(ValueError, match="use decoder='eager' or 'pieces'"):
         EngineConfig(2, decoder="compiled", speculate="ngram")
+
+
+def test_warm_up_compiles_every_bucket_ahead():
+    """After warm_up(3) (buckets of 1, 2 and 4 rows), steps of 1 to 3 rows compile nothing
+    (a model of its own shape, which no other test compiled)."""
+    model = quantize(make_tiny(seed=23, d_ff=96), "float")
+    want = [solo(model, r).tokens for r in REQS[:3]]  # compiles the one-row loops of the layers
+    PiecewiseDecoder(model).warm_up(3)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    eng = ContinuousEngine(model, 3, decoder="pieces")
+    rids = [eng.add_request(r) for r in REQS[:3]]
+    while eng.has_work():
+        eng.step()
+    assert [eng.results[r].tokens for r in rids] == want
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before, "a step compiled"

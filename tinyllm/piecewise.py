@@ -14,12 +14,15 @@ cache). Each layer of a decode step runs two compiled pieces: `before`
 the norm, the MLP, the residual). The cache's update and the attention stay eager between them,
 so any cache works: slots, a paged pool, a prefix cache. Every layer runs the same code at the
 same shapes, so a piece is compiled once for all the layers: one program for each power of two
-of rows (a batch is padded up to the next), a few seconds each on first use. A prefill,
+of rows (a batch is padded up to the next), a few seconds each on first use, or ahead with
+`warm_up(max_rows)` (bench and serve call it before any request). A prefill,
 a chunk or speculation's verification (more than one token a row) runs the model as it is.
 
 The pieces compute what the layer computes, up to the order of additions in the fused loops:
 in float64 the tokens are the eager step's.
 """
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +94,21 @@ class PiecewiseDecoder:
 
     def __init__(self, model: Transformer):
         self.model = model
+
+    @torch.no_grad()
+    def warm_up(self, max_rows: int) -> float:
+        """Compile the pieces now for every bucket of rows up to max_rows (1, 2, 4, ...), on
+        zeros, so that no request waits for a compilation -> the seconds it took."""
+        m, (before_fn, after_fn) = self.model, compiled_pieces()
+        attn, p = m.layers[0].self_attn, m.embed_tokens.weight
+        t0 = time.perf_counter()
+        for rows in sorted({1 << (b - 1).bit_length() for b in range(1, max_rows + 1)}):
+            x = p.new_zeros(rows, 1, m.cfg.d_model)                          # (B, 1, d)
+            cos, sin = (p.new_zeros(rows, 1, 1, attn.head_dim) for _ in "cs")  # (B, 1, 1, hd)
+            before_fn(m.layers[0], x, cos, sin)
+            after_fn(m.layers[0], x, p.new_zeros(rows, attn.n_heads, 1, attn.head_dim))
+            m.lm_head(m.norm(x))                        # a head with a compiled loop of its own
+        return time.perf_counter() - t0
 
     def __call__(self, idx: Tensor, cache) -> tuple[Tensor, None]:
         m = self.model

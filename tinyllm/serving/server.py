@@ -48,6 +48,7 @@ import torch.multiprocessing
 
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
+from tinyllm.piecewise import PiecewiseDecoder
 from tinyllm.quant import MODES
 from tinyllm.requests import Event, Request
 from tinyllm.serving.api import (
@@ -273,6 +274,8 @@ def engine_process(engine: ContinuousEngine, conn, n_threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
     torch.set_num_threads(n_threads)
     conn.send(Ready())
+    if isinstance(engine.decoder, PiecewiseDecoder):  # compiled now; the first Adds wait
+        engine.decoder.warm_up(engine.config.n_slots)
     keys, integrity = Keys(), None
     while True:
         if not engine.has_work():
