@@ -253,9 +253,10 @@ def from_gguf(kind: str, blocks: Tensor, bias: Tensor | None = None,
 
 
 class GemvLinear(nn.Linear):
-    """A float linear layer whose one-row product (a decode step at batch 1) is a compiled
-    loop (float_matvec) instead of the math library's matrix-vector product, which reads
-    float32 at a fraction of the memory's speed on some CPUs; more rows go to the library."""
+    """A float linear layer whose one-row product (a decode step at batch 1, on a CPU, without
+    a bias) is a compiled loop (float_matvec) instead of the math library's matrix-vector
+    product, which reads float32 at a fraction of the memory's speed on some CPUs; more rows,
+    a bias or another device go to the library."""
 
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() != x.shape[-1] or self.bias is not None or x.device.type != "cpu":
