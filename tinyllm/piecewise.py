@@ -9,14 +9,14 @@ piecewise instead: the graph is split at attention, which stays a call of its ow
 piece between two attentions is compiled (on a GPU, also captured as a CUDA graph).
 
 `PiecewiseDecoder(model)` does that here (the continuous engine's decoder="pieces", on any
-cache). Each layer of a decode step runs two compiled pieces: `before`
-(the norm, the q, k and v projections, RoPE) and `after` (the output projection, the residual,
-the norm, the MLP, the residual). The cache's update and the attention stay eager between them,
-so any cache works: slots, a paged pool, a prefix cache. Every layer runs the same code at the
-same shapes, so a piece is compiled once for all the layers: one program for each power of two
-of rows (a batch is padded up to the next), a few seconds each on first use, or ahead with
-`warm_up(max_rows)` (bench and serve call it before any request). A prefill,
-a chunk or speculation's verification (more than one token a row) runs the model as it is.
+cache). Each layer of a decode step runs two compiled pieces: `before` (the norm, the q, k and
+v projections, RoPE) and `after` (the output projection, the residual, the norm, the MLP, the
+residual). The cache's update and the attention stay eager between them, so any cache works:
+slots, a paged pool, a prefix cache. Every layer runs the same code at the same shapes, so a
+piece is compiled once for all the layers: one program for each power of two of rows (a batch
+is padded up to the next), a few seconds each on first use, or ahead with `warm_up(max_rows)`
+(bench and serve call it before any request). A prefill, a chunk or speculation's verification
+(more than one token a row) runs the model as it is.
 
 The pieces compute what the layer computes, up to the order of additions in the fused loops:
 in float64 the tokens are the eager step's.
