@@ -435,6 +435,14 @@ def test_an_engine_that_fails_gives_a_500_that_says_why(bundled64):
         srv.stop()
 
 
+def streamed_text(cl, prompt: str, n: int) -> str:
+    """A greedy completion of n tokens, streamed, its pieces joined."""
+    stream = cl.completions.create(
+        model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True
+    )
+    return "".join(c.choices[0].text for c in stream if c.choices)
+
+
 def test_a_speculating_server_streams_the_solo_text_and_counts_its_guesses(bundled64):
     """With speculation (11) a step may make several tokens of a request: the streams still
     carry solo's text, a stop string still ends it where solo's text has it, and /metrics
@@ -446,10 +454,7 @@ def test_a_speculating_server_streams_the_solo_text_and_counts_its_guesses(bundl
             cl = srv.client()
             for prompt in PROMPTS[:3]:
                 expected = solo_text(srv, prompt, 40)
-                stream = cl.completions.create(
-                    model=NAME, prompt=prompt, max_tokens=40, temperature=0, stream=True
-                )
-                assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+                assert streamed_text(cl, prompt, 40) == expected
             stop = expected[len(expected) // 2 : len(expected) // 2 + 3]
             r = cl.completions.create(
                 model=NAME, prompt=PROMPTS[2], max_tokens=40, temperature=0, stop=[stop]
@@ -482,11 +487,7 @@ def test_a_quantized_model_served_in_pieces_streams_its_solo_text(bundled64):
     try:
         cl = srv.client()
         for prompt in PROMPTS[:2]:
-            expected = solo_text(srv, prompt, 24)
-            stream = cl.completions.create(
-                model=NAME, prompt=prompt, max_tokens=24, temperature=0, stream=True
-            )
-            assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+            assert streamed_text(cl, prompt, 24) == solo_text(srv, prompt, 24)
         srv.wait_idle()
     finally:
         srv.stop()

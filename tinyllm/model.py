@@ -235,9 +235,7 @@ class Transformer(nn.Module):
             pos = torch.arange(T, device=idx.device)[None]                    # (1, T)
         else:
             pos = cache.begin_step(T).to(idx.device)                          # (B or 1, T)
-        dtype = self.embed_tokens.weight.dtype
-        cos = self.rope_cos[pos].to(dtype).unsqueeze(1)                       # (B or 1, 1, T, hd)
-        sin = self.rope_sin[pos].to(dtype).unsqueeze(1)                       # (B or 1, 1, T, hd)
+        cos, sin = self.rope(pos)                                             # (B or 1, 1, T, hd)
         x = self.embed_tokens(idx)                                            # (B, T, d)
         for block in self.layers:
             x = block(x, cos, sin, cache)
@@ -249,6 +247,13 @@ class Transformer(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                    ignore_index=-100)
         return logits, loss
+
+    def rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """The rotary embedding's cos and sin at positions pos (B or 1, T), in the weights'
+        dtype, shaped to broadcast over the heads: (B or 1, 1, T, hd) each."""
+        dtype = self.embed_tokens.weight.dtype
+        return (self.rope_cos[pos].to(dtype).unsqueeze(1),
+                self.rope_sin[pos].to(dtype).unsqueeze(1))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tinyllm.model import Transformer, apply_rope
-
-_before = _after = None          # the compiled pieces, shared by every model and layer
+from tinyllm.quant import compiled, padded_rows
 
 
 def before(block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -67,24 +66,15 @@ def layer_step(block, x: Tensor, cos: Tensor, sin: Tensor, cache) -> Tensor:
 
 
 def padded(t: Tensor, B: int) -> Tensor:
-    """t with its first dimension, when it is the batch's B rows, padded with zeros to the
-    next power of two (a (1, ...) tensor, shared by the rows, as it is)."""
-    rows = 1 << (B - 1).bit_length()
-    if t.size(0) != B or rows == B:
-        return t
-    return torch.cat([t, t.new_zeros(rows - B, *t.shape[1:])])
+    """t with its rows padded to a power of two when they are the batch's B rows (a (1, ...)
+    tensor, shared by the rows, as it is)."""
+    return padded_rows(t) if t.size(0) == B else t
 
 
 def compiled_pieces():
-    """(before, after) compiled, made on first use in this process (a decoder sent to the
-    server's engine process compiles there)."""
-    global _before, _after
-    if _before is None:
-        config = torch._dynamo.config                   # room for every layer shape's programs
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-        setattr(config, name, max(getattr(config, name), 256))
-        _before, _after = (torch.compile(f, dynamic=False) for f in (before, after))
-    return _before, _after
+    """(before, after) compiled, on first use in this process (a decoder sent to the server's
+    engine process compiles there)."""
+    return compiled(before), compiled(after)
 
 
 class PiecewiseDecoder:
@@ -112,10 +102,7 @@ class PiecewiseDecoder:
 
     def __call__(self, idx: Tensor, cache) -> tuple[Tensor, None]:
         m = self.model
-        pos = cache.begin_step(1).to(idx.device)                          # (B, 1)
-        dtype = m.embed_tokens.weight.dtype
-        cos = m.rope_cos[pos].to(dtype).unsqueeze(1)                      # (B, 1, 1, hd)
-        sin = m.rope_sin[pos].to(dtype).unsqueeze(1)                      # (B, 1, 1, hd)
+        cos, sin = m.rope(cache.begin_step(1).to(idx.device))             # (B, 1, 1, hd)
         x = m.embed_tokens(idx)                                           # (B, 1, d)
         for block in m.layers:
             x = layer_step(block, x, cos, sin, cache)

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 MODES = ("float", "int8", "int4", "gguf")
 FUSED_ROWS = 16         # rows (tokens in a step) up to which the fused loop runs
 KERNELS = ("auto", "int8mm", "fused", "eager")
-_compiled: dict = {}    # fused_matmul -> compiled: one program per layer shape and row bucket
+_compiled: dict = {}    # a function -> compiled (compiled(fn)), one program per shape it meets
 
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -121,20 +121,31 @@ def fused_matmul(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor | None, bits:
     return y
 
 
-def compiled_matmul(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor | None, bits: int):
-    """fused_matmul compiled for fixed shapes (a loop specialised to its sizes is the fast
-    one): x's rows are padded with zeros to a power of two, so a model compiles a program per
-    layer shape for 1, 2, 4, 8 and 16 rows at most, each on first use (a second or two)."""
-    if fused_matmul not in _compiled:                   # (an exercise's own is compiled too)
-        config = torch._dynamo.config                   # room for every shape's program
+def compiled(fn):
+    """fn compiled by torch.compile for fixed shapes (a loop specialised to its sizes is the
+    fast one), once per process and function, with room for a program per shape it meets (a
+    model's layer shapes times its row buckets: torch.compile's default of 8 would fall back
+    to eager without saying so)."""
+    if fn not in _compiled:
+        config = torch._dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), 256))
-        _compiled[fused_matmul] = torch.compile(fused_matmul, dynamic=False)
-    rows = x.size(0)
-    bucket = 1 << (rows - 1).bit_length()
-    if bucket != rows:
-        x = torch.cat([x, x.new_zeros(bucket - rows, x.size(1))])
-    return _compiled[fused_matmul](x, q, scale, zero, bits)[:rows]
+        _compiled[fn] = torch.compile(fn, dynamic=False)
+    return _compiled[fn]
+
+
+def padded_rows(t: Tensor) -> Tensor:
+    """t with its rows (first dimension) padded with zeros to the next power of two: a
+    compiled program for 1, 2, 4, 8, ... rows serves every batch."""
+    rows = 1 << (t.size(0) - 1).bit_length()
+    return t if rows == t.size(0) else torch.cat([t, t.new_zeros(rows - t.size(0), *t.shape[1:])])
+
+
+def compiled_matmul(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor | None, bits: int):
+    """fused_matmul compiled (an exercise's own too), x's rows padded to a power of two: a
+    model compiles a program per layer shape for 1, 2, 4, 8 and 16 rows at most, each on first
+    use (a second or two)."""
+    return compiled(fused_matmul)(padded_rows(x), q, scale, zero, bits)[:x.size(0)]
 
 
 def float_matvec(x: Tensor, w: Tensor) -> Tensor:
@@ -211,19 +222,16 @@ class QuantLinear(nn.Module):
         if kernel == "auto":
             per_row = self.bits == 8 and self.group_size == self.in_features
             kernel = "int8mm" if per_row and x.device.type == "cpu" else "fused"
+        zero = None if self.zero is None else self.zero.to(x.dtype)
         if kernel == "int8mm":
             y = int8_matmul(x2, self.q, self.scale)
-            y = y if self.bias is None else y + self.bias
         elif kernel == "fused" and torch.compiler.is_compiling():    # inlined in a compiled step
-            zero = None if self.zero is None else self.zero.to(x.dtype)
             y = fused_matmul(x2, self.q, self.scale.to(x.dtype), zero, self.bits)
-            y = y if self.bias is None else y + self.bias
         elif kernel == "fused" and 0 < rows <= FUSED_ROWS:
-            zero = None if self.zero is None else self.zero.to(x.dtype)
             y = compiled_matmul(x2, self.q, self.scale.to(x.dtype), zero, self.bits)
-            y = y if self.bias is None else y + self.bias
         else:
-            y = F.linear(x2, self.dequantized(x.dtype), self.bias)
+            y = F.linear(x2, self.dequantized(x.dtype))
+        y = y if self.bias is None else y + self.bias
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -263,9 +271,7 @@ class GemvLinear(nn.Linear):
             return super().forward(x)
         if torch.compiler.is_compiling():           # inside a compiled step: the loop inlined
             return float_matvec(x.reshape(1, -1), self.weight).reshape(*x.shape[:-1], -1)
-        if float_matvec not in _compiled:
-            _compiled[float_matvec] = torch.compile(float_matvec, dynamic=False)
-        y = _compiled[float_matvec](x.reshape(1, -1), self.weight)        # (1, N)
+        y = compiled(float_matvec)(x.reshape(1, -1), self.weight)         # (1, N)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 

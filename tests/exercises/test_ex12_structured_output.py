@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_structured import PERSON
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
@@ -203,15 +204,6 @@ def test_apply_bitmask_on_random_batches(impl, dtype):
 
 # ---- end to end ------------------------------------------------------------------------------
 PROMPTS = ["Ham.\n", "Oph.\nMy lord,", "King.\n", "Hor.\nWhat", "Pol.\n"]
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 
 
 def workload(tok, seed: int, constraints: list) -> list[Request]:
