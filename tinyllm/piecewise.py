@@ -9,14 +9,16 @@ piecewise instead: the graph is split at attention, which stays a call of its ow
 piece between two attentions is compiled (on a GPU, also captured as a CUDA graph).
 
 `PiecewiseDecoder(model)` does that here (the continuous engine's decoder="pieces", on any
-cache). Each layer of a decode step runs two compiled pieces: `before` (the norm, the q, k and
-v projections, RoPE) and `after` (the output projection, the residual, the norm, the MLP, the
-residual). The cache's update and the attention stay eager between them, so any cache works:
-slots, a paged pool, a prefix cache. Every layer runs the same code at the same shapes, so a
-piece is compiled once for all the layers: one program for each power of two of rows (a batch
-is padded up to the next), a few seconds each on first use, or ahead with `warm_up(max_rows)`
-(bench and serve call it before any request). A prefill, a chunk or speculation's verification
-(more than one token a row) runs the model as it is.
+cache). A decode step runs three kinds of compiled piece: `before` (the first layer's norm, its
+q, k and v projections, RoPE), `between` (the rest of a layer: the output projection, the
+residual, the norm, the MLP, the residual; then the next layer's `before`) and `last` (the rest
+of the last layer, the final norm, the head): 31 calls for 30 layers. The cache's update and the
+attention stay eager between them (`attention`), so any cache works: slots, a paged pool, a
+prefix cache. Every layer runs the same code at the same shapes, so a piece is compiled once for
+all the layers: one program for each power of two of rows (a batch is padded up to the next), a
+few seconds each on first use, or ahead with `warm_up(max_rows)` (bench and serve call it before
+any request). A prefill, a chunk or speculation's verification (more than one token a row) runs
+the model as it is.
 
 The pieces compute what the layer computes, up to the order of additions in the fused loops:
 in float64 the tokens are the eager step's.
@@ -33,7 +35,8 @@ from tinyllm.quant import compiled, padded_rows
 
 
 def before(block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """x (B, 1, d) -> q (B, H, 1, hd), k and v (B, n_kv, 1, hd), RoPE applied."""
+    """The first piece of a layer: x (B, 1, d) -> q (B, H, 1, hd), k and v (B, n_kv, 1, hd),
+    RoPE applied."""
     attn, B = block.self_attn, x.size(0)
     h, hd = block.input_layernorm(x), attn.head_dim
     q = attn.q_proj(h).view(B, 1, attn.n_heads, hd).transpose(1, 2)
@@ -43,26 +46,34 @@ def before(block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, 
 
 
 def after(block, x: Tensor, y: Tensor) -> Tensor:
-    """The residual stream x (B, 1, d) and attention's output y (B, H, 1, hd) -> the layer's
-    output (B, 1, d)."""
+    """The rest of a layer: the residual stream x (B, 1, d) and attention's output y
+    (B, H, 1, hd) -> the layer's output (B, 1, d)."""
     x = x + block.self_attn.o_proj(y.transpose(1, 2).reshape(x.shape))
     return x + block.mlp(block.post_attention_layernorm(x))
 
 
-def layer_step(block, x: Tensor, cos: Tensor, sin: Tensor, cache) -> Tensor:
-    """One layer of a decode step (x (B, 1, d), one token a row): the compiled pieces around
-    the eager cache update and attention -> (B, 1, d). The pieces see the rows padded with
-    zeros to a power of two (a program for 1, 2, 4, 8, ... rows); attention sees the B rows."""
-    B = x.size(0)
-    before_fn, after_fn = compiled_pieces()
-    q, k, v = (t[:B] for t in before_fn(block, *(padded(t, B) for t in (x, cos, sin))))
-    attn = block.self_attn
+def between(block, following, x: Tensor, y: Tensor, cos: Tensor, sin: Tensor):
+    """The piece from one layer's attention to the next's: after(block) then before(following)
+    -> (the residual stream (B, 1, d), the next q, k, v)."""
+    x = after(block, x, y)
+    return (x, *before(following, x, cos, sin))
+
+
+def last(block, norm, head, x: Tensor, y: Tensor) -> Tensor:
+    """The piece after the last attention: after(block), the final norm, the head -> logits
+    (B, 1, V)."""
+    return head(norm(after(block, x, y)))
+
+
+def attention(block, q: Tensor, k: Tensor, v: Tensor, cache) -> Tensor:
+    """The eager part of a layer: the cache's update and attention over its keys and values,
+    for the batch's B rows -> y (B, H, 1, hd)."""
+    attn, B = block.self_attn, q.size(0)
     k, v, mask = cache.update(attn.layer, k, v)         # (B, n_kv, S, hd), mask (B, 1, 1, S)
     g, hd = attn.n_heads // attn.n_kv_heads, attn.head_dim
     y = F.scaled_dot_product_attention(q.reshape(B, attn.n_kv_heads, g, hd), k, v,
                                        attn_mask=mask)                    # (B, n_kv, g, hd)
-    y = y.reshape(B, attn.n_heads, 1, hd)
-    return after_fn(block, padded(x, B), padded(y, B))[:B]
+    return y.reshape(B, attn.n_heads, 1, hd)
 
 
 def padded(t: Tensor, B: int) -> Tensor:
@@ -72,15 +83,15 @@ def padded(t: Tensor, B: int) -> Tensor:
 
 
 def compiled_pieces():
-    """(before, after) compiled, on first use in this process (a decoder sent to the server's
-    engine process compiles there)."""
-    return compiled(before), compiled(after)
+    """(before, between, last) compiled, on first use in this process (a decoder sent to the
+    server's engine process compiles there)."""
+    return compiled(before), compiled(between), compiled(last)
 
 
 class PiecewiseDecoder:
     """A model's decode step in compiled pieces: decoder(idx (B, 1), cache) -> (logits
-    (B, 1, V), None), what model(idx, cache=cache) returns, its layers run by layer_step. The
-    model itself is not changed: its other passes (prefill, chunks, verification) stay eager."""
+    (B, 1, V), None), what model(idx, cache=cache) returns. The model itself is not changed:
+    its other passes (prefill, chunks, verification) stay eager."""
 
     def __init__(self, model: Transformer):
         self.model = model
@@ -89,22 +100,35 @@ class PiecewiseDecoder:
     def warm_up(self, max_rows: int) -> float:
         """Compile the pieces now for every bucket of rows up to max_rows (1, 2, 4, ...), on
         zeros, so that no request waits for a compilation -> the seconds it took."""
-        m, (before_fn, after_fn) = self.model, compiled_pieces()
-        attn, p = m.layers[0].self_attn, m.embed_tokens.weight
+        m, attn = self.model, self.model.layers[0].self_attn
         t0 = time.perf_counter()
         for rows in sorted({1 << (b - 1).bit_length() for b in range(1, max_rows + 1)}):
-            x = p.new_zeros(rows, 1, m.cfg.d_model)                          # (B, 1, d)
+            p = m.embed_tokens.weight
+            x = p.new_zeros(rows, 1, m.cfg.d_model)                              # (B, 1, d)
             cos, sin = (p.new_zeros(rows, 1, 1, attn.head_dim) for _ in "cs")  # (B, 1, 1, hd)
-            before_fn(m.layers[0], x, cos, sin)
-            after_fn(m.layers[0], x, p.new_zeros(rows, attn.n_heads, 1, attn.head_dim))
-            m.lm_head(m.norm(x))                        # a head with a compiled loop of its own
+            self.pieces(x, cos, sin, lambda block, q, k, v: torch.zeros_like(q))
         return time.perf_counter() - t0
 
+    def pieces(self, x: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
+        """The layers from the embedded tokens x (B, 1, d) to the logits: the compiled pieces
+        on the rows padded with zeros to a power of two (a program for 1, 2, 4, 8, ... rows),
+        attend(block, q, k, v) -> y on the B rows between them."""
+        m, B = self.model, x.size(0)
+        before_fn, between_fn, last_fn = compiled_pieces()
+        layers, cos, sin = m.layers, padded(cos, B), padded(sin, B)
+        x = padded(x, B)
+        q, k, v = before_fn(layers[0], x, cos, sin)
+        for block, following in zip(layers, layers[1:]):
+            y = padded(attend(block, q[:B], k[:B], v[:B]), B)
+            x, q, k, v = between_fn(block, following, x, y, cos, sin)
+        y = padded(attend(layers[-1], q[:B], k[:B], v[:B]), B)
+        return last_fn(layers[-1], m.norm, m.lm_head, x, y)[:B]
+
+    @torch.no_grad()
     def __call__(self, idx: Tensor, cache) -> tuple[Tensor, None]:
         m = self.model
         cos, sin = m.rope(cache.begin_step(1).to(idx.device))             # (B, 1, 1, hd)
-        x = m.embed_tokens(idx)                                           # (B, 1, d)
-        for block in m.layers:
-            x = layer_step(block, x, cos, sin, cache)
+        logits = self.pieces(m.embed_tokens(idx), cos, sin,
+                             lambda block, q, k, v: attention(block, q, k, v, cache))
         cache.end_step()
-        return m.lm_head(m.norm(x)), None                                 # (B, 1, V)
+        return logits, None                                               # (B, 1, V)

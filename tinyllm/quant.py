@@ -16,20 +16,25 @@ int8 per output channel is one group the width of the row (`quantize_int8`); int
 layouts with groups of 32, so a GGUF file's weights are kept as the file has them
 (`from_gguf`), not expanded to float32.
 
-Three ways to compute y = x W^T (`QuantLinear.kernel`):
+Four ways to compute y = x W^T (`QuantLinear.kernel`):
 - "int8mm" (int8 with one scale per row, on a CPU): the activations are quantized too, each
-  row by its own largest magnitude, and the product is an integer one (`torch._int_mm`, exact
-  in int32), scaled back: what llama.cpp's Q8_0 products do. It reads a quarter of the bytes
-  and computes in 8-bit integers, for one row or many.
-- "fused" (the others): a few rows (a decode step, `FUSED_ROWS` at most) run one fused loop
-  that reads each weight once, as its integer, and turns it into a float in registers
+  row by its own largest magnitude, and the product is an integer one (exact in int32),
+  scaled back: what llama.cpp's Q8_0 products do. A few rows (a decode step, `FUSED_ROWS` at
+  most) run cpu_kernels' C loop, more `torch._int_mm`: the same result, bit for bit.
+- "int4a8" (4 bits with zero points, on a CPU): each group of the activations rounded to
+  int8 steps (`rounded_activations`) and multiplied with the nibbles as integers, what
+  llama.cpp's Q4_1 products do: cpu_kernels' C loop for a few rows; for more (or without a C
+  compiler, or in float64), the library's product of the rounded activations and the
+  de-quantized weight, which is the same sum in another order.
+- "fused" (the others: another device, 8 bits in groups): a few rows run one fused loop that
+  reads each weight once, as its integer, and turns it into a float in registers
   (torch.compile of `fused_matmul`, compiled per layer shape on first use); reading fewer bytes
   is the whole gain. Many rows (a prefill): the weight is de-quantized to the activations'
   dtype and the math library's product runs, compute-bound there, the de-quantization paid
   once for all the rows.
 - "eager": de-quantize every time (no compiler needed: the reference the others are checked
   against).
-Each row's result depends on that row alone in all three, so batching changes nothing.
+Each row's result depends on that row alone in all four, so batching changes nothing.
 
 The embeddings stay in float: a lookup reads one row per token, not the whole table; a head
 tied to them gets a quantized copy of its own.
@@ -39,9 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tinyllm import cpu_kernels
+
 MODES = ("float", "int8", "int4", "gguf")
 FUSED_ROWS = 16         # rows (tokens in a step) up to which the fused loop runs
-KERNELS = ("auto", "int8mm", "fused", "eager")
+KERNELS = ("auto", "int8mm", "int4a8", "fused", "eager")
 _compiled: dict = {}    # a function -> compiled (compiled(fn)), one program per shape it meets
 
 
@@ -154,6 +161,23 @@ def float_matvec(x: Tensor, w: Tensor) -> Tensor:
     return (x[:, None, :] * w[None]).sum(-1)
 
 
+def c_kernels(x: Tensor) -> bool:
+    """Whether the C kernels (cpu_kernels) compute a product of x: float32 on a CPU, the
+    kernels compiled."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels.available()
+
+
+def rounded_activations(x: Tensor, group_size: int) -> Tensor:
+    """x (M, K) with each group of group_size along K rounded to 255 steps: its largest
+    magnitude over 127 (at least 1e-30) is the step, a value becomes round(x / step) * step,
+    what the int4a8 kernel computes with (an int8 and the group's step).
+    Example: x [[1.27, -0.5, 0.004]], group_size 3 -> step 0.01: [[1.27, -0.5, 0.0]]."""
+    M, K = x.shape
+    xg = x.reshape(M, K // group_size, group_size)
+    step = xg.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
+    return (torch.round(xg / step) * step).reshape(M, K)
+
+
 def int8_matmul(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """x (M, K) @ W^T for an int8 weight of one scale per row (q (N, K), scale (N, 1)), with
     x quantized too, row by row (its largest magnitude over 127): an integer matrix product
@@ -167,9 +191,10 @@ def int8_matmul(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
 class QuantLinear(nn.Module):
     """y = x W^T (+ bias), W (out_features, in_features) kept quantized (see the module's
     docstring for the layouts). kernel: "int8mm" (8 bits, one scale per row: the activations
-    quantized too, an integer product), "fused" (a few rows: the compiled loop over the bytes;
-    more: de-quantize, then the library's product), "eager" (de-quantize every time), or
-    "auto": int8mm where it applies on a CPU, else fused."""
+    quantized too, an integer product), "int4a8" (4 bits: the activations rounded to int8 by
+    group, an integer product), "fused" (a few rows: the compiled loop over the bytes; more:
+    de-quantize, then the library's product), "eager" (de-quantize every time), or "auto":
+    int8mm or int4a8 where they apply on a CPU, else fused."""
 
     def __init__(self, bits: int, q: Tensor, scale: Tensor, zero: Tensor | None,
                  in_features: int, bias: Tensor | None = None, kernel: str = "auto"):
@@ -184,6 +209,8 @@ class QuantLinear(nn.Module):
         if kernel == "int8mm" and (bits != 8 or groups != 1):
             raise ValueError("kernel 'int8mm' needs 8 bits and one scale per row (int8 per "
                              "output channel), not groups")
+        if kernel == "int4a8" and (bits != 4 or zero is None):
+            raise ValueError("kernel 'int4a8' needs 4 bits with zero points")
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
         self.register_buffer("zero", zero)
@@ -217,14 +244,21 @@ class QuantLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)                                              # (M, K)
-        rows = x2.size(0)
-        kernel = self.kernel
+        rows, kernel = x2.size(0), self.kernel
+        per_row = self.bits == 8 and self.group_size == self.in_features
         if kernel == "auto":
-            per_row = self.bits == 8 and self.group_size == self.in_features
-            kernel = "int8mm" if per_row and x.device.type == "cpu" else "fused"
+            cpu = x.device.type == "cpu"
+            kernel = "int8mm" if per_row and cpu else \
+                "int4a8" if self.bits == 4 and self.zero is not None and cpu else "fused"
         zero = None if self.zero is None else self.zero.to(x.dtype)
-        if kernel == "int8mm":
+        if kernel == "int8mm" and 0 < rows <= FUSED_ROWS and c_kernels(x2):
+            y = torch.ops.tinyllm.int8_gemv(x2.contiguous(), self.q, self.scale)
+        elif kernel == "int8mm":
             y = int8_matmul(x2, self.q, self.scale)
+        elif kernel == "int4a8" and 0 < rows <= FUSED_ROWS and c_kernels(x2):
+            y = torch.ops.tinyllm.int4_gemv(x2.contiguous(), self.q, self.scale, self.zero)
+        elif kernel == "int4a8":       # a prefill, or no C: the same product, the library's
+            y = F.linear(rounded_activations(x2, self.group_size), self.dequantized(x.dtype))
         elif kernel == "fused" and torch.compiler.is_compiling():    # inlined in a compiled step
             y = fused_matmul(x2, self.q, self.scale.to(x.dtype), zero, self.bits)
         elif kernel == "fused" and 0 < rows <= FUSED_ROWS:

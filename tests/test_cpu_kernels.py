@@ -1,0 +1,144 @@
+"""Step 13 - the C kernels: the int8 one gives torch._int_mm's product bit for bit, the int4
+one the library's product of the rounded activations, on the machine's vector path and on the
+portable one; a row's result is the same in any batch and with any number of threads; the
+quantized layers pick them on a CPU in float32; and every engine on a quantized model still
+gives each request its solo tokens in float32, where they run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import make_tiny
+from tinyllm import cpu_kernels
+from tinyllm.continuous import ContinuousEngine
+from tinyllm.generate import solo
+from tinyllm.quant import (
+    QuantLinear,
+    dequantize,
+    int8_matmul,
+    quantize,
+    quantize_int4,
+    quantize_int8,
+    rounded_activations,
+)
+from tinyllm.requests import Request
+from tinyllm.sampling import Sampling
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.library() is None, reason="no C compiler: the kernels cannot be built"
+)
+PORTABLE = cpu_kernels.build(["-O3"])  # no -march: the plain C loops, as on any machine
+
+
+def weights(seed: int, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * 0.1
+    w[0] = 0.0  # a row of zeros: the smallest scale
+    return w, torch.randn(4, K, generator=g) * 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    N=st.integers(1, 70),
+    K=st.integers(2, 200),  # torch._int_mm gets K = 1 wrong for N > 1 (torch 2.13)
+    M=st.integers(1, 16),
+    threads=st.sampled_from([1, 2]),
+)
+def test_int8_gemv_is_int_mm_bit_for_bit(seed, N, K, M, threads):
+    w, _ = weights(seed, N, K)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1))
+    q, scale = quantize_int8(w)
+    want = int8_matmul(x, q, scale)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lib in (None, PORTABLE):
+            got = cpu_kernels.int8_gemv(x, q, scale, lib)
+            assert torch.equal(got, want), f"{N}x{K}, {M} rows, lib {lib}"
+    finally:
+        torch.set_num_threads(old)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    N=st.integers(1, 70),
+    groups=st.integers(1, 6),
+    group_size=st.sampled_from([2, 8, 16, 32, 64]),
+    M=st.integers(1, 16),
+)
+def test_int4_gemv_is_the_product_of_the_rounded_activations(seed, N, groups, group_size, M):
+    K = groups * group_size
+    w, _ = weights(seed, N, K)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1))
+    q, scale, zero = quantize_int4(w, group_size)
+    want = F.linear(rounded_activations(x.double(), group_size),
+                    dequantize(4, q, scale, zero, K, torch.float64))
+    rows = torch.cat([cpu_kernels.int4_gemv(x[i : i + 1].contiguous(), q, scale, zero)
+                      for i in range(M)])
+    for lib in (None, PORTABLE):
+        got = cpu_kernels.int4_gemv(x, q, scale, zero, lib)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+        if lib is None:
+            assert torch.equal(got, rows), "a row's result depends on the batch"
+
+
+def test_rounded_activations_round_each_group_to_its_own_step():
+    x = torch.tensor([[1.27, -0.5, 0.004, 100.0, 1.0, -50.0]])
+    got = rounded_activations(x, 3)
+    torch.testing.assert_close(got[0, :3], torch.tensor([1.27, -0.5, 0.0]))
+    step = 100.0 / 127
+    torch.testing.assert_close(got[0, 3:], torch.round(x[0, 3:] / step) * step)
+
+
+def test_the_layers_pick_the_kernels_in_float32_and_agree_across_row_counts():
+    """auto on a CPU: int8 per row and int4 take the C kernels for a few rows and the library
+    beyond; both are the same product (int8: bit for bit), so a row's result does not depend
+    on how many rows came with it."""
+    w, x = weights(3, 40, 64)
+    x = torch.cat([x] * 5)  # 20 rows: past FUSED_ROWS
+    for mode in ("int8", "int4"):
+        layer = QuantLinear.from_linear(_linear(w), mode)
+        many, few = layer(x), torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+        if mode == "int8":
+            assert torch.equal(many, few)
+        else:
+            torch.testing.assert_close(many, few, rtol=1e-5, atol=1e-5)
+        want = layer.__class__(layer.bits, layer.q, layer.scale, layer.zero, 64,
+                               kernel="int8mm" if mode == "int8" else "int4a8")(x.double())
+        torch.testing.assert_close(few.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _linear(w: torch.Tensor) -> torch.nn.Linear:
+    linear = torch.nn.Linear(w.size(1), w.size(0), bias=False)
+    linear.weight.data.copy_(w)
+    return linear
+
+
+REQS = [
+    Request([1, 2, 3, 4], 12, eos_id=0),
+    Request([5, 6], 9, eos_id=0, sampling=Sampling(temperature=1.0, seed=3)),
+    Request([7, 8, 9, 7, 8, 9, 7, 8], 14, eos_id=0),
+    Request([10], 6, eos_id=0),
+]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(kv="slots"), dict(kv="slots", decoder="pieces"),
+     dict(kv="paged", block_size=4, kv_blocks=7, decoder="pieces")],
+    ids=["slots", "slots-pieces", "paged-tight-pieces"],
+)
+def test_engines_on_the_c_kernels_give_the_solo_tokens_in_float32(mode, kw):
+    model = quantize(make_tiny(seed=31).float(), mode)
+    want = [solo(model, r).tokens for r in REQS]
+    eng = ContinuousEngine(model, 2, **kw)
+    rids = [eng.add_request(r) for r in REQS]
+    while eng.has_work():
+        eng.step()
+    assert [eng.results.pop(r).tokens for r in rids] == want
+    assert eng.cache.check_integrity(idle=True) is None and not eng._seqs

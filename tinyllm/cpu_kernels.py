@@ -1,0 +1,338 @@
+"""Step 13 - two matrix-vector kernels in C, for a quantized decode step on a CPU.
+
+A decode step at batch 1 reads each weight once and does two operations with it, so its time
+is the weights' bytes over the memory's speed, if the loop keeps up. PyTorch's own int8
+products (`torch._int_mm`, the weight-only `_weight_int8pack_mm`, fbgemm's dynamic linear) and
+the loops torch.compile writes reach about 8 GB/s on one thread of a CPU that streams 16-22:
+one accumulator a row, each addition waiting for the one before. llama.cpp keeps up with
+hand-written loops, and so do these two, in about sixty lines of C with AVX2 (and plain C,
+which the compiler vectorizes, anywhere else):
+
+- `int8_gemv`: y[m, n] = (xq[m] . q[n]) * (sx[m] * sw[n]), the activations quantized to
+  int8 by row (quant.int8_matmul's product): 16 weights widened to int16 and multiplied in
+  pairs into int32 (`_mm256_madd_epi16`), two accumulators. The integer sum is exact, so the
+  result is torch._int_mm's, bit for bit, for any number of rows.
+- `int4_gemv`: y[m, n] = sum over groups g of scale[n, g] (x[m]'s group . the group's
+  values) + zero[n, g] (the sum of x[m]'s group), the nibbles of GGUF's layout (quant.py)
+  turned into floats in registers; float16 scales and zeros read as they are.
+
+Each output is one loop over one row, the same loop for any batch or thread count, so every
+row's result depends on that row alone. The source is compiled once per machine at first use
+(`library()`, with the C compiler torch.compile also needs, into the cache directory), and
+registered as PyTorch operators (`torch.ops.tinyllm.int8_gemv`, `.int4_gemv`) that a compiled
+piece calls like any other. Where no compiler works, `library()` is None and quant.py uses
+PyTorch's products.
+"""
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+
+import torch
+from torch import Tensor
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define AVX2 1
+#endif
+
+static float half_to_float(uint16_t h) {              /* IEEE float16 bits -> float */
+#ifdef AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000 | (man << 13);                /* inf, nan */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);          /* normal */
+    else if (!man) bits = sign;                                              /* zero */
+    else {                                                                   /* subnormal */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* x (K) int8 values as int16 . w (K) int8, exact in int32 */
+static int32_t dot_q8(const int16_t *x, const int8_t *w, int64_t K) {
+    int64_t k = 0;
+    int32_t acc = 0;
+#ifdef AVX2
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    for (; k + 32 <= K; k += 32) {
+        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
+        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k + 16)));
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + k));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + k + 16));
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, x0));
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w1, x1));
+    }
+    __m256i s = _mm256_add_epi32(a0, a1);
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    acc = _mm_cvtsi128_si32(h);
+#endif
+    for (; k < K; k++) acc += (int32_t)x[k] * (int32_t)w[k];
+    return acc;
+}
+
+/* x (n) float -> xq (n) int8 values, x / s rounded to the nearest (ties to even), s = the
+   largest magnitude / 127 (at least 1e-30) -> s */
+static float quantize_row(const float *x, int64_t n, int16_t *xq) {
+    float amax = 0;
+    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float s = fmaxf(amax, 1e-30f) / 127.0f;
+    for (int64_t i = 0; i < n; i++) xq[i] = (int16_t)nearbyintf(x[i] / s);
+    return s;
+}
+
+/* y (M, N) = x (M, K) @ W^T, W = q (N, K) int8 times scale (N) float16, with each row of x
+   quantized to int8 first: (xq[m] . q[n]) * (sx[m] * scale[n]) */
+void int8_gemv(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *q,
+               const uint16_t *scale, float *y, int threads) {
+    int16_t *xq = malloc(M * K * sizeof(int16_t));
+    float *sx = malloc(M * sizeof(float));
+    for (int64_t m = 0; m < M; m++) sx[m] = quantize_row(x + m * K, K, xq + m * K);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = (float)dot_q8(xq + m * K, q + n * K, K)
+                           * (sx[m] * half_to_float(scale[n]));
+    free(xq);
+    free(sx);
+}
+
+/* the integer dot product of a group of 2h 4-bit values (h bytes: the low nibble of byte j is
+   value j, the high one value j + h) with 2h int8 values */
+static int32_t dot_q4(const uint8_t *q, const int8_t *x, int64_t h) {
+    int64_t j = 0;
+    int32_t acc = 0;
+#ifdef AVX2
+    const __m128i low = _mm_set1_epi8(15);
+    if (h % 16 == 0) {
+        __m256i a = _mm256_setzero_si256();
+        for (; j < h; j += 16) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(q + j));
+            __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low),
+                                         _mm_and_si128(b, low));
+            __m256i xv = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(x + h + j)),
+                                          _mm_loadu_si128((const __m128i *)(x + j)));
+            a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(v, xv),
+                                                      _mm256_set1_epi16(1)));
+        }
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+        return _mm_cvtsi128_si32(s);
+    }
+    if (h == 8) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)q);
+        __m128i v = _mm_unpacklo_epi64(_mm_and_si128(b, low),
+                                       _mm_and_si128(_mm_srli_epi16(b, 4), low));
+        __m128i s = _mm_madd_epi16(_mm_maddubs_epi16(v, _mm_loadu_si128((const __m128i *)x)),
+                                   _mm_set1_epi16(1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+        return _mm_cvtsi128_si32(s);
+    }
+#endif
+    for (; j < h; j++) acc += (q[j] & 15) * (int32_t)x[j] + (q[j] >> 4) * (int32_t)x[h + j];
+    return acc;
+}
+
+/* one output: row n of a 4-bit weight (G groups, h bytes each; scale and zero (G)) . one row
+   of x quantized by group (xq, sx (G)), plus the zero points times its groups' sums xs (G,
+   of the rounded values) */
+static float row_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
+                    const int8_t *xq, const float *sx, const float *xs, int64_t G, int64_t h) {
+    float acc = 0;
+    int64_t g = 0;
+#ifdef AVX2
+    if (h == 16) {                      /* groups of 32, one 256-bit product each */
+        const __m128i low = _mm_set1_epi8(15);
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (; g + 2 <= G; g += 2) {
+            __m128i b0 = _mm_loadu_si128((const __m128i *)(q + g * 16));
+            __m128i b1 = _mm_loadu_si128((const __m128i *)(q + g * 16 + 16));
+            __m256i v0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b0, 4), low),
+                                          _mm_and_si128(b0, low));
+            __m256i v1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b1, 4), low),
+                                          _mm_and_si128(b1, low));
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + g * 32 + 32));
+            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(v0, x0), ones);
+            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x1), ones);
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(scale[g]) * sx[g]),
+                                 _mm256_cvtepi32_ps(p0), a0);
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(scale[g + 1]) * sx[g + 1]),
+                                 _mm256_cvtepi32_ps(p1), a1);
+        }
+        for (int64_t k = 0; k < G; k++) acc += half_to_float(zero[k]) * xs[k];
+        if (g < G) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(q + g * 16));
+            __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low),
+                                         _mm_and_si128(b, low));
+            __m256i p = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(xq + g * 32))), ones);
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(scale[g]) * sx[g]),
+                                 _mm256_cvtepi32_ps(p), a0);
+        }
+        __m256 s = _mm256_add_ps(a0, a1);
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        return acc + _mm_cvtss_f32(r);
+    }
+#endif
+    for (; g < G; g++)
+        acc += half_to_float(scale[g]) * sx[g] * (float)dot_q4(q + g * h, xq + g * 2 * h, h)
+             + half_to_float(zero[g]) * xs[g];
+    return acc;
+}
+
+/* y (M, N) = x (M, K) @ W^T, W (N, K = G * 2h) in 4 bits (q (N, G, h)) with float16 scale and
+   zero (N, G), x quantized to int8 by group: y[m, n] = sum over groups g of
+   scale[n, g] sx[m, g] (xq[m]'s group . the group's values) + zero[n, g] sx[m, g] (the sum
+   of xq[m]'s group) */
+void int4_gemv(int64_t M, int64_t N, int64_t G, int64_t h, const float *x, const uint8_t *q,
+               const uint16_t *scale, const uint16_t *zero, float *y, int threads) {
+    int64_t K = G * 2 * h;
+    int16_t *x16 = malloc(2 * h * sizeof(int16_t));
+    int8_t *xq = malloc(M * K);
+    float *sx = malloc(M * G * sizeof(float)), *xs = malloc(M * G * sizeof(float));
+    for (int64_t mg = 0; mg < M * G; mg++) {
+        sx[mg] = quantize_row(x + mg * 2 * h, 2 * h, x16);
+        int32_t sum = 0;
+        for (int64_t j = 0; j < 2 * h; j++) {
+            xq[mg * 2 * h + j] = (int8_t)x16[j];
+            sum += x16[j];
+        }
+        xs[mg] = sx[mg] * (float)sum;                   /* the rounded group's sum */
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = row_q4(q + n * G * h, scale + n * G, zero + n * G, xq + m * K,
+                                  sx + m * G, xs + m * G, G, h);
+    free(x16);
+    free(xq);
+    free(sx);
+    free(xs);
+}
+"""
+
+
+def compiler() -> str | None:
+    """The C compiler: $CC, else cc, gcc or clang on the PATH (None: none)."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+
+
+def build(flags: list[str]) -> ctypes.CDLL | None:
+    """The kernels compiled with these flags, once: kept under the cache directory by a hash
+    of the source, the flags and the compiler, so a second process loads them in a
+    millisecond -> the loaded library, or None where they do not compile."""
+    from tinyllm.checkpoints.smollm2 import cache_dir
+
+    cc = compiler()
+    if cc is None:
+        return None
+    key = hashlib.sha256("\0".join([SOURCE, cc, *flags]).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"gemv-{key}.so"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            src, out = os.path.join(tmp, "gemv.c"), os.path.join(tmp, "gemv.so")
+            with open(src, "w") as f:
+                f.write(SOURCE)
+            done = subprocess.run(
+                [cc, *flags, "-shared", "-fPIC", src, "-o", out, "-lm"], capture_output=True
+            )
+            if done.returncode != 0:
+                return None
+            shutil.move(out, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)  # whole, even with a neighbour
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        return None
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The kernels for this machine: the first of FLAGS that compiles (-march=native: the
+    machine's own vector instructions; OpenMP where the compiler has it), or None (no C
+    compiler, or $TINYLLM_NO_C_KERNELS=1)."""
+    if os.environ.get("TINYLLM_NO_C_KERNELS") == "1":
+        return None
+    return next((lib for lib in map(build, FLAGS) if lib is not None), None)
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the kernels compiled here (a constant to torch.compile, which traces no compiler
+    run)."""
+    return library() is not None
+
+
+def _ptr(t: Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, lib=None) -> Tensor:
+    """x (M, K) float32 @ W^T -> (M, N) float32 for W = q (N, K) int8 times scale (N, 1)
+    float16, each row of x quantized to int8 first: quant.int8_matmul's result, bit for bit.
+    Contiguous tensors on the CPU; lib: a build() of the kernels (None: library())."""
+    (M, K), N = x.shape, q.size(0)
+    y = x.new_empty((M, N))
+    (lib or library()).int8_gemv(*map(ctypes.c_int64, (M, N, K)), *map(_ptr, (x, q, scale, y)),
+                                 torch.get_num_threads())
+    return y
+
+
+def int4_gemv(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor, lib=None) -> Tensor:
+    """x (M, K) float32 @ W^T -> (M, N) float32 for W held as quant.dequantize reads a 4-bit
+    weight (q (N, G, h) uint8, K = 2 h G; scale and zero (N, G) float16), each group of x
+    quantized to int8 first: F.linear(quant.rounded_activations(x, 2 h), W) up to the order
+    of additions. Contiguous tensors on the CPU; lib: a build() of the kernels (None:
+    library())."""
+    M, (N, G, h) = x.size(0), q.shape
+    y = x.new_empty((M, N))
+    (lib or library()).int4_gemv(*map(ctypes.c_int64, (M, N, G, h)),
+                                 *map(_ptr, (x, q, scale, zero, y)), torch.get_num_threads())
+    return y
+
+
+OPS = torch.library.Library("tinyllm", "DEF")  # the kernels as operators, for torch.compile
+OPS.define("int8_gemv(Tensor x, Tensor q, Tensor scale) -> Tensor")
+OPS.define("int4_gemv(Tensor x, Tensor q, Tensor scale, Tensor zero) -> Tensor")
+OPS.impl("int8_gemv", int8_gemv, "CPU")
+OPS.impl("int4_gemv", int4_gemv, "CPU")
+
+
+@torch.library.register_fake("tinyllm::int8_gemv")
+def _(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    return x.new_empty((x.size(0), q.size(0)))
+
+
+@torch.library.register_fake("tinyllm::int4_gemv")
+def _(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
+    return x.new_empty((x.size(0), q.size(0)))
