@@ -75,10 +75,12 @@ def test_int4_gemv_is_the_product_of_the_rounded_activations(seed, N, groups, gr
     w, _ = weights(seed, N, K)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1))
     q, scale, zero = quantize_int4(w, group_size)
-    want = F.linear(rounded_activations(x.double(), group_size),
-                    dequantize(4, q, scale, zero, K, torch.float64))
-    rows = torch.cat([cpu_kernels.int4_gemv(x[i : i + 1].contiguous(), q, scale, zero)
-                      for i in range(M)])
+    want = F.linear(
+        rounded_activations(x.double(), group_size), dequantize(4, q, scale, zero, K, torch.float64)
+    )
+    rows = torch.cat(
+        [cpu_kernels.int4_gemv(x[i : i + 1].contiguous(), q, scale, zero) for i in range(M)]
+    )
     for lib in (None, PORTABLE):
         got = cpu_kernels.int4_gemv(x, q, scale, zero, lib)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
@@ -107,8 +109,14 @@ def test_the_layers_pick_the_kernels_in_float32_and_agree_across_row_counts():
             assert torch.equal(many, few)
         else:
             torch.testing.assert_close(many, few, rtol=1e-5, atol=1e-5)
-        want = layer.__class__(layer.bits, layer.q, layer.scale, layer.zero, 64,
-                               kernel="int8mm" if mode == "int8" else "int4a8")(x.double())
+        want = layer.__class__(
+            layer.bits,
+            layer.q,
+            layer.scale,
+            layer.zero,
+            64,
+            kernel="int8mm" if mode == "int8" else "int4a8",
+        )(x.double())
         torch.testing.assert_close(few.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -129,8 +137,11 @@ REQS = [
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize(
     "kw",
-    [dict(kv="slots"), dict(kv="slots", decoder="pieces"),
-     dict(kv="paged", block_size=4, kv_blocks=7, decoder="pieces")],
+    [
+        dict(kv="slots"),
+        dict(kv="slots", decoder="pieces"),
+        dict(kv="paged", block_size=4, kv_blocks=7, decoder="pieces"),
+    ],
     ids=["slots", "slots-pieces", "paged-tight-pieces"],
 )
 def test_engines_on_the_c_kernels_give_the_solo_tokens_in_float32(mode, kw):

@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 from functools import cache
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -250,13 +251,12 @@ def build(flags: list[str]) -> ctypes.CDLL | None:
     """The kernels compiled with these flags, once: kept under the cache directory by a hash
     of the source, the flags and the compiler, so a second process loads them in a
     millisecond -> the loaded library, or None where they do not compile."""
-    from tinyllm.checkpoints.smollm2 import cache_dir
-
     cc = compiler()
     if cc is None:
         return None
     key = hashlib.sha256("\0".join([SOURCE, cc, *flags]).encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"gemv-{key}.so"
+    folder = Path(os.environ.get("TINYLLM_CACHE") or Path.home() / ".cache" / "tinyllm")
+    path = folder / "kernels" / f"gemv-{key}.so"               # beside the fetched models
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
