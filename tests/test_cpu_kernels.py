@@ -109,14 +109,10 @@ def test_the_layers_pick_the_kernels_in_float32_and_agree_across_row_counts():
             assert torch.equal(many, few)
         else:
             torch.testing.assert_close(many, few, rtol=1e-5, atol=1e-5)
-        want = layer.__class__(
-            layer.bits,
-            layer.q,
-            layer.scale,
-            layer.zero,
-            64,
-            kernel="int8mm" if mode == "int8" else "int4a8",
-        )(x.double())
+        kernel = "int8mm" if mode == "int8" else "int4a8"
+        want = QuantLinear(layer.bits, layer.q, layer.scale, layer.zero, 64, kernel=kernel)(
+            x.double()
+        )
         torch.testing.assert_close(few.double(), want, rtol=1e-5, atol=1e-5)
 
 

@@ -8,7 +8,9 @@ The config is checked when it is made, so a bad setting is named before any memo
 """
 
 import math
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from tinyllm.requests import check_positive_int
 from tinyllm.sampling import Sampling
@@ -18,6 +20,12 @@ KV_KINDS = ("slots", "paged")
 DECODERS = ("eager", "graphs", "compiled", "pieces")
 COMPILE_MODES = ("default", "max-autotune")
 PROPOSERS = ("ngram", "draft")
+
+
+def cache_dir() -> Path:
+    """Where tinyllm keeps what it fetches and builds (models, step 09; the C kernels, step
+    13): $TINYLLM_CACHE, else ~/.cache/tinyllm."""
+    return Path(os.environ.get("TINYLLM_CACHE") or Path.home() / ".cache" / "tinyllm")
 
 
 @dataclass(frozen=True)

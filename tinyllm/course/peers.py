@@ -217,7 +217,7 @@ def same_values(gguf: str | Path, kind: str = "F32") -> Path:
     """The GGUF file de-quantised to kind (F32, BF16) in the cache directory, written once:
     llama.cpp on the values tinyllm loads."""
     from tinyllm.checkpoints.gguf_file import write_dequantized
-    from tinyllm.checkpoints.smollm2 import cache_dir
+    from tinyllm.config import cache_dir
     gguf = Path(gguf)
     dst = cache_dir() / f"{gguf.stem}.{kind}.gguf"
     if not dst.exists() or dst.stat().st_mtime < gguf.stat().st_mtime:
