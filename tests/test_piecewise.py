@@ -2,10 +2,13 @@
 int4) and with speculation, every request gets its solo tokens; the pieces compile once for all
 the layers; the settings that cannot go with them are refused by name."""
 
+import pickle
+
 import pytest
 import torch
 
 from tests.conftest import make_tiny
+from tinyllm import piecewise
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import solo
@@ -97,15 +100,31 @@ def test_settings_that_cannot_go_with_the_pieces_are_named():
 
 
 def test_warm_up_compiles_every_bucket_ahead():
-    """After warm_up(3) (buckets of 1, 2 and 4 rows), steps of 1 to 3 rows compile nothing
-    (a model of its own shape, which no other test compiled)."""
+    """After warm_up(3) (buckets of 1, 2 and 4 rows: before, between and last for each), an
+    engine's steps of 1 to 3 rows compile nothing, and its decoder shares the programs."""
     model = quantize(make_tiny(seed=23, d_ff=96), "float")
-    want = [solo(model, r).tokens for r in REQS[:3]]  # compiles the one-row loops of the layers
+    want = [solo(model, r).tokens for r in REQS[:3]]
     PiecewiseDecoder(model).warm_up(3)
-    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    programs = dict(piecewise.PROGRAMS[model])
+    assert sorted(rows for _, rows in programs) == [1, 1, 1, 2, 2, 2, 4, 4, 4]
     eng = ContinuousEngine(model, 3, decoder="pieces")
     rids = [eng.add_request(r) for r in REQS[:3]]
     while eng.has_work():
         eng.step()
     assert [eng.results[r].tokens for r in rids] == want
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before, "a step compiled"
+    assert piecewise.PROGRAMS[model] == programs, "a step compiled"
+
+
+def test_a_decoder_sent_to_another_process_leaves_its_programs_behind():
+    """The server's engine process gets the decoder pickled: the model goes, the programs (this
+    process's) do not, and the copy compiles its own on first use."""
+    model = make_tiny(seed=24)
+    decoder = PiecewiseDecoder(model)
+    decoder.warm_up(1)
+    copy = pickle.loads(pickle.dumps(decoder))
+    assert copy.model is not model and copy.model not in piecewise.PROGRAMS
+    x = torch.zeros(1, 1, model.cfg.d_model, dtype=torch.float64)
+    cos = sin = torch.zeros(1, 1, 1, model.cfg.head_dim, dtype=torch.float64)
+    with torch.no_grad():
+        copy.pieces(x, cos, sin, lambda block, q, k, v: torch.zeros_like(q))
+    assert len(piecewise.PROGRAMS[copy.model]) == 3

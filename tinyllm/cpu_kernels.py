@@ -111,7 +111,7 @@ void int8_gemv(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *q,
         sx[m] = int8_step(x + m * K, K);
         for (int64_t k = 0; k < K; k++) xq[m * K + k] = (int16_t)nearbyintf(x[m * K + k] / sx[m]);
     }
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t n = 0; n < N; n++)
         for (int64_t m = 0; m < M; m++)
             y[m * N + n] = (float)dot_q8(xq + m * K, q + n * K, K)
@@ -158,6 +158,17 @@ static int32_t dot_q4(const uint8_t *q, const int8_t *x, int64_t h) {
     return acc;
 }
 
+#ifdef AVX2
+/* a group of 32 4-bit values (16 bytes at q: low nibbles, then high) . 32 int8 values at x,
+   as 8 int32 partial sums */
+static __m256i dot_group_q4(const uint8_t *q, const int8_t *x) {
+    __m128i b = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
+    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)x)),
+                             _mm256_set1_epi16(1));
+}
+#endif
+
 /* one output: row n of a 4-bit weight (G groups, h bytes each; scale and zero (G)) . one row
    of x quantized by group (xq, sx (G)), plus the zero points times its groups' sums xs (G,
    of the rounded values) */
@@ -167,36 +178,27 @@ static float row_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *zer
     int64_t g = 0;
 #ifdef AVX2
     if (h == 16) {                      /* groups of 32, one 256-bit product each */
-        const __m128i low = _mm_set1_epi8(15);
-        const __m256i ones = _mm256_set1_epi16(1);
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        for (; g + 2 <= G; g += 2) {
-            __m128i b0 = _mm_loadu_si128((const __m128i *)(q + g * 16));
-            __m128i b1 = _mm_loadu_si128((const __m128i *)(q + g * 16 + 16));
-            __m256i v0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b0, 4), low),
-                                          _mm_and_si128(b0, low));
-            __m256i v1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b1, 4), low),
-                                          _mm_and_si128(b1, low));
-            __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
-            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + g * 32 + 32));
-            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(v0, x0), ones);
-            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x1), ones);
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(scale[g]) * sx[g]),
-                                 _mm256_cvtepi32_ps(p0), a0);
-            a1 = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(scale[g + 1]) * sx[g + 1]),
-                                 _mm256_cvtepi32_ps(p1), a1);
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), az = _mm256_setzero_ps();
+        for (; g + 8 <= G; g += 8) {    /* 8 groups: their scales and zeros in one vector */
+            float f[8];                                          /* scale * sx, a group each */
+            __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g)));
+            __m256 z8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zero + g)));
+            _mm256_storeu_ps(f, _mm256_mul_ps(s8, _mm256_loadu_ps(sx + g)));
+            az = _mm256_fmadd_ps(z8, _mm256_loadu_ps(xs + g), az);
+            for (int i = 0; i < 8; i += 2) {
+                __m256i p0 = dot_group_q4(q + (g + i) * 16, xq + (g + i) * 32);
+                __m256i p1 = dot_group_q4(q + (g + i + 1) * 16, xq + (g + i + 1) * 32);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(f[i]), _mm256_cvtepi32_ps(p0), a0);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(f[i + 1]), _mm256_cvtepi32_ps(p1), a1);
+            }
         }
-        for (int64_t k = 0; k < G; k++) acc += half_to_float(zero[k]) * xs[k];
-        if (g < G) {
-            __m128i b = _mm_loadu_si128((const __m128i *)(q + g * 16));
-            __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low),
-                                         _mm_and_si128(b, low));
-            __m256i p = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(xq + g * 32))), ones);
+        for (; g < G; g++) {                                     /* the last groups, one by one */
+            __m256i p = dot_group_q4(q + g * 16, xq + g * 32);
             a0 = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(scale[g]) * sx[g]),
                                  _mm256_cvtepi32_ps(p), a0);
+            acc += half_to_float(zero[g]) * xs[g];
         }
-        __m256 s = _mm256_add_ps(a0, a1);
+        __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), az);
         __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
         r = _mm_add_ps(r, _mm_movehl_ps(r, r));
         r = _mm_add_ss(r, _mm_movehdup_ps(r));
@@ -228,7 +230,7 @@ void int4_gemv(int64_t M, int64_t N, int64_t G, int64_t h, const float *x, const
         }
         xs[mg] = sx[mg] * (float)sum;                   /* the rounded group's sum */
     }
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t n = 0; n < N; n++)
         for (int64_t m = 0; m < M; m++)
             y[m * N + n] = row_q4(q + n * G * h, scale + n * G, zero + n * G, xq + m * K,
@@ -274,9 +276,13 @@ def build(flags: list[str]) -> ctypes.CDLL | None:
             shutil.move(out, path.with_suffix(".tmp"))
             os.replace(path.with_suffix(".tmp"), path)  # whole, even with a neighbour
     try:
-        return ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(path))
     except OSError:
         return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p       # the kernels' arguments, as C declares them
+    lib.int8_gemv.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.int4_gemv.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    return lib
 
 
 @cache
@@ -296,18 +302,14 @@ def available() -> bool:
     return library() is not None
 
 
-def _ptr(t: Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
-
-
 def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, lib=None) -> Tensor:
     """x (M, K) float32 @ W^T -> (M, N) float32 for W = q (N, K) int8 times scale (N, 1)
     float16, each row of x quantized to int8 first: quant.int8_matmul's result, bit for bit.
     Contiguous tensors on the CPU; lib: a build() of the kernels (None: library())."""
     (M, K), N = x.shape, q.size(0)
     y = x.new_empty((M, N))
-    (lib or library()).int8_gemv(*map(ctypes.c_int64, (M, N, K)), *map(_ptr, (x, q, scale, y)),
-                                 torch.get_num_threads())
+    (lib or library()).int8_gemv(M, N, K, x.data_ptr(), q.data_ptr(), scale.data_ptr(),
+                                 y.data_ptr(), torch.get_num_threads())
     return y
 
 
@@ -319,8 +321,8 @@ def int4_gemv(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor, lib=None) -> Te
     library())."""
     M, (N, G, h) = x.size(0), q.shape
     y = x.new_empty((M, N))
-    (lib or library()).int4_gemv(*map(ctypes.c_int64, (M, N, G, h)),
-                                 *map(_ptr, (x, q, scale, zero, y)), torch.get_num_threads())
+    (lib or library()).int4_gemv(M, N, G, h, x.data_ptr(), q.data_ptr(), scale.data_ptr(),
+                                 zero.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
 
 

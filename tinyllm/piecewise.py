@@ -15,23 +15,33 @@ residual, the norm, the MLP, the residual; then the next layer's `before`) and `
 of the last layer, the final norm, the head): 31 calls for 30 layers. The cache's update and the
 attention stay eager between them (`attention`), so any cache works: slots, a paged pool, a
 prefix cache. Every layer runs the same code at the same shapes, so a piece is compiled once for
-all the layers: one program for each power of two of rows (a batch is padded up to the next), a
-few seconds each on first use, or ahead with `warm_up(max_rows)` (bench and serve call it before
-any request). A prefill, a chunk or speculation's verification (more than one token a row) runs
-the model as it is.
+all the layers, with the layer's weights as inputs: one program for each power of two of rows
+(a batch is padded up to the next), a few seconds each on first use, or ahead with
+`warm_up(max_rows)` (bench and serve call it before any request). A prefill, a chunk or
+speculation's verification (more than one token a row) runs the model as it is.
+
+A program is traced with make_fx and compiled by TorchInductor directly (`program`), not by
+torch.compile: torch.compile would check its guards (the inputs' shapes, the modules'
+settings) before each of the step's 31 calls, about 50 microseconds each on a CPU, a tenth of
+an int8 step of SmolLM2. The decoder knows its shapes already: it picks the program by piece
+and rows.
 
 The pieces compute what the layer computes, up to the order of additions in the fused loops:
 in float64 the tokens are the eager step's.
 """
 
 import time
+import weakref
+from itertools import chain
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from tinyllm.model import Transformer, apply_rope
-from tinyllm.quant import compiled, padded_rows
+from tinyllm.quant import padded_rows
 
 
 def before(block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -82,19 +92,76 @@ def padded(t: Tensor, B: int) -> Tensor:
     return padded_rows(t) if t.size(0) == B else t
 
 
-def compiled_pieces():
-    """(before, between, last) compiled, on first use in this process (a decoder sent to the
-    server's engine process compiles there)."""
-    return compiled(before), compiled(between), compiled(last)
+def tensors(module: nn.Module) -> list[Tensor]:
+    """A module's parameters and buffers, in named order, as plain tensors: what a program
+    takes for the module."""
+    return [t.detach() for _, t in chain(module.named_parameters(), module.named_buffers())]
+
+
+class Piece(nn.Module):
+    """piece(*modules, *inputs) as a module: what functional_call runs on given tensors."""
+
+    def __init__(self, piece, modules: list[nn.Module]):
+        super().__init__()
+        self.piece, self.parts = piece, nn.ModuleList(modules)
+
+    def forward(self, *inputs):
+        return self.piece(*self.parts, *inputs)
+
+
+def program(piece, modules: list[nn.Module], args: list[Tensor]):
+    """piece(*modules, *args) compiled into a program of tensors alone: program(*tensors(m)
+    for each module, *args) -> what the piece returns. make_fx traces the piece on these
+    modules and inputs into one graph of PyTorch operations, and TorchInductor compiles the
+    graph (a few seconds; a second process finds it in TorchInductor's cache). A call checks
+    nothing (no Dynamo guards to look up): the program serves modules of these shapes and
+    settings, any layer of the model, and inputs of these shapes."""
+    held = Piece(piece, modules)
+    names = [f"parts.{i}.{name}" for i, m in enumerate(modules)
+             for name, _ in chain(m.named_parameters(), m.named_buffers())]
+
+    def run(*flat):
+        return functional_call(held, dict(zip(names, flat)), tuple(flat[len(names):]))
+
+    example = [t for m in modules for t in tensors(m)] + list(args)
+    return torch._inductor.compile(make_fx(run)(*example), example)
+
+
+PROGRAMS: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
+"""Each model's compiled programs in this process, (piece, rows) -> program: every decoder of
+the model shares them, and they go with the model."""
 
 
 class PiecewiseDecoder:
     """A model's decode step in compiled pieces: decoder(idx (B, 1), cache) -> (logits
     (B, 1, V), None), what model(idx, cache=cache) returns. The model itself is not changed:
-    its other passes (prefill, chunks, verification) stay eager."""
+    its other passes (prefill, chunks, verification) stay eager. The programs are compiled for
+    the model as it is at their first use (its layers' kernels included), in the process that
+    uses them: a decoder sent to the server's engine process compiles there."""
 
     def __init__(self, model: Transformer):
         self.model = model
+        self._ready = False
+
+    def __getstate__(self):
+        return {"model": self.model, "_ready": False}        # the programs stay in this process
+
+    def _prepare(self) -> None:
+        m = self.model
+        self.programs = PROGRAMS.setdefault(m, {})
+        held = [tensors(block) for block in m.layers]
+        self.held = {"before": held[0], "last": held[-1] + tensors(m.norm) + tensors(m.lm_head),
+                     "between": [a + b for a, b in zip(held, held[1:])]}
+        self._ready = True
+
+    def _run(self, piece, modules: list[nn.Module], held: list[Tensor], *args: Tensor):
+        """piece(*modules, *args) by its program for these rows (compiled now if it is the
+        first), the modules' tensors held given."""
+        key = (piece, args[0].size(0))
+        run = self.programs.get(key)
+        if run is None:
+            run = self.programs[key] = program(piece, modules, list(args))
+        return run(*held, *args)
 
     @torch.no_grad()
     def warm_up(self, max_rows: int) -> float:
@@ -113,16 +180,18 @@ class PiecewiseDecoder:
         """The layers from the embedded tokens x (B, 1, d) to the logits: the compiled pieces
         on the rows padded with zeros to a power of two (a program for 1, 2, 4, 8, ... rows),
         attend(block, q, k, v) -> y on the B rows between them."""
-        m, B = self.model, x.size(0)
-        before_fn, between_fn, last_fn = compiled_pieces()
+        if not self._ready:
+            self._prepare()
+        m, B, held = self.model, x.size(0), self.held
         layers, cos, sin = m.layers, padded(cos, B), padded(sin, B)
         x = padded(x, B)
-        q, k, v = before_fn(layers[0], x, cos, sin)
-        for block, following in zip(layers, layers[1:]):
-            y = padded(attend(block, q[:B], k[:B], v[:B]), B)
-            x, q, k, v = between_fn(block, following, x, y, cos, sin)
+        q, k, v = self._run(before, [layers[0]], held["before"], x, cos, sin)
+        for i, pair in enumerate(held["between"]):
+            y = padded(attend(layers[i], q[:B], k[:B], v[:B]), B)
+            x, q, k, v = self._run(between, [layers[i], layers[i + 1]], pair, x, y, cos, sin)
         y = padded(attend(layers[-1], q[:B], k[:B], v[:B]), B)
-        return last_fn(layers[-1], m.norm, m.lm_head, x, y)[:B]
+        logits = self._run(last, [layers[-1], m.norm, m.lm_head], held["last"], x, y)
+        return logits[:B]
 
     @torch.no_grad()
     def __call__(self, idx: Tensor, cache) -> tuple[Tensor, None]:

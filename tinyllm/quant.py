@@ -43,6 +43,7 @@ tied to them gets a quantized copy of its own.
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from tinyllm import cpu_kernels
 
@@ -139,6 +140,13 @@ def compiled(fn):
         setattr(config, name, max(getattr(config, name), 256))
         _compiled[fn] = torch.compile(fn, dynamic=False)
     return _compiled[fn]
+
+
+def tracing() -> bool:
+    """Whether the code runs to be traced into a compiled program (by torch.compile, or by
+    make_fx for the piecewise decoder's programs), where a compiled loop is written inline: a
+    compiled function cannot be called from inside another's tracing."""
+    return torch.compiler.is_compiling() or get_proxy_mode() is not None
 
 
 def padded_rows(t: Tensor) -> Tensor:
@@ -259,7 +267,7 @@ class QuantLinear(nn.Module):
             y = torch.ops.tinyllm.int4_gemv(x2.contiguous(), self.q, self.scale, self.zero)
         elif kernel == "int4a8":       # a prefill, or no C: the same product, the library's
             y = F.linear(rounded_activations(x2, self.group_size), self.dequantized(x.dtype))
-        elif kernel == "fused" and torch.compiler.is_compiling():    # inlined in a compiled step
+        elif kernel == "fused" and tracing():                    # inlined in a compiled step
             y = fused_matmul(x2, self.q, self.scale.to(x.dtype), zero, self.bits)
         elif kernel == "fused" and 0 < rows <= FUSED_ROWS:
             y = compiled_matmul(x2, self.q, self.scale.to(x.dtype), zero, self.bits)
@@ -303,7 +311,7 @@ class GemvLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() != x.shape[-1] or self.bias is not None or x.device.type != "cpu":
             return super().forward(x)
-        if torch.compiler.is_compiling():           # inside a compiled step: the loop inlined
+        if tracing():                               # inside a compiled step: the loop inlined
             return float_matvec(x.reshape(1, -1), self.weight).reshape(*x.shape[:-1], -1)
         y = compiled(float_matvec)(x.reshape(1, -1), self.weight)         # (1, N)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -242,13 +242,19 @@ class SlotKVCache(SlotCache):
         B, T = positions.shape
         self._rows = torch.tensor(rows, device=self.device)              # (B,) slot of each row
         self._prefix = rows == list(range(B))           # slots 0..B-1: read views, gather nothing
-        self._write_slot = self.new_columns(self._rows[:, None].expand(B, T))   # (N,)
-        self._write_pos = self.new_columns(positions)                  # (N,)
+        slot = self.new_columns(self._rows[:, None].expand(B, T))       # (N,)
+        n_kv = self.k[0].size(1)
+        heads = torch.arange(n_kv, device=self.device)
+        # each new token's row for each head in a layer's (S * n_kv * max_len, hd) view
+        self._write = ((slot[:, None] * n_kv + heads) * self.max_len
+                       + self.new_columns(positions)[:, None]).view(-1)  # (N * n_kv,)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         ck, cv = self.k[layer], self.v[layer]
-        ck[self._write_slot, :, self._write_pos] = self.new_tokens(k).to(ck.dtype)   # (N, n_kv, hd)
-        cv[self._write_slot, :, self._write_pos] = self.new_tokens(v).to(cv.dtype)
+        hd = ck.size(-1)                 # index_copy_ of rows: twice as fast as an index_put
+        for cache, new in ((ck, k), (cv, v)):
+            rows = self.new_tokens(new).to(cache.dtype).reshape(-1, hd)  # (N * n_kv, hd)
+            cache.view(-1, hd).index_copy_(0, self._write, rows)
         W = self._mask.size(-1)                                          # keys any row may see
         if self._prefix:
             return ck[:self._B, :, :W], cv[:self._B, :, :W], self._mask
