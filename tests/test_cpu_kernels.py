@@ -18,6 +18,7 @@ from tinyllm.quant import (
     QuantLinear,
     dequantize,
     int8_matmul,
+    projections,
     quantize,
     quantize_int4,
     quantize_int8,
@@ -56,7 +57,7 @@ def test_int8_gemv_is_int_mm_bit_for_bit(seed, N, K, M, threads):
     torch.set_num_threads(threads)
     try:
         for lib in (None, PORTABLE):
-            got = cpu_kernels.int8_gemv(x, q, scale, lib)
+            got = cpu_kernels.int8_gemv(x, [q], [scale], lib)
             assert torch.equal(got, want), f"{N}x{K}, {M} rows, lib {lib}"
     finally:
         torch.set_num_threads(old)
@@ -79,13 +80,41 @@ def test_int4_gemv_is_the_product_of_the_rounded_activations(seed, N, groups, gr
         rounded_activations(x.double(), group_size), dequantize(4, q, scale, zero, K, torch.float64)
     )
     rows = torch.cat(
-        [cpu_kernels.int4_gemv(x[i : i + 1].contiguous(), q, scale, zero) for i in range(M)]
+        [cpu_kernels.int4_gemv(x[i : i + 1].contiguous(), [q], [scale], [zero]) for i in range(M)]
     )
     for lib in (None, PORTABLE):
-        got = cpu_kernels.int4_gemv(x, q, scale, zero, lib)
+        got = cpu_kernels.int4_gemv(x, [q], [scale], [zero], lib)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
         if lib is None:
             assert torch.equal(got, rows), "a row's result depends on the batch"
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    Ns=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    M=st.integers(1, 16),
+    bias=st.booleans(),
+)
+def test_layers_that_read_the_same_x_in_one_call_give_each_its_own_product(seed, Ns, M, bias):
+    """projections: q, k and v (or gate and up) in one call of a kernel equal each layer alone,
+    bit for bit (the same loop for each output), biases included; a float layer among them
+    sends all of them one at a time."""
+    K = 64
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    for mode in ("int8", "int4"):
+        layers = []
+        for N in Ns:
+            linear = torch.nn.Linear(K, N, bias=bias)
+            linear.weight.data.copy_(torch.randn(N, K, generator=g) * 0.1)
+            layers.append(QuantLinear.from_linear(linear, mode))
+        got = projections(x, layers)
+        assert [y.shape for y in got] == [(M, N) for N in Ns]
+        for y, layer in zip(got, layers):
+            assert torch.equal(y, layer(x)), f"{mode}, {Ns}"
+        mixed = projections(x, [*layers, _linear(torch.randn(5, K, generator=g))])
+        assert all(torch.equal(a, b) for a, b in zip(mixed, got))
 
 
 def test_rounded_activations_round_each_group_to_its_own_step():

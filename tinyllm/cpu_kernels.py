@@ -19,8 +19,11 @@ llama.cpp's products do:
   the int8 activations multiplied as integers (`_mm256_maddubs_epi16`), the float16 scales and
   zeros read as they are.
 
-Each output is one loop over one row, the same loop for any batch or thread count, so every
-row's result depends on that row alone. The source is compiled once per machine at first use
+Each takes a list of weights that read the same x (q, k and v; gate and up:
+quant.projections), their outputs side by side: x is quantized once, and the call's cost
+(several microseconds from Python) is paid once. Each output is one loop over one row, the
+same loop for any batch, list or thread count, so every row's result depends on that row
+alone. The source is compiled once per machine at first use
 (`library()`, with the C compiler torch.compile also needs, into the cache directory), and
 registered as PyTorch operators (`torch.ops.tinyllm.int8_gemv`, `.int4_gemv`) that a compiled
 piece calls like any other. Where no compiler works, `library()` is None and quant.py uses
@@ -101,21 +104,29 @@ static float int8_step(const float *x, int64_t n) {
     return fmaxf(amax, 1e-30f) / 127.0f;
 }
 
-/* y (M, N) = x (M, K) @ W^T, W = q (N, K) int8 times scale (N) float16, with each row of x
-   quantized to int8 first: (xq[m] . q[n]) * (sx[m] * scale[n]) */
-void int8_gemv(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *q,
-               const uint16_t *scale, float *y, int threads) {
+/* y (M, N) = x (M, K) @ W^T for the W weights W_w = q[w] (Ns[w], K) int8 times scale[w]
+   (Ns[w]) float16 stacked (N = their Ns' sum: weights that read the same x, as q, k and v
+   do), with each row of x quantized to int8 first, once for all:
+   (xq[m] . q[n]) * (sx[m] * scale[n]) */
+void int8_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float *x,
+               const int8_t **q, const uint16_t **scale, float *y, int threads) {
     int16_t *xq = malloc(M * K * sizeof(int16_t));
     float *sx = malloc(M * sizeof(float));
+    int64_t N = 0;
+    for (int64_t w = 0; w < W; w++) N += Ns[w];
     for (int64_t m = 0; m < M; m++) {
         sx[m] = int8_step(x + m * K, K);
         for (int64_t k = 0; k < K; k++) xq[m * K + k] = (int16_t)nearbyintf(x[m * K + k] / sx[m]);
     }
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = (float)dot_q8(xq + m * K, q + n * K, K)
-                           * (sx[m] * half_to_float(scale[n]));
+    for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
+        const int8_t *qw = q[w];
+        const uint16_t *sw = scale[w];
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t n = 0; n < Ns[w]; n++)
+            for (int64_t m = 0; m < M; m++)
+                y[m * N + first + n] = (float)dot_q8(xq + m * K, qw + n * K, K)
+                                       * (sx[m] * half_to_float(sw[n]));
+    }
     free(xq);
     free(sx);
 }
@@ -211,13 +222,16 @@ static float row_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *zer
     return acc;
 }
 
-/* y (M, N) = x (M, K) @ W^T, W (N, K = G * 2h) in 4 bits (q (N, G, h)) with float16 scale and
-   zero (N, G), x quantized to int8 by group: y[m, n] = sum over groups g of
+/* y (M, N) = x (M, K) @ W^T for the W weights W_w (Ns[w], K = G * 2h) in 4 bits (q[w]
+   (Ns[w], G, h)) with float16 scale[w] and zero[w] (Ns[w], G) stacked (N = their Ns' sum),
+   x quantized to int8 by group, once for all: y[m, n] = sum over groups g of
    scale[n, g] sx[m, g] (xq[m]'s group . the group's values) + zero[n, g] sx[m, g] (the sum
    of xq[m]'s group) */
-void int4_gemv(int64_t M, int64_t N, int64_t G, int64_t h, const float *x, const uint8_t *q,
-               const uint16_t *scale, const uint16_t *zero, float *y, int threads) {
-    int64_t K = G * 2 * h;
+void int4_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t h, const float *x,
+               const uint8_t **q, const uint16_t **scale, const uint16_t **zero, float *y,
+               int threads) {
+    int64_t K = G * 2 * h, N = 0;
+    for (int64_t w = 0; w < W; w++) N += Ns[w];
     int8_t *xq = malloc(M * K);
     float *sx = malloc(M * G * sizeof(float)), *xs = malloc(M * G * sizeof(float));
     for (int64_t mg = 0; mg < M * G; mg++) {              /* each group of each row of x */
@@ -230,11 +244,15 @@ void int4_gemv(int64_t M, int64_t N, int64_t G, int64_t h, const float *x, const
         }
         xs[mg] = sx[mg] * (float)sum;                   /* the rounded group's sum */
     }
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = row_q4(q + n * G * h, scale + n * G, zero + n * G, xq + m * K,
-                                  sx + m * G, xs + m * G, G, h);
+    for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
+        const uint8_t *qw = q[w];
+        const uint16_t *sw = scale[w], *zw = zero[w];
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t n = 0; n < Ns[w]; n++)
+            for (int64_t m = 0; m < M; m++)
+                y[m * N + first + n] = row_q4(qw + n * G * h, sw + n * G, zw + n * G,
+                                              xq + m * K, sx + m * G, xs + m * G, G, h);
+    }
     free(xq);
     free(sx);
     free(xs);
@@ -279,9 +297,10 @@ def build(flags: list[str]) -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
     except OSError:
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p       # the kernels' arguments, as C declares them
-    lib.int8_gemv.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
-    lib.int4_gemv.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    i64, ptr, ptrs = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+    i64s = ctypes.POINTER(ctypes.c_int64)            # the kernels' arguments, as C declares them
+    lib.int8_gemv.argtypes = [i64, i64, i64s, i64, ptr, ptrs, ptrs, ptr, ctypes.c_int]
+    lib.int4_gemv.argtypes = [i64, i64, i64s, i64, i64, ptr, ptrs, ptrs, ptrs, ptr, ctypes.c_int]
     return lib
 
 
@@ -302,42 +321,52 @@ def available() -> bool:
     return library() is not None
 
 
-def int8_gemv(x: Tensor, q: Tensor, scale: Tensor, lib=None) -> Tensor:
-    """x (M, K) float32 @ W^T -> (M, N) float32 for W = q (N, K) int8 times scale (N, 1)
-    float16, each row of x quantized to int8 first: quant.int8_matmul's result, bit for bit.
-    Contiguous tensors on the CPU; lib: a build() of the kernels (None: library())."""
-    (M, K), N = x.shape, q.size(0)
-    y = x.new_empty((M, N))
-    (lib or library()).int8_gemv(M, N, K, x.data_ptr(), q.data_ptr(), scale.data_ptr(),
-                                 y.data_ptr(), torch.get_num_threads())
+def _pointers(tensors: list[Tensor]):
+    """The tensors' data pointers, as a C array."""
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+def int8_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], lib=None) -> Tensor:
+    """x (M, K) float32 @ [W_1; W_2; ...]^T -> (M, N_1 + N_2 + ...) float32, each W_i = q[i]
+    (N_i, K) int8 times scale[i] (N_i, 1) float16: the products of layers that read the same
+    x, in one call, with each row of x quantized to int8 once; each one quant.int8_matmul's
+    result, bit for bit. Contiguous tensors on the CPU; lib: a build() of the kernels (None:
+    library())."""
+    (M, K), Ns = x.shape, [t.size(0) for t in q]
+    y = x.new_empty((M, sum(Ns)))
+    (lib or library()).int8_gemv(M, len(q), (ctypes.c_int64 * len(q))(*Ns), K, x.data_ptr(),
+                                 _pointers(q), _pointers(scale), y.data_ptr(),
+                                 torch.get_num_threads())
     return y
 
 
-def int4_gemv(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor, lib=None) -> Tensor:
-    """x (M, K) float32 @ W^T -> (M, N) float32 for W held as quant.dequantize reads a 4-bit
-    weight (q (N, G, h) uint8, K = 2 h G; scale and zero (N, G) float16), each group of x
-    quantized to int8 first: F.linear(quant.rounded_activations(x, 2 h), W) up to the order
-    of additions. Contiguous tensors on the CPU; lib: a build() of the kernels (None:
-    library())."""
-    M, (N, G, h) = x.size(0), q.shape
-    y = x.new_empty((M, N))
-    (lib or library()).int4_gemv(M, N, G, h, x.data_ptr(), q.data_ptr(), scale.data_ptr(),
-                                 zero.data_ptr(), y.data_ptr(), torch.get_num_threads())
+def int4_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], zero: list[Tensor],
+              lib=None) -> Tensor:
+    """x (M, K) float32 @ [W_1; W_2; ...]^T -> (M, N_1 + N_2 + ...) float32 for 4-bit weights
+    W_i held as quant.dequantize reads them (q[i] (N_i, G, h) uint8, K = 2 h G; scale[i] and
+    zero[i] (N_i, G) float16), each group of x quantized to int8 once:
+    F.linear(quant.rounded_activations(x, 2 h), W_i) up to the order of additions.
+    Contiguous tensors on the CPU; lib: a build() of the kernels (None: library())."""
+    M, (_, G, h), Ns = x.size(0), q[0].shape, [t.size(0) for t in q]
+    y = x.new_empty((M, sum(Ns)))
+    (lib or library()).int4_gemv(M, len(q), (ctypes.c_int64 * len(q))(*Ns), G, h, x.data_ptr(),
+                                 _pointers(q), _pointers(scale), _pointers(zero), y.data_ptr(),
+                                 torch.get_num_threads())
     return y
 
 
 OPS = torch.library.Library("tinyllm", "DEF")  # the kernels as operators, for torch.compile
-OPS.define("int8_gemv(Tensor x, Tensor q, Tensor scale) -> Tensor")
-OPS.define("int4_gemv(Tensor x, Tensor q, Tensor scale, Tensor zero) -> Tensor")
+OPS.define("int8_gemv(Tensor x, Tensor[] q, Tensor[] scale) -> Tensor")
+OPS.define("int4_gemv(Tensor x, Tensor[] q, Tensor[] scale, Tensor[] zero) -> Tensor")
 OPS.impl("int8_gemv", int8_gemv, "CPU")
 OPS.impl("int4_gemv", int4_gemv, "CPU")
 
 
 @torch.library.register_fake("tinyllm::int8_gemv")
-def _(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    return x.new_empty((x.size(0), q.size(0)))
+def _(x: Tensor, q: list[Tensor], scale: list[Tensor]) -> Tensor:
+    return x.new_empty((x.size(0), sum(t.size(0) for t in q)))
 
 
 @torch.library.register_fake("tinyllm::int4_gemv")
-def _(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
-    return x.new_empty((x.size(0), q.size(0)))
+def _(x: Tensor, q: list[Tensor], scale: list[Tensor], zero: list[Tensor]) -> Tensor:
+    return x.new_empty((x.size(0), sum(t.size(0) for t in q)))

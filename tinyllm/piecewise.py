@@ -41,7 +41,7 @@ from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tinyllm.model import Transformer, apply_rope
-from tinyllm.quant import padded_rows
+from tinyllm.quant import padded_rows, projections
 
 
 def before(block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -49,9 +49,10 @@ def before(block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, 
     RoPE applied."""
     attn, B = block.self_attn, x.size(0)
     h, hd = block.input_layernorm(x), attn.head_dim
-    q = attn.q_proj(h).view(B, 1, attn.n_heads, hd).transpose(1, 2)
-    k = attn.k_proj(h).view(B, 1, attn.n_kv_heads, hd).transpose(1, 2)
-    v = attn.v_proj(h).view(B, 1, attn.n_kv_heads, hd).transpose(1, 2)
+    q, k, v = projections(h, [attn.q_proj, attn.k_proj, attn.v_proj])   # one call in C
+    q = q.view(B, 1, attn.n_heads, hd).transpose(1, 2)
+    k = k.view(B, 1, attn.n_kv_heads, hd).transpose(1, 2)
+    v = v.view(B, 1, attn.n_kv_heads, hd).transpose(1, 2)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -59,7 +60,9 @@ def after(block, x: Tensor, y: Tensor) -> Tensor:
     """The rest of a layer: the residual stream x (B, 1, d) and attention's output y
     (B, H, 1, hd) -> the layer's output (B, 1, d)."""
     x = x + block.self_attn.o_proj(y.transpose(1, 2).reshape(x.shape))
-    return x + block.mlp(block.post_attention_layernorm(x))
+    mlp = block.mlp                                       # SwiGLU, gate and up in one call
+    gate, up = projections(block.post_attention_layernorm(x), [mlp.gate_proj, mlp.up_proj])
+    return x + mlp.down_proj(F.silu(gate) * up)
 
 
 def between(block, following, x: Tensor, y: Tensor, cos: Tensor, sin: Tensor):
@@ -98,6 +101,11 @@ def tensors(module: nn.Module) -> list[Tensor]:
     return [t.detach() for _, t in chain(module.named_parameters(), module.named_buffers())]
 
 
+def layout(t: Tensor) -> tuple:
+    """What a compiled program assumes of an input tensor: shape, strides, dtype, device."""
+    return t.shape, t.stride(), t.dtype, t.device
+
+
 class Piece(nn.Module):
     """piece(*modules, *inputs) as a module: what functional_call runs on given tensors."""
 
@@ -114,8 +122,9 @@ def program(piece, modules: list[nn.Module], args: list[Tensor]):
     for each module, *args) -> what the piece returns. make_fx traces the piece on these
     modules and inputs into one graph of PyTorch operations, and TorchInductor compiles the
     graph (a few seconds; a second process finds it in TorchInductor's cache). A call checks
-    nothing (no Dynamo guards to look up): the program serves modules of these shapes and
-    settings, any layer of the model, and inputs of these shapes."""
+    nothing, neither Dynamo's guards nor TorchInductor's asserts of each input's shape: the
+    program serves modules of these shapes and settings (any layer of the model, which
+    PiecewiseDecoder checks once) and contiguous inputs of these shapes."""
     held = Piece(piece, modules)
     names = [f"parts.{i}.{name}" for i, m in enumerate(modules)
              for name, _ in chain(m.named_parameters(), m.named_buffers())]
@@ -124,7 +133,7 @@ def program(piece, modules: list[nn.Module], args: list[Tensor]):
         return functional_call(held, dict(zip(names, flat)), tuple(flat[len(names):]))
 
     example = [t for m in modules for t in tensors(m)] + list(args)
-    return torch._inductor.compile(make_fx(run)(*example), example)
+    return torch._inductor.compile(make_fx(run)(*example), example, {"size_asserts": False})
 
 
 PROGRAMS: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
@@ -150,6 +159,10 @@ class PiecewiseDecoder:
         m = self.model
         self.programs = PROGRAMS.setdefault(m, {})
         held = [tensors(block) for block in m.layers]
+        for i, layer in enumerate(held):               # one program serves every layer
+            if [layout(t) for t in layer] != [layout(t) for t in held[0]]:
+                raise ValueError(f"layer {i}'s weights differ from layer 0's in shape, dtype "
+                                 f"or layout: the pieces compile one program for all layers")
         self.held = {"before": held[0], "last": held[-1] + tensors(m.norm) + tensors(m.lm_head),
                      "between": [a + b for a, b in zip(held, held[1:])]}
         self._ready = True
@@ -157,10 +170,10 @@ class PiecewiseDecoder:
     def _run(self, piece, modules: list[nn.Module], held: list[Tensor], *args: Tensor):
         """piece(*modules, *args) by its program for these rows (compiled now if it is the
         first), the modules' tensors held given."""
-        key = (piece, args[0].size(0))
+        key, args = (piece, args[0].size(0)), [a.contiguous() for a in args]
         run = self.programs.get(key)
         if run is None:
-            run = self.programs[key] = program(piece, modules, list(args))
+            run = self.programs[key] = program(piece, modules, args)
         return run(*held, *args)
 
     @torch.no_grad()

@@ -249,22 +249,32 @@ class QuantLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.zero)
                    if t is not None)
 
+    def kernel_for(self, x: Tensor) -> str:
+        """The kernel that computes this layer's product of x: self.kernel, or the one "auto"
+        picks for x's device."""
+        if self.kernel != "auto":
+            return self.kernel
+        per_row = self.bits == 8 and self.group_size == self.in_features
+        cpu = x.device.type == "cpu"
+        return "int8mm" if per_row and cpu else \
+            "int4a8" if self.bits == 4 and self.zero is not None and cpu else "fused"
+
+    def c_kernel(self, x2: Tensor) -> str | None:
+        """Which C kernel (cpu_kernels) computes the product of x2 (M, K), or None: int8mm's
+        and int4a8's up to FUSED_ROWS rows, in float32 on a CPU, the kernels compiled."""
+        if not 0 < x2.size(0) <= FUSED_ROWS or not c_kernels(x2):
+            return None
+        return {"int8mm": "int8_gemv", "int4a8": "int4_gemv"}.get(self.kernel_for(x2))
+
     def forward(self, x: Tensor) -> Tensor:
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)                                              # (M, K)
-        rows, kernel = x2.size(0), self.kernel
-        if kernel == "auto":
-            per_row = self.bits == 8 and self.group_size == self.in_features
-            cpu = x.device.type == "cpu"
-            kernel = "int8mm" if per_row and cpu else \
-                "int4a8" if self.bits == 4 and self.zero is not None and cpu else "fused"
+        if self.c_kernel(x2) is not None:
+            return c_product(x2, [self])[0].reshape(*lead, self.out_features)
+        kernel, rows = self.kernel_for(x2), x2.size(0)
         zero = None if self.zero is None else self.zero.to(x.dtype)
-        if kernel == "int8mm" and 0 < rows <= FUSED_ROWS and c_kernels(x2):
-            y = torch.ops.tinyllm.int8_gemv(x2.contiguous(), self.q, self.scale)
-        elif kernel == "int8mm":
+        if kernel == "int8mm":
             y = int8_matmul(x2, self.q, self.scale)
-        elif kernel == "int4a8" and 0 < rows <= FUSED_ROWS and c_kernels(x2):
-            y = torch.ops.tinyllm.int4_gemv(x2.contiguous(), self.q, self.scale, self.zero)
         elif kernel == "int4a8":       # a prefill, or no C: the same product, the library's
             y = F.linear(rounded_activations(x2, self.group_size), self.dequantized(x.dtype))
         elif kernel == "fused" and tracing():                    # inlined in a compiled step
@@ -279,6 +289,30 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits={self.bits}, group_size={self.group_size}, kernel={self.kernel}")
+
+
+def c_product(x2: Tensor, layers: list[QuantLinear]) -> list[Tensor]:
+    """x2 (M, K) through layers that share a C kernel (their c_kernel), in one call of it ->
+    each layer's output (M, N_i), biases added (else views of one (M, N_1 + N_2 + ...))."""
+    x2, kernel = x2.contiguous(), layers[0].c_kernel(x2)
+    if kernel == "int8_gemv":
+        y = torch.ops.tinyllm.int8_gemv(x2, [m.q for m in layers], [m.scale for m in layers])
+    else:
+        y = torch.ops.tinyllm.int4_gemv(x2, [m.q for m in layers], [m.scale for m in layers],
+                                        [m.zero for m in layers])
+    ys = y.split([m.out_features for m in layers], dim=-1)
+    return [y if m.bias is None else y + m.bias for y, m in zip(ys, layers)]
+
+
+def projections(x: Tensor, layers: list[nn.Module]) -> list[Tensor]:
+    """Layers that read the same x (..., K) (q, k and v; gate and up) -> their outputs: in one
+    call of a C kernel when they all run the same one (x quantized once, one call's cost
+    instead of several: vLLM merges such layers into one weight), else one layer at a time."""
+    x2 = x.reshape(-1, x.size(-1))                                        # (M, K)
+    kernels = {m.c_kernel(x2) if isinstance(m, QuantLinear) else None for m in layers}
+    if None in kernels or len(kernels) > 1 or len({m.group_size for m in layers}) > 1:
+        return [m(x) for m in layers]
+    return [y.reshape(*x.shape[:-1], y.size(-1)) for y in c_product(x2, layers)]
 
 
 GGUF_BLOCKS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}     # bytes per block of 32 weights
