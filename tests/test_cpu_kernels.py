@@ -89,6 +89,32 @@ def test_int4_gemv_is_the_product_of_the_rounded_activations(seed, N, groups, gr
             assert torch.equal(got, rows), "a row's result depends on the batch"
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    N=st.integers(1, 70),
+    groups=st.integers(1, 6),
+    group_size=st.sampled_from([2, 8, 16, 32, 64]),
+    M=st.integers(1, 16),
+)
+def test_int8g_gemv_is_the_product_of_the_rounded_activations(seed, N, groups, group_size, M):
+    """8-bit weights in groups (GGUF's Q8_0 at 32), any int8 value, -128 too."""
+    K = groups * group_size
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    scale = (torch.rand(N, groups, generator=g) * 0.01).half()
+    x = torch.randn(M, K, generator=g)
+    want = F.linear(
+        rounded_activations(x.double(), group_size), dequantize(8, q, scale, None, K, torch.float64)
+    )
+    rows = [cpu_kernels.int8g_gemv(x[i : i + 1].contiguous(), [q], [scale]) for i in range(M)]
+    for lib in (None, PORTABLE):
+        got = cpu_kernels.int8g_gemv(x, [q], [scale], lib)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+        if lib is None:
+            assert torch.equal(got, torch.cat(rows)), "a row's result depends on the batch"
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
@@ -103,12 +129,17 @@ def test_layers_that_read_the_same_x_in_one_call_give_each_its_own_product(seed,
     K = 64
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g)
-    for mode in ("int8", "int4"):
+    for mode in ("int8", "int4", "q8_0"):
         layers = []
         for N in Ns:
             linear = torch.nn.Linear(K, N, bias=bias)
             linear.weight.data.copy_(torch.randn(N, K, generator=g) * 0.1)
-            layers.append(QuantLinear.from_linear(linear, mode))
+            if mode == "q8_0":  # 8 bits in groups of 32 (GGUF's Q8_0): the int8a8 kernel
+                q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+                scale = (torch.rand(N, K // 32, generator=g) * 0.01).half()
+                layers.append(QuantLinear(8, q, scale, None, K, linear.bias))
+            else:
+                layers.append(QuantLinear.from_linear(linear, mode))
         got = projections(x, layers)
         assert [y.shape for y in got] == [(M, N) for N in Ns]
         for y, layer in zip(got, layers):
@@ -131,18 +162,27 @@ def test_the_layers_pick_the_kernels_in_float32_and_agree_across_row_counts():
     on how many rows came with it."""
     w, x = weights(3, 40, 64)
     x = torch.cat([x] * 5)  # 20 rows: past FUSED_ROWS
-    for mode in ("int8", "int4"):
-        layer = QuantLinear.from_linear(_linear(w), mode)
+    for mode in ("int8", "int4", "q8_0"):
+        layer = QuantLinear.from_linear(_linear(w), mode if mode != "q8_0" else "int8")
+        layer = grouped(layer) if mode == "q8_0" else layer
         many, few = layer(x), torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
         if mode == "int8":
             assert torch.equal(many, few)
         else:
             torch.testing.assert_close(many, few, rtol=1e-5, atol=1e-5)
-        kernel = "int8mm" if mode == "int8" else "int4a8"
+        kernel = {"int8": "int8mm", "int4": "int4a8", "q8_0": "int8a8"}[mode]
+        assert layer.kernel_for(x) == kernel
         want = QuantLinear(layer.bits, layer.q, layer.scale, layer.zero, 64, kernel=kernel)(
             x.double()
         )
         torch.testing.assert_close(few.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def grouped(layer: QuantLinear) -> QuantLinear:
+    """An int8 layer with one scale per row held in groups of 32, as GGUF's Q8_0 holds them."""
+    groups = layer.in_features // 32
+    scale = layer.scale.expand(-1, groups).contiguous()
+    return QuantLinear(8, layer.q, scale, None, layer.in_features, layer.bias)
 
 
 def _linear(w: torch.Tensor) -> torch.nn.Linear:
@@ -159,7 +199,7 @@ REQS = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "q8_0"])
 @pytest.mark.parametrize(
     "kw",
     [
@@ -170,7 +210,13 @@ REQS = [
     ids=["slots", "slots-pieces", "paged-tight-pieces"],
 )
 def test_engines_on_the_c_kernels_give_the_solo_tokens_in_float32(mode, kw):
-    model = quantize(make_tiny(seed=31).float(), mode)
+    model = quantize(make_tiny(seed=31).float(), "int8" if mode == "q8_0" else mode)
+    if mode == "q8_0":  # every layer's int8 in groups of 32: the int8a8 kernel
+        for parent, name, layer in [
+            (p, n, c) for p in model.modules() for n, c in p.named_children()
+        ]:
+            if isinstance(layer, QuantLinear):
+                setattr(parent, name, grouped(layer))
     want = [solo(model, r).tokens for r in REQS]
     eng = ContinuousEngine(model, 2, **kw)
     rids = [eng.add_request(r) for r in REQS]

@@ -1,12 +1,12 @@
-"""Step 13 - two matrix-vector kernels in C, for a quantized decode step on a CPU.
+"""Step 13 - matrix-vector kernels in C, for a quantized decode step on a CPU.
 
 A decode step at batch 1 reads each weight once and does two operations with it, so its time
 is the weights' bytes over the memory's speed, if the loop keeps up. PyTorch's own int8
 products (`torch._int_mm`, the weight-only `_weight_int8pack_mm`, fbgemm's dynamic linear) and
 the loops torch.compile writes reach about 8 GB/s on one thread of a CPU that streams 16-22:
 one accumulator a row, each addition waiting for the one before. llama.cpp keeps up with
-hand-written loops, and so do these two, in C with AVX2 (and in plain C, which the compiler
-vectorizes, anywhere else). Both quantize the activations too and multiply integers, as
+hand-written loops, and so do these three, in C with AVX2 (and in plain C, which the compiler
+vectorizes, anywhere else). All quantize the activations too and multiply integers, as
 llama.cpp's products do:
 
 - `int8_gemv`: y[m, n] = (xq[m] . q[n]) * (sx[m] * scale[n]), each row of x quantized to int8
@@ -17,17 +17,17 @@ llama.cpp's products do:
   y[m, n] = sum over groups g of scale[n, g] sx[m, g] (xq's group . the group's 4-bit values)
   + zero[n, g] sx[m, g] (the sum of xq's group): the nibbles of GGUF's layout (quant.py) and
   the int8 activations multiplied as integers (`_mm256_maddubs_epi16`), the float16 scales and
-  zeros read as they are.
+  zeros of 8 groups converted at once.
+- `int8g_gemv`: the same for 8-bit weights in groups (GGUF's Q8_0), without zero points.
 
 Each takes a list of weights that read the same x (q, k and v; gate and up:
 quant.projections), their outputs side by side: x is quantized once, and the call's cost
 (several microseconds from Python) is paid once. Each output is one loop over one row, the
 same loop for any batch, list or thread count, so every row's result depends on that row
-alone. The source is compiled once per machine at first use
-(`library()`, with the C compiler torch.compile also needs, into the cache directory), and
-registered as PyTorch operators (`torch.ops.tinyllm.int8_gemv`, `.int4_gemv`) that a compiled
-piece calls like any other. Where no compiler works, `library()` is None and quant.py uses
-PyTorch's products.
+alone. The source is compiled once per machine at first use (`library()`, with the C compiler
+torch.compile also needs, into the cache directory), and registered as PyTorch operators
+(`torch.ops.tinyllm.int8_gemv`, `.int4_gemv`, `.int8g_gemv`) that a compiled piece calls like
+any other. Where no compiler works, `library()` is None and quant.py uses PyTorch's products.
 """
 
 import ctypes
@@ -104,6 +104,25 @@ static float int8_step(const float *x, int64_t n) {
     return fmaxf(amax, 1e-30f) / 127.0f;
 }
 
+/* x's MG groups of n values, each quantized to int8 by its own step sx (int8_step), into
+   xq (int8) or xq16 (the same values as int16, where not NULL); xs (where not NULL): each
+   group's rounded sum, times its step */
+static void quantize_groups(const float *x, int64_t MG, int64_t n, int8_t *xq, int16_t *xq16,
+                            float *sx, float *xs) {
+    for (int64_t mg = 0; mg < MG; mg++) {
+        const float *xg = x + mg * n;
+        int32_t sum = 0;
+        sx[mg] = int8_step(xg, n);
+        for (int64_t j = 0; j < n; j++) {
+            int32_t v = (int32_t)nearbyintf(xg[j] / sx[mg]);
+            if (xq) xq[mg * n + j] = (int8_t)v;
+            if (xq16) xq16[mg * n + j] = (int16_t)v;
+            sum += v;
+        }
+        if (xs) xs[mg] = sx[mg] * (float)sum;
+    }
+}
+
 /* y (M, N) = x (M, K) @ W^T for the W weights W_w = q[w] (Ns[w], K) int8 times scale[w]
    (Ns[w]) float16 stacked (N = their Ns' sum: weights that read the same x, as q, k and v
    do), with each row of x quantized to int8 first, once for all:
@@ -114,10 +133,7 @@ void int8_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float *
     float *sx = malloc(M * sizeof(float));
     int64_t N = 0;
     for (int64_t w = 0; w < W; w++) N += Ns[w];
-    for (int64_t m = 0; m < M; m++) {
-        sx[m] = int8_step(x + m * K, K);
-        for (int64_t k = 0; k < K; k++) xq[m * K + k] = (int16_t)nearbyintf(x[m * K + k] / sx[m]);
-    }
+    quantize_groups(x, M, K, NULL, xq, sx, NULL);              /* each row, one step */
     for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
         const int8_t *qw = q[w];
         const uint16_t *sw = scale[w];
@@ -170,6 +186,13 @@ static int32_t dot_q4(const uint8_t *q, const int8_t *x, int64_t h) {
 }
 
 #ifdef AVX2
+/* the sum of a vector's 8 floats */
+static float hsum(__m256 s) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+
 /* a group of 32 4-bit values (16 bytes at q: low nibbles, then high) . 32 int8 values at x,
    as 8 int32 partial sums */
 static __m256i dot_group_q4(const uint8_t *q, const int8_t *x) {
@@ -209,11 +232,7 @@ static float row_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *zer
                                  _mm256_cvtepi32_ps(p), a0);
             acc += half_to_float(zero[g]) * xs[g];
         }
-        __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), az);
-        __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        r = _mm_add_ss(r, _mm_movehdup_ps(r));
-        return acc + _mm_cvtss_f32(r);
+        return acc + hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), az));
     }
 #endif
     for (; g < G; g++)
@@ -234,16 +253,7 @@ void int4_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t h, co
     for (int64_t w = 0; w < W; w++) N += Ns[w];
     int8_t *xq = malloc(M * K);
     float *sx = malloc(M * G * sizeof(float)), *xs = malloc(M * G * sizeof(float));
-    for (int64_t mg = 0; mg < M * G; mg++) {              /* each group of each row of x */
-        const float *xg = x + mg * 2 * h;
-        int32_t sum = 0;
-        sx[mg] = int8_step(xg, 2 * h);
-        for (int64_t j = 0; j < 2 * h; j++) {
-            xq[mg * 2 * h + j] = (int8_t)nearbyintf(xg[j] / sx[mg]);
-            sum += xq[mg * 2 * h + j];
-        }
-        xs[mg] = sx[mg] * (float)sum;                   /* the rounded group's sum */
-    }
+    quantize_groups(x, M * G, 2 * h, xq, NULL, sx, xs);
     for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
         const uint8_t *qw = q[w];
         const uint16_t *sw = scale[w], *zw = zero[w];
@@ -256,6 +266,59 @@ void int4_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t h, co
     free(xq);
     free(sx);
     free(xs);
+}
+
+/* one output: row n of an 8-bit weight in G groups of g (q (G g) int8, scale (G) float16)
+   . one row of x quantized by group (xq (G g) int8 values as int16, sx (G)) */
+static float row_q8(const int8_t *q, const uint16_t *scale, const int16_t *xq,
+                    const float *sx, int64_t G, int64_t g) {
+    float acc = 0;
+    int64_t k = 0;
+#ifdef AVX2
+    if (g == 32) {                      /* groups of 32 (GGUF's Q8_0 blocks) */
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (; k < G; k++) {
+            const int8_t *qk = q + k * 32;
+            const int16_t *xk = xq + k * 32;
+            __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qk));
+            __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qk + 16)));
+            __m256i p = _mm256_add_epi32(
+                _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xk)),
+                _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xk + 16))));
+            __m256 f = _mm256_set1_ps(half_to_float(scale[k]) * sx[k]);
+            if (k & 1) a1 = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), a1);
+            else a0 = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), a0);
+        }
+        return hsum(_mm256_add_ps(a0, a1));
+    }
+#endif
+    for (; k < G; k++)
+        acc += half_to_float(scale[k]) * sx[k] * (float)dot_q8(xq + k * g, q + k * g, g);
+    return acc;
+}
+
+/* y (M, N) = x (M, K) @ W^T for the W weights W_w = q[w] (Ns[w], K = G g) int8 times
+   scale[w] (Ns[w], G) float16 in groups of g (GGUF's Q8_0) stacked (N = their Ns' sum),
+   x quantized to int8 by group, once for all: y[m, n] = sum over groups of
+   scale[n, k] sx[m, k] (xq[m]'s group . the group's integers) */
+void int8g_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t g, const float *x,
+                const int8_t **q, const uint16_t **scale, float *y, int threads) {
+    int64_t K = G * g, N = 0;
+    for (int64_t w = 0; w < W; w++) N += Ns[w];
+    int16_t *xq = malloc(M * K * sizeof(int16_t));
+    float *sx = malloc(M * G * sizeof(float));
+    quantize_groups(x, M * G, g, NULL, xq, sx, NULL);
+    for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
+        const int8_t *qw = q[w];
+        const uint16_t *sw = scale[w];
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t n = 0; n < Ns[w]; n++)
+            for (int64_t m = 0; m < M; m++)
+                y[m * N + first + n] = row_q8(qw + n * K, sw + n * G, xq + m * K, sx + m * G,
+                                              G, g);
+    }
+    free(xq);
+    free(sx);
 }
 """
 
@@ -301,6 +364,7 @@ def build(flags: list[str]) -> ctypes.CDLL | None:
     i64s = ctypes.POINTER(ctypes.c_int64)            # the kernels' arguments, as C declares them
     lib.int8_gemv.argtypes = [i64, i64, i64s, i64, ptr, ptrs, ptrs, ptr, ctypes.c_int]
     lib.int4_gemv.argtypes = [i64, i64, i64s, i64, i64, ptr, ptrs, ptrs, ptrs, ptr, ctypes.c_int]
+    lib.int8g_gemv.argtypes = [i64, i64, i64s, i64, i64, ptr, ptrs, ptrs, ptr, ctypes.c_int]
     return lib
 
 
@@ -355,11 +419,27 @@ def int4_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], zero: list[Tensor
     return y
 
 
+def int8g_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], lib=None) -> Tensor:
+    """x (M, K) float32 @ [W_1; W_2; ...]^T -> (M, N_1 + N_2 + ...) float32 for 8-bit weights
+    in groups (GGUF's Q8_0): W_i = q[i] (N_i, K) int8 times scale[i] (N_i, G) float16, a scale
+    per group of K / G, each group of x quantized to int8 once:
+    F.linear(quant.rounded_activations(x, K / G), W_i) up to the order of additions.
+    Contiguous tensors on the CPU; lib: a build() of the kernels (None: library())."""
+    (M, K), G, Ns = x.shape, scale[0].size(1), [t.size(0) for t in q]
+    y = x.new_empty((M, sum(Ns)))
+    (lib or library()).int8g_gemv(M, len(q), (ctypes.c_int64 * len(q))(*Ns), G, K // G,
+                                  x.data_ptr(), _pointers(q), _pointers(scale), y.data_ptr(),
+                                  torch.get_num_threads())
+    return y
+
+
 OPS = torch.library.Library("tinyllm", "DEF")  # the kernels as operators, for torch.compile
 OPS.define("int8_gemv(Tensor x, Tensor[] q, Tensor[] scale) -> Tensor")
 OPS.define("int4_gemv(Tensor x, Tensor[] q, Tensor[] scale, Tensor[] zero) -> Tensor")
 OPS.impl("int8_gemv", int8_gemv, "CPU")
 OPS.impl("int4_gemv", int4_gemv, "CPU")
+OPS.define("int8g_gemv(Tensor x, Tensor[] q, Tensor[] scale) -> Tensor")
+OPS.impl("int8g_gemv", int8g_gemv, "CPU")
 
 
 @torch.library.register_fake("tinyllm::int8_gemv")
@@ -369,4 +449,9 @@ def _(x: Tensor, q: list[Tensor], scale: list[Tensor]) -> Tensor:
 
 @torch.library.register_fake("tinyllm::int4_gemv")
 def _(x: Tensor, q: list[Tensor], scale: list[Tensor], zero: list[Tensor]) -> Tensor:
+    return x.new_empty((x.size(0), sum(t.size(0) for t in q)))
+
+
+@torch.library.register_fake("tinyllm::int8g_gemv")
+def _(x: Tensor, q: list[Tensor], scale: list[Tensor]) -> Tensor:
     return x.new_empty((x.size(0), sum(t.size(0) for t in q)))

@@ -16,7 +16,7 @@ int8 per output channel is one group the width of the row (`quantize_int8`); int
 layouts with groups of 32, so a GGUF file's weights are kept as the file has them
 (`from_gguf`), not expanded to float32.
 
-Four ways to compute y = x W^T (`QuantLinear.kernel`):
+Five ways to compute y = x W^T (`QuantLinear.kernel`):
 - "int8mm" (int8 with one scale per row, on a CPU): the activations are quantized too, each
   row by its own largest magnitude, and the product is an integer one (exact in int32),
   scaled back: what llama.cpp's Q8_0 products do. A few rows (a decode step, `FUSED_ROWS` at
@@ -26,15 +26,17 @@ Four ways to compute y = x W^T (`QuantLinear.kernel`):
   llama.cpp's Q4_1 products do: cpu_kernels' C loop for a few rows; for more (or without a C
   compiler, or in float64), the library's product of the rounded activations and the
   de-quantized weight, which is the same sum in another order.
-- "fused" (the others: another device, 8 bits in groups): a few rows run one fused loop that
-  reads each weight once, as its integer, and turns it into a float in registers
+- "int8a8" (8 bits in groups, GGUF's Q8_0, on a CPU): the same for 8-bit weights, what
+  llama.cpp's Q8_0 products do.
+- "fused" (the others: another device, 4 bits without zero points): a few rows run one fused
+  loop that reads each weight once, as its integer, and turns it into a float in registers
   (torch.compile of `fused_matmul`, compiled per layer shape on first use); reading fewer bytes
   is the whole gain. Many rows (a prefill): the weight is de-quantized to the activations'
   dtype and the math library's product runs, compute-bound there, the de-quantization paid
   once for all the rows.
 - "eager": de-quantize every time (no compiler needed: the reference the others are checked
   against).
-Each row's result depends on that row alone in all four, so batching changes nothing.
+Each row's result depends on that row alone in all five, so batching changes nothing.
 
 The embeddings stay in float: a lookup reads one row per token, not the whole table; a head
 tied to them gets a quantized copy of its own.
@@ -49,7 +51,7 @@ from tinyllm import cpu_kernels
 
 MODES = ("float", "int8", "int4", "gguf")
 FUSED_ROWS = 16         # rows (tokens in a step) up to which the fused loop runs
-KERNELS = ("auto", "int8mm", "int4a8", "fused", "eager")
+KERNELS = ("auto", "int8mm", "int4a8", "int8a8", "fused", "eager")
 _compiled: dict = {}    # a function -> compiled (compiled(fn)), one program per shape it meets
 
 
@@ -200,9 +202,10 @@ class QuantLinear(nn.Module):
     """y = x W^T (+ bias), W (out_features, in_features) kept quantized (see the module's
     docstring for the layouts). kernel: "int8mm" (8 bits, one scale per row: the activations
     quantized too, an integer product), "int4a8" (4 bits: the activations rounded to int8 by
-    group, an integer product), "fused" (a few rows: the compiled loop over the bytes; more:
-    de-quantize, then the library's product), "eager" (de-quantize every time), or "auto":
-    int8mm or int4a8 where they apply on a CPU, else fused."""
+    group, an integer product), "int8a8" (the same for 8 bits in groups), "fused" (a few
+    rows: the compiled loop over the bytes; more: de-quantize, then the library's product),
+    "eager" (de-quantize every time), or "auto": int8mm, int4a8 or int8a8 where they apply on
+    a CPU, else fused."""
 
     def __init__(self, bits: int, q: Tensor, scale: Tensor, zero: Tensor | None,
                  in_features: int, bias: Tensor | None = None, kernel: str = "auto"):
@@ -219,6 +222,8 @@ class QuantLinear(nn.Module):
                              "output channel), not groups")
         if kernel == "int4a8" and (bits != 4 or zero is None):
             raise ValueError("kernel 'int4a8' needs 4 bits with zero points")
+        if kernel == "int8a8" and (bits != 8 or zero is not None):
+            raise ValueError("kernel 'int8a8' needs 8 bits without zero points")
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
         self.register_buffer("zero", zero)
@@ -254,17 +259,20 @@ class QuantLinear(nn.Module):
         picks for x's device."""
         if self.kernel != "auto":
             return self.kernel
-        per_row = self.bits == 8 and self.group_size == self.in_features
-        cpu = x.device.type == "cpu"
-        return "int8mm" if per_row and cpu else \
-            "int4a8" if self.bits == 4 and self.zero is not None and cpu else "fused"
+        if x.device.type != "cpu":
+            return "fused"
+        if self.bits == 8 and self.zero is None:
+            return "int8mm" if self.group_size == self.in_features else "int8a8"
+        return "int4a8" if self.bits == 4 and self.zero is not None else "fused"
 
     def c_kernel(self, x2: Tensor) -> str | None:
-        """Which C kernel (cpu_kernels) computes the product of x2 (M, K), or None: int8mm's
-        and int4a8's up to FUSED_ROWS rows, in float32 on a CPU, the kernels compiled."""
+        """Which C kernel (cpu_kernels) computes the product of x2 (M, K), or None: int8mm's,
+        int4a8's and int8a8's up to FUSED_ROWS rows, in float32 on a CPU, the kernels
+        compiled."""
         if not 0 < x2.size(0) <= FUSED_ROWS or not c_kernels(x2):
             return None
-        return {"int8mm": "int8_gemv", "int4a8": "int4_gemv"}.get(self.kernel_for(x2))
+        return {"int8mm": "int8_gemv", "int4a8": "int4_gemv",
+                "int8a8": "int8g_gemv"}.get(self.kernel_for(x2))
 
     def forward(self, x: Tensor) -> Tensor:
         lead, K = x.shape[:-1], x.shape[-1]
@@ -275,7 +283,7 @@ class QuantLinear(nn.Module):
         zero = None if self.zero is None else self.zero.to(x.dtype)
         if kernel == "int8mm":
             y = int8_matmul(x2, self.q, self.scale)
-        elif kernel == "int4a8":       # a prefill, or no C: the same product, the library's
+        elif kernel in ("int4a8", "int8a8"):   # a prefill, or no C: the same product, the library's
             y = F.linear(rounded_activations(x2, self.group_size), self.dequantized(x.dtype))
         elif kernel == "fused" and tracing():                    # inlined in a compiled step
             y = fused_matmul(x2, self.q, self.scale.to(x.dtype), zero, self.bits)
@@ -295,8 +303,9 @@ def c_product(x2: Tensor, layers: list[QuantLinear]) -> list[Tensor]:
     """x2 (M, K) through layers that share a C kernel (their c_kernel), in one call of it ->
     each layer's output (M, N_i), biases added (else views of one (M, N_1 + N_2 + ...))."""
     x2, kernel = x2.contiguous(), layers[0].c_kernel(x2)
-    if kernel == "int8_gemv":
-        y = torch.ops.tinyllm.int8_gemv(x2, [m.q for m in layers], [m.scale for m in layers])
+    if kernel in ("int8_gemv", "int8g_gemv"):
+        y = getattr(torch.ops.tinyllm, kernel)(x2, [m.q for m in layers],
+                                               [m.scale for m in layers])
     else:
         y = torch.ops.tinyllm.int4_gemv(x2, [m.q for m in layers], [m.scale for m in layers],
                                         [m.zero for m in layers])

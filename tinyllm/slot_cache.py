@@ -44,6 +44,13 @@ def ragged_mask(lens: list[int], q_lens: list[int], device) -> tuple[Tensor, Ten
     return positions, mask[:, None]                                     # (B, T), (B, 1, T, W)
 
 
+def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask (True: may attend) as the float mask attention adds to its scores: 0, or
+    -inf where a key is hidden. SDPA turns a bool mask into this on every call, so a step
+    makes it once for all its layers."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
+
+
 def check_admission(cache: "SlotCache", slot: int, n_tokens: int,
                     context: list[int] | None) -> None:
     """Raise ValueError naming why slot cannot be given to a context of n_tokens: not a slot
@@ -79,7 +86,8 @@ def slots_problem(cache: "SlotCache", idle: bool) -> str | None:
 class SlotCache:
     """The bookkeeping of n_slots slots, each holding at most max_len tokens: `active[s]`,
     `lens[s]` (tokens stored), and the step in progress. Subclasses store the keys and values
-    (`_index` and `update`) and say how much memory a slot may use (`capacity`, `reserve`)."""
+    (in lists `k` and `v`, a tensor per layer; `_index` and `update`) and say how much memory
+    a slot may use (`capacity`, `reserve`)."""
 
     def __init__(self, n_layers: int, n_slots: int, max_len: int, device=None):
         self.n_layers, self.n_slots, self.max_len, self.device = n_layers, n_slots, max_len, device
@@ -190,7 +198,8 @@ class SlotCache:
         if T != max(q_lens):
             raise ValueError(f"the step was planned for {max(q_lens)} columns, the batch has {T}")
         lens = [self.lens[s] for s in rows]
-        positions, self._mask = ragged_mask(lens, q_lens, self.device)  # (B, T), (B, 1, T, W)
+        positions, mask = ragged_mask(lens, q_lens, self.device)       # (B, T), (B, 1, T, W)
+        self._mask = additive(mask, self.k[0].dtype)                    # once, not per layer
         # the new tokens' places in the (B * T) columns of the batch: all, or the unpadded ones
         self._new = None if min(q_lens) == T else torch.tensor(
             [b * T + i for b, q in enumerate(q_lens) for i in range(q)], device=self.device)
