@@ -378,11 +378,17 @@ def library() -> ctypes.CDLL | None:
     return next((lib for lib in map(build, FLAGS) if lib is not None), None)
 
 
-@torch.compiler.assume_constant_result
+_built: bool | None = None  # available()'s answer, once asked
+
+
 def available() -> bool:
-    """Whether the kernels compiled here (a constant to torch.compile, which traces no compiler
-    run)."""
-    return library() is not None
+    """Whether the kernels compiled here. Asked first outside compiled code (a QuantLinear
+    asks when it is made), the answer is then a module global that torch.compile reads as a
+    constant, tracing no compiler run."""
+    global _built
+    if _built is None:
+        _built = library() is not None
+    return _built
 
 
 def _pointers(tensors: list[Tensor]):

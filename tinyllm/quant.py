@@ -224,6 +224,7 @@ class QuantLinear(nn.Module):
             raise ValueError("kernel 'int4a8' needs 4 bits with zero points")
         if kernel == "int8a8" and (bits != 8 or zero is not None):
             raise ValueError("kernel 'int8a8' needs 8 bits without zero points")
+        cpu_kernels.available()        # built (or found wanting) now, not inside a compile
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
         self.register_buffer("zero", zero)
