@@ -63,56 +63,44 @@ def test_int8_gemv_is_int_mm_bit_for_bit(seed, N, K, M, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
     N=st.integers(1, 70),
-    groups=st.integers(1, 6),
+    groups=st.integers(1, 20),  # 8 and more: the 8-group loops of the AVX2 path
     group_size=st.sampled_from([2, 8, 16, 32, 64]),
     M=st.integers(1, 16),
 )
-def test_int4_gemv_is_the_product_of_the_rounded_activations(seed, N, groups, group_size, M):
+def test_grouped_kernels_are_the_product_of_the_rounded_activations(
+    bits, seed, N, groups, group_size, M
+):
+    """int4_gemv (GGUF's Q4_1 layout) and int8g_gemv (8 bits in groups, GGUF's Q8_0 at 32; any
+    int8 value, -128 too) equal the library's product of the rounded activations and the
+    de-quantized weight, and a row's result does not depend on the batch."""
     K = groups * group_size
-    w, _ = weights(seed, N, K)
-    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1))
-    q, scale, zero = quantize_int4(w, group_size)
-    want = F.linear(
-        rounded_activations(x.double(), group_size), dequantize(4, q, scale, zero, K, torch.float64)
-    )
-    rows = torch.cat(
-        [cpu_kernels.int4_gemv(x[i : i + 1].contiguous(), [q], [scale], [zero]) for i in range(M)]
-    )
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(M, K, generator=g)
+    if bits == 4:
+        q, scale, zero = quantize_int4(weights(seed, N, K)[0], group_size)
+
+        def kernel(x, lib=None):
+            return cpu_kernels.int4_gemv(x, [q], [scale], [zero], lib)
+    else:
+        q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+        scale, zero = (torch.rand(N, groups, generator=g) * 0.01).half(), None
+
+        def kernel(x, lib=None):
+            return cpu_kernels.int8g_gemv(x, [q], [scale], lib)
+
+    rounded = rounded_activations(x.double(), group_size)
+    want = F.linear(rounded, dequantize(bits, q, scale, zero, K, torch.float64))
+    rows = torch.cat([kernel(x[i : i + 1].contiguous()) for i in range(M)])
     for lib in (None, PORTABLE):
-        got = cpu_kernels.int4_gemv(x, [q], [scale], [zero], lib)
+        got = kernel(x, lib)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
         if lib is None:
             assert torch.equal(got, rows), "a row's result depends on the batch"
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    seed=st.integers(0, 10**6),
-    N=st.integers(1, 70),
-    groups=st.integers(1, 6),
-    group_size=st.sampled_from([2, 8, 16, 32, 64]),
-    M=st.integers(1, 16),
-)
-def test_int8g_gemv_is_the_product_of_the_rounded_activations(seed, N, groups, group_size, M):
-    """8-bit weights in groups (GGUF's Q8_0 at 32), any int8 value, -128 too."""
-    K = groups * group_size
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
-    scale = (torch.rand(N, groups, generator=g) * 0.01).half()
-    x = torch.randn(M, K, generator=g)
-    want = F.linear(
-        rounded_activations(x.double(), group_size), dequantize(8, q, scale, None, K, torch.float64)
-    )
-    rows = [cpu_kernels.int8g_gemv(x[i : i + 1].contiguous(), [q], [scale]) for i in range(M)]
-    for lib in (None, PORTABLE):
-        got = cpu_kernels.int8g_gemv(x, [q], [scale], lib)
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
-        if lib is None:
-            assert torch.equal(got, torch.cat(rows)), "a row's result depends on the batch"
 
 
 @settings(max_examples=20, deadline=None)
