@@ -396,18 +396,26 @@ def _pointers(tensors: list[Tensor]):
     return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
 
 
+def _stacked(kernel: str, x: Tensor, q: list[Tensor], sizes: list[int], arrays: list,
+             lib=None) -> Tensor:
+    """Run a C kernel on x (M, K) and the stacked weights q[i] (N_i, ...) -> (M, N_1 + N_2 +
+    ...): its arguments are M, the weights' count and rows, sizes (the kernel's own), x, a
+    pointer array for each list in arrays, the output and the thread count."""
+    Ns = [t.size(0) for t in q]
+    y = x.new_empty((x.size(0), sum(Ns)))
+    getattr(lib or library(), kernel)(x.size(0), len(q), (ctypes.c_int64 * len(q))(*Ns), *sizes,
+                                      x.data_ptr(), *map(_pointers, arrays), y.data_ptr(),
+                                      torch.get_num_threads())
+    return y
+
+
 def int8_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], lib=None) -> Tensor:
     """x (M, K) float32 @ [W_1; W_2; ...]^T -> (M, N_1 + N_2 + ...) float32, each W_i = q[i]
     (N_i, K) int8 times scale[i] (N_i, 1) float16: the products of layers that read the same
     x, in one call, with each row of x quantized to int8 once; each one quant.int8_matmul's
     result, bit for bit. Contiguous tensors on the CPU; lib: a build() of the kernels (None:
     library())."""
-    (M, K), Ns = x.shape, [t.size(0) for t in q]
-    y = x.new_empty((M, sum(Ns)))
-    (lib or library()).int8_gemv(M, len(q), (ctypes.c_int64 * len(q))(*Ns), K, x.data_ptr(),
-                                 _pointers(q), _pointers(scale), y.data_ptr(),
-                                 torch.get_num_threads())
-    return y
+    return _stacked("int8_gemv", x, q, [x.size(1)], [q, scale], lib)
 
 
 def int4_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], zero: list[Tensor],
@@ -417,12 +425,7 @@ def int4_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], zero: list[Tensor
     zero[i] (N_i, G) float16), each group of x quantized to int8 once:
     F.linear(quant.rounded_activations(x, 2 h), W_i) up to the order of additions.
     Contiguous tensors on the CPU; lib: a build() of the kernels (None: library())."""
-    M, (_, G, h), Ns = x.size(0), q[0].shape, [t.size(0) for t in q]
-    y = x.new_empty((M, sum(Ns)))
-    (lib or library()).int4_gemv(M, len(q), (ctypes.c_int64 * len(q))(*Ns), G, h, x.data_ptr(),
-                                 _pointers(q), _pointers(scale), _pointers(zero), y.data_ptr(),
-                                 torch.get_num_threads())
-    return y
+    return _stacked("int4_gemv", x, q, list(q[0].shape[1:]), [q, scale, zero], lib)
 
 
 def int8g_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], lib=None) -> Tensor:
@@ -431,33 +434,18 @@ def int8g_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], lib=None) -> Ten
     per group of K / G, each group of x quantized to int8 once:
     F.linear(quant.rounded_activations(x, K / G), W_i) up to the order of additions.
     Contiguous tensors on the CPU; lib: a build() of the kernels (None: library())."""
-    (M, K), G, Ns = x.shape, scale[0].size(1), [t.size(0) for t in q]
-    y = x.new_empty((M, sum(Ns)))
-    (lib or library()).int8g_gemv(M, len(q), (ctypes.c_int64 * len(q))(*Ns), G, K // G,
-                                  x.data_ptr(), _pointers(q), _pointers(scale), y.data_ptr(),
-                                  torch.get_num_threads())
-    return y
+    G = scale[0].size(1)
+    return _stacked("int8g_gemv", x, q, [G, x.size(1) // G], [q, scale], lib)
 
 
-OPS = torch.library.Library("tinyllm", "DEF")  # the kernels as operators, for torch.compile
-OPS.define("int8_gemv(Tensor x, Tensor[] q, Tensor[] scale) -> Tensor")
-OPS.define("int4_gemv(Tensor x, Tensor[] q, Tensor[] scale, Tensor[] zero) -> Tensor")
-OPS.impl("int8_gemv", int8_gemv, "CPU")
-OPS.impl("int4_gemv", int4_gemv, "CPU")
-OPS.define("int8g_gemv(Tensor x, Tensor[] q, Tensor[] scale) -> Tensor")
-OPS.impl("int8g_gemv", int8g_gemv, "CPU")
-
-
-@torch.library.register_fake("tinyllm::int8_gemv")
-def _(x: Tensor, q: list[Tensor], scale: list[Tensor]) -> Tensor:
+def _stacked_shape(x: Tensor, q: list[Tensor], *rest) -> Tensor:
+    """What every kernel returns, for torch.compile and make_fx to trace: (M, N_1 + N_2 + ...)."""
     return x.new_empty((x.size(0), sum(t.size(0) for t in q)))
 
 
-@torch.library.register_fake("tinyllm::int4_gemv")
-def _(x: Tensor, q: list[Tensor], scale: list[Tensor], zero: list[Tensor]) -> Tensor:
-    return x.new_empty((x.size(0), sum(t.size(0) for t in q)))
-
-
-@torch.library.register_fake("tinyllm::int8g_gemv")
-def _(x: Tensor, q: list[Tensor], scale: list[Tensor]) -> Tensor:
-    return x.new_empty((x.size(0), sum(t.size(0) for t in q)))
+OPS = torch.library.Library("tinyllm", "DEF")  # the kernels as operators, for tracing them
+for fn, lists in ((int8_gemv, "q, Tensor[] scale"), (int4_gemv, "q, Tensor[] scale, Tensor[] zero"),
+                  (int8g_gemv, "q, Tensor[] scale")):
+    OPS.define(f"{fn.__name__}(Tensor x, Tensor[] {lists}) -> Tensor")
+    OPS.impl(fn.__name__, fn, "CPU")
+    torch.library.register_fake(f"tinyllm::{fn.__name__}")(_stacked_shape)

@@ -278,8 +278,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)                                              # (M, K)
-        if self.c_kernel(x2) is not None:
-            return c_product(x2, [self])[0].reshape(*lead, self.out_features)
+        c_kernel = self.c_kernel(x2)
+        if c_kernel is not None:
+            return c_product(c_kernel, x2, [self])[0].reshape(*lead, self.out_features)
         kernel, rows = self.kernel_for(x2), x2.size(0)
         zero = None if self.zero is None else self.zero.to(x.dtype)
         if kernel == "int8mm":
@@ -300,16 +301,13 @@ class QuantLinear(nn.Module):
                 f"bits={self.bits}, group_size={self.group_size}, kernel={self.kernel}")
 
 
-def c_product(x2: Tensor, layers: list[QuantLinear]) -> list[Tensor]:
-    """x2 (M, K) through layers that share a C kernel (their c_kernel), in one call of it ->
-    each layer's output (M, N_i), biases added (else views of one (M, N_1 + N_2 + ...))."""
-    x2, kernel = x2.contiguous(), layers[0].c_kernel(x2)
-    if kernel in ("int8_gemv", "int8g_gemv"):
-        y = getattr(torch.ops.tinyllm, kernel)(x2, [m.q for m in layers],
-                                               [m.scale for m in layers])
-    else:
-        y = torch.ops.tinyllm.int4_gemv(x2, [m.q for m in layers], [m.scale for m in layers],
-                                        [m.zero for m in layers])
+def c_product(kernel: str, x2: Tensor, layers: list[QuantLinear]) -> list[Tensor]:
+    """x2 (M, K) through layers whose c_kernel is kernel, in one call of it -> each layer's
+    output (M, N_i), biases added (else views of one (M, N_1 + N_2 + ...))."""
+    lists = [[m.q for m in layers], [m.scale for m in layers]]
+    if kernel == "int4_gemv":
+        lists.append([m.zero for m in layers])
+    y = getattr(torch.ops.tinyllm, kernel)(x2.contiguous(), *lists)
     ys = y.split([m.out_features for m in layers], dim=-1)
     return [y if m.bias is None else y + m.bias for y, m in zip(ys, layers)]
 
@@ -322,7 +320,7 @@ def projections(x: Tensor, layers: list[nn.Module]) -> list[Tensor]:
     kernels = {m.c_kernel(x2) if isinstance(m, QuantLinear) else None for m in layers}
     if None in kernels or len(kernels) > 1 or len({m.group_size for m in layers}) > 1:
         return [m(x) for m in layers]
-    return [y.reshape(*x.shape[:-1], y.size(-1)) for y in c_product(x2, layers)]
+    return [y.reshape(*x.shape[:-1], y.size(-1)) for y in c_product(kernels.pop(), x2, layers)]
 
 
 GGUF_BLOCKS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}     # bytes per block of 32 weights
