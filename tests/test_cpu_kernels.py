@@ -1,8 +1,9 @@
-"""Step 13 - the C kernels: the int8 one gives torch._int_mm's product bit for bit, the int4
-one the library's product of the rounded activations, on the machine's vector path and on the
-portable one; a row's result is the same in any batch and with any number of threads; the
-quantized layers pick them on a CPU in float32; and every engine on a quantized model still
-gives each request its solo tokens in float32, where they run."""
+"""Step 13 - the C kernels: the float32 one gives F.linear's product up to rounding, the int8
+one torch._int_mm's bit for bit, the grouped ones the library's product of the rounded
+activations, on the machine's vector path and on the portable one; a row's result is the same
+in any batch and with any number of threads; the layers pick them on a CPU in float32; and
+every engine on a float or quantized model still gives each request its solo tokens in
+float32, where they run."""
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from tinyllm import cpu_kernels
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import solo
 from tinyllm.quant import (
+    GemvLinear,
     QuantLinear,
     dequantize,
     int8_matmul,
@@ -38,6 +40,33 @@ def weights(seed: int, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.randn(N, K, generator=g) * 0.1
     w[0] = 0.0  # a row of zeros: the smallest scale
     return w, torch.randn(4, K, generator=g) * 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    N=st.integers(1, 70),
+    K=st.integers(1, 200),  # K % 16 and K % 8 left over too
+    M=st.integers(1, 16),
+    threads=st.sampled_from([1, 2]),
+)
+def test_float_gemv_is_the_float_product_and_each_row_its_own(seed, N, K, M, threads):
+    """float_gemv equals F.linear up to rounding; each row's result, bit for bit, is the one
+    it gets alone, in a tile of 4 or 2 rows or 1, on any number of threads."""
+    w, _ = weights(seed, N, K)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1))
+    want = F.linear(x.double(), w.double())
+    alone = torch.cat([cpu_kernels.float_gemv(x[i : i + 1].contiguous(), [w]) for i in range(M)])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lib in (None, PORTABLE):
+            got = cpu_kernels.float_gemv(x, [w], lib)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+            if lib is None:
+                assert torch.equal(got, alone), f"{N}x{K}: a row depends on the {M} rows"
+    finally:
+        torch.set_num_threads(old)
 
 
 @settings(max_examples=40, deadline=None)
@@ -112,17 +141,19 @@ def test_grouped_kernels_are_the_product_of_the_rounded_activations(
 )
 def test_layers_that_read_the_same_x_in_one_call_give_each_its_own_product(seed, Ns, M, bias):
     """projections: q, k and v (or gate and up) in one call of a kernel equal each layer alone,
-    bit for bit (the same loop for each output), biases included; a float layer among them
+    bit for bit (the same loop for each output), biases included; a plain layer among them
     sends all of them one at a time."""
     K = 64
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g)
-    for mode in ("int8", "int4", "q8_0"):
+    for mode in ("float", "int8", "int4", "q8_0"):
         layers = []
         for N in Ns:
             linear = torch.nn.Linear(K, N, bias=bias)
             linear.weight.data.copy_(torch.randn(N, K, generator=g) * 0.1)
-            if mode == "q8_0":  # 8 bits in groups of 32 (GGUF's Q8_0): the int8a8 kernel
+            if mode == "float":  # the float32 kernel
+                layers.append(quantize(torch.nn.Sequential(linear), "float")[0])
+            elif mode == "q8_0":  # 8 bits in groups of 32 (GGUF's Q8_0): the int8a8 kernel
                 q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
                 scale = (torch.rand(N, K // 32, generator=g) * 0.01).half()
                 layers.append(QuantLinear(8, q, scale, None, K, linear.bias))
@@ -132,6 +163,7 @@ def test_layers_that_read_the_same_x_in_one_call_give_each_its_own_product(seed,
         assert [y.shape for y in got] == [(M, N) for N in Ns]
         for y, layer in zip(got, layers):
             assert torch.equal(y, layer(x)), f"{mode}, {Ns}"
+        assert isinstance(layers[0], GemvLinear) == (mode == "float")
         mixed = projections(x, [*layers, _linear(torch.randn(5, K, generator=g))])
         assert all(torch.equal(a, b) for a, b in zip(mixed, got))
 
@@ -145,11 +177,15 @@ def test_rounded_activations_round_each_group_to_its_own_step():
 
 
 def test_the_layers_pick_the_kernels_in_float32_and_agree_across_row_counts():
-    """auto on a CPU: int8 per row and int4 take the C kernels for a few rows and the library
-    beyond; both are the same product (int8: bit for bit), so a row's result does not depend
-    on how many rows came with it."""
+    """On a CPU in float32, a float layer and auto's int8 per row and int4 take the C kernels
+    for a few rows and the library beyond; both are the same product (int8: bit for bit), so a
+    row's result does not depend on how many rows came with it."""
     w, x = weights(3, 40, 64)
     x = torch.cat([x] * 5)  # 20 rows: past FUSED_ROWS
+    gemv = quantize(torch.nn.Sequential(_linear(w)), "float")[0]
+    assert gemv.c_kernel(x[:16]) == "float_gemv" and gemv.c_kernel(x) is None
+    assert gemv.c_kernel(x[:1].double()) is None, "float64 goes to the library"
+    torch.testing.assert_close(torch.cat([gemv(x[i : i + 1]) for i in range(20)]), gemv(x))
     for mode in ("int8", "int4", "q8_0"):
         layer = QuantLinear.from_linear(_linear(w), mode if mode != "q8_0" else "int8")
         layer = grouped(layer) if mode == "q8_0" else layer
@@ -187,7 +223,7 @@ REQS = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "q8_0"])
+@pytest.mark.parametrize("mode", ["float", "int8", "int4", "q8_0"])
 @pytest.mark.parametrize(
     "kw",
     [

@@ -1,14 +1,18 @@
-"""Step 13 - matrix-vector kernels in C, for a quantized decode step on a CPU.
+"""Step 13 - matrix-vector kernels in C, for a decode step on a CPU.
 
 A decode step at batch 1 reads each weight once and does two operations with it, so its time
 is the weights' bytes over the memory's speed, if the loop keeps up. PyTorch's own int8
 products (`torch._int_mm`, the weight-only `_weight_int8pack_mm`, fbgemm's dynamic linear) and
 the loops torch.compile writes reach about 8 GB/s on one thread of a CPU that streams 16-22:
-one accumulator a row, each addition waiting for the one before. llama.cpp keeps up with
-hand-written loops, and so do these three, in C with AVX2 (and in plain C, which the compiler
-vectorizes, anywhere else). All quantize the activations too and multiply integers, as
-llama.cpp's products do:
+one accumulator a row, each addition waiting for the one before. The math library's float32
+product of a few rows reads its weights at 6-10 GB/s there. llama.cpp keeps up with
+hand-written loops, and so do these four, in C with AVX2 (and in plain C, which the compiler
+vectorizes, anywhere else). The quantized ones quantize the activations too and multiply
+integers, as llama.cpp's products do:
 
+- `float_gemv`: y = x @ W^T in float32, one weight row at a time (a CPU streams one row
+  fastest), each weight vector multiplied with up to 4 rows of x; with several rows the
+  weight passes through the cache a tile at a time, so it comes from memory once.
 - `int8_gemv`: y[m, n] = (xq[m] . q[n]) * (sx[m] * scale[n]), each row of x quantized to int8
   by its largest magnitude (quant.int8_matmul's product): 16 weights widened to int16 and
   multiplied in pairs into int32 (`_mm256_madd_epi16`), two accumulators. The integer sum is
@@ -21,13 +25,14 @@ llama.cpp's products do:
 - `int8g_gemv`: the same for 8-bit weights in groups (GGUF's Q8_0), without zero points.
 
 Each takes a list of weights that read the same x (q, k and v; gate and up:
-quant.projections), their outputs side by side: x is quantized once, and the call's cost
-(several microseconds from Python) is paid once. Each output is one loop over one row, the
-same loop for any batch, list or thread count, so every row's result depends on that row
-alone. The source is compiled once per machine at first use (`library()`, with the C compiler
-torch.compile also needs, into the cache directory), and registered as PyTorch operators
-(`torch.ops.tinyllm.int8_gemv`, `.int4_gemv`, `.int8g_gemv`) that a compiled piece calls like
-any other. Where no compiler works, `library()` is None and quant.py uses PyTorch's products.
+quant.projections), their outputs side by side: x is read (and quantized) once, and the
+call's cost (several microseconds from Python) is paid once. Each output is one loop over one
+row, the same loop for any batch, list or thread count, so every row's result depends on that
+row alone. The source is compiled once per machine at first use (`library()`, with the C
+compiler torch.compile also needs, into the cache directory), and registered as PyTorch
+operators (`torch.ops.tinyllm.float_gemv`, `.int8_gemv`, `.int4_gemv`, `.int8g_gemv`) that a
+compiled piece calls like any other. Where no compiler works, `library()` is None and quant.py
+uses PyTorch's products.
 """
 
 import ctypes
@@ -71,6 +76,15 @@ static float half_to_float(uint16_t h) {              /* IEEE float16 bits -> fl
     return f;
 #endif
 }
+
+#ifdef AVX2
+/* the sum of a vector's 8 floats */
+static float hsum(__m256 s) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+#endif
 
 /* x (K) int8 values as int16 . w (K) int8, exact in int32 */
 static int32_t dot_q8(const int16_t *x, const int8_t *w, int64_t K) {
@@ -120,6 +134,84 @@ static void quantize_groups(const float *x, int64_t MG, int64_t n, int8_t *xq, i
             sum += v;
         }
         if (xs) xs[mg] = sx[mg] * (float)sum;
+    }
+}
+
+/* float32: the terms k .. K of x . w added to s, one by one (the ones a vector loop leaves) */
+static float finish_f32(float s, const float *x, const float *w, int64_t k, int64_t K) {
+    for (; k < K; k++) s = fmaf(x[k], w[k], s);
+    return s;
+}
+
+#ifdef AVX2
+/* y[r * ldy] = x's row r . w (K floats) for R rows of x, each weight vector loaded once for
+   the R rows: two vectors of 8 partial sums a row (alternate 8s of K, so that two chains of
+   multiply-adds overlap), then their sum, then K's last K % 8 terms (finish_f32) */
+#define ROWS_F32(R)                                                                         \
+static void dot_f32_##R(const float *x, const float *w, float *y, int64_t K, int64_t ldy) { \
+    __m256 a[R], b[R];                                                                      \
+    for (int r = 0; r < R; r++) a[r] = b[r] = _mm256_setzero_ps();                          \
+    int64_t k = 0;                                                                          \
+    for (; k + 16 <= K; k += 16) {                                                          \
+        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);               \
+        for (int r = 0; r < R; r++) {                                                       \
+            a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), a[r]);               \
+            b[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), b[r]);           \
+        }                                                                                   \
+    }                                                                                       \
+    if (k + 8 <= K) {                                                                       \
+        __m256 w0 = _mm256_loadu_ps(w + k);                                                 \
+        for (int r = 0; r < R; r++)                                                         \
+            a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), a[r]);               \
+        k += 8;                                                                             \
+    }                                                                                       \
+    for (int r = 0; r < R; r++)                                                             \
+        y[r * ldy] = finish_f32(hsum(_mm256_add_ps(a[r], b[r])), x + r * K, w, k, K);       \
+}
+ROWS_F32(1) ROWS_F32(2) ROWS_F32(4)
+#endif
+
+/* columns n0 .. n1 of y (rows ldy apart) for R rows of x (R = 4, 2 or 1) and a float32
+   weight w (N, K) */
+static void rows_f32(int R, const float *x, const float *w, float *y, int64_t n0, int64_t n1,
+                     int64_t K, int64_t ldy) {
+    for (int64_t n = n0; n < n1; n++) {
+#ifdef AVX2
+        if (R == 4) dot_f32_4(x, w + n * K, y + n, K, ldy);
+        else if (R == 2) dot_f32_2(x, w + n * K, y + n, K, ldy);
+        else dot_f32_1(x, w + n * K, y + n, K, ldy);
+#else
+        for (int r = 0; r < R; r++) y[r * ldy + n] = finish_f32(0, x + r * K, w + n * K, 0, K);
+#endif
+    }
+}
+
+/* y (M, N) = x (M, K) @ W^T for the W float32 weights w[w] (Ns[w], K) stacked (N = their Ns'
+   sum). Every output is one row of x . one row of w, summed in one order whatever the tile
+   (dot_f32_R's), one weight row at a time: a CPU streams one row fastest. With several rows
+   of x, the weight is read a tile of rows at a time, about 64 KB, into the cache (a plain
+   pass over it, which keeps the memory busier than the multiply-adds would), then every 4
+   rows of x (then 2, 1) pass over the tile there */
+void float_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float *x,
+                const float **w, float *y, int threads) {
+    int64_t N = 0;
+    for (int64_t i = 0; i < W; i++) N += Ns[i];
+    for (int64_t i = 0, first = 0; i < W; first += Ns[i++]) {
+        const float *wi = w[i];
+        int64_t Ni = Ns[i], tile = M > 1 ? 1 + 64 * 1024 / (4 * K) : (Ni + threads - 1) / threads;
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t n0 = 0; n0 < Ni; n0 += tile) {
+            int64_t n1 = n0 + tile < Ni ? n0 + tile : Ni, m = 0;
+            if (M > 1) {                                    /* the tile, read into the cache */
+                float touched = 0;
+                for (const float *p = wi + n0 * K; p < wi + n1 * K; p += 16) touched += *p;
+                volatile float unused = touched;          /* so that the reads are kept */
+                (void)unused;
+            }
+            for (; m + 4 <= M; m += 4) rows_f32(4, x + m * K, wi, y + m * N + first, n0, n1, K, N);
+            for (; m + 2 <= M; m += 2) rows_f32(2, x + m * K, wi, y + m * N + first, n0, n1, K, N);
+            for (; m < M; m++) rows_f32(1, x + m * K, wi, y + m * N + first, n0, n1, K, N);
+        }
     }
 }
 
@@ -186,13 +278,6 @@ static int32_t dot_q4(const uint8_t *q, const int8_t *x, int64_t h) {
 }
 
 #ifdef AVX2
-/* the sum of a vector's 8 floats */
-static float hsum(__m256 s) {
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-}
-
 /* a group of 32 4-bit values (16 bytes at q: low nibbles, then high) . 32 int8 values at x,
    as 8 int32 partial sums */
 static __m256i dot_group_q4(const uint8_t *q, const int8_t *x) {
@@ -365,6 +450,7 @@ def build(flags: list[str]) -> ctypes.CDLL | None:
     lib.int8_gemv.argtypes = [i64, i64, i64s, i64, ptr, ptrs, ptrs, ptr, ctypes.c_int]
     lib.int4_gemv.argtypes = [i64, i64, i64s, i64, i64, ptr, ptrs, ptrs, ptrs, ptr, ctypes.c_int]
     lib.int8g_gemv.argtypes = [i64, i64, i64s, i64, i64, ptr, ptrs, ptrs, ptr, ctypes.c_int]
+    lib.float_gemv.argtypes = [i64, i64, i64s, i64, ptr, ptrs, ptr, ctypes.c_int]
     return lib
 
 
@@ -438,14 +524,22 @@ def int8g_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], lib=None) -> Ten
     return _stacked("int8g_gemv", x, q, [G, x.size(1) // G], [q, scale], lib)
 
 
+def float_gemv(x: Tensor, w: list[Tensor], lib=None) -> Tensor:
+    """x (M, K) float32 @ [W_1; W_2; ...]^T -> (M, N_1 + N_2 + ...) float32 for float32
+    weights W_i (N_i, K): F.linear's product up to the order of additions, the same order for
+    any M. Contiguous tensors on the CPU; lib: a build() of the kernels (None: library())."""
+    return _stacked("float_gemv", x, w, [x.size(1)], [w], lib)
+
+
 def _stacked_shape(x: Tensor, q: list[Tensor], *rest) -> Tensor:
     """What every kernel returns, for torch.compile and make_fx to trace: (M, N_1 + N_2 + ...)."""
     return x.new_empty((x.size(0), sum(t.size(0) for t in q)))
 
 
 OPS = torch.library.Library("tinyllm", "DEF")  # the kernels as operators, for tracing them
-for fn, lists in ((int8_gemv, "q, Tensor[] scale"), (int4_gemv, "q, Tensor[] scale, Tensor[] zero"),
-                  (int8g_gemv, "q, Tensor[] scale")):
+KERNELS = ((float_gemv, "w"), (int8_gemv, "q, Tensor[] scale"), (int8g_gemv, "q, Tensor[] scale"),
+           (int4_gemv, "q, Tensor[] scale, Tensor[] zero"))    # each with its lists of weights
+for fn, lists in KERNELS:
     OPS.define(f"{fn.__name__}(Tensor x, Tensor[] {lists}) -> Tensor")
     OPS.impl(fn.__name__, fn, "CPU")
     torch.library.register_fake(f"tinyllm::{fn.__name__}")(_stacked_shape)

@@ -165,12 +165,6 @@ def compiled_matmul(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor | None, bi
     return compiled(fused_matmul)(padded_rows(x), q, scale, zero, bits)[:x.size(0)]
 
 
-def float_matvec(x: Tensor, w: Tensor) -> Tensor:
-    """x (1, K) @ w^T (w (N, K) float) -> (1, N), as a reduction for torch.compile: one loop
-    over the weight's rows, reading each once at the memory's full speed."""
-    return (x[:, None, :] * w[None]).sum(-1)
-
-
 def c_kernels(x: Tensor) -> bool:
     """Whether the C kernels (cpu_kernels) compute a product of x: float32 on a CPU, the
     kernels compiled."""
@@ -301,12 +295,15 @@ class QuantLinear(nn.Module):
                 f"bits={self.bits}, group_size={self.group_size}, kernel={self.kernel}")
 
 
-def c_product(kernel: str, x2: Tensor, layers: list[QuantLinear]) -> list[Tensor]:
+def c_product(kernel: str, x2: Tensor, layers: list[nn.Module]) -> list[Tensor]:
     """x2 (M, K) through layers whose c_kernel is kernel, in one call of it -> each layer's
     output (M, N_i), biases added (else views of one (M, N_1 + N_2 + ...))."""
-    lists = [[m.q for m in layers], [m.scale for m in layers]]
-    if kernel == "int4_gemv":
-        lists.append([m.zero for m in layers])
+    if kernel == "float_gemv":
+        lists = [[m.weight for m in layers]]
+    elif kernel == "int4_gemv":
+        lists = [[m.q for m in layers], [m.scale for m in layers], [m.zero for m in layers]]
+    else:
+        lists = [[m.q for m in layers], [m.scale for m in layers]]
     y = getattr(torch.ops.tinyllm, kernel)(x2.contiguous(), *lists)
     ys = y.split([m.out_features for m in layers], dim=-1)
     return [y if m.bias is None else y + m.bias for y, m in zip(ys, layers)]
@@ -317,8 +314,10 @@ def projections(x: Tensor, layers: list[nn.Module]) -> list[Tensor]:
     call of a C kernel when they all run the same one (x quantized once, one call's cost
     instead of several: vLLM merges such layers into one weight), else one layer at a time."""
     x2 = x.reshape(-1, x.size(-1))                                        # (M, K)
-    kernels = {m.c_kernel(x2) if isinstance(m, QuantLinear) else None for m in layers}
-    if None in kernels or len(kernels) > 1 or len({m.group_size for m in layers}) > 1:
+    kernels = {m.c_kernel(x2) if isinstance(m, (QuantLinear, GemvLinear)) else None
+               for m in layers}
+    groups = {getattr(m, "group_size", None) for m in layers}           # a GemvLinear: None
+    if None in kernels or len(kernels) > 1 or len(groups) > 1:
         return [m(x) for m in layers]
     return [y.reshape(*x.shape[:-1], y.size(-1)) for y in c_product(kernels.pop(), x2, layers)]
 
@@ -345,18 +344,23 @@ def from_gguf(kind: str, blocks: Tensor, bias: Tensor | None = None,
 
 
 class GemvLinear(nn.Linear):
-    """A float linear layer whose one-row product (a decode step at batch 1, on a CPU, without
-    a bias) is a compiled loop (float_matvec) instead of the math library's matrix-vector
-    product, which reads float32 at a fraction of the memory's speed on some CPUs; more rows,
-    a bias or another device go to the library."""
+    """A float linear layer whose product of a few rows (a decode step, FUSED_ROWS at most, in
+    float32 on a CPU) is cpu_kernels' C loop instead of the math library's, which reads
+    float32 at a fraction of the memory's speed there: one weight row at a time, each row of
+    x summed in one order, so a row's result does not depend on the rows beside it. More rows
+    (a prefill), another dtype or device, or no C compiler: the library's product."""
+
+    def c_kernel(self, x2: Tensor) -> str | None:
+        """"float_gemv" where the C loop computes the product of x2 (M, K), else None."""
+        if 0 < x2.size(0) <= FUSED_ROWS and c_kernels(x2) and self.weight.is_contiguous():
+            return "float_gemv"
+        return None
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.numel() != x.shape[-1] or self.bias is not None or x.device.type != "cpu":
+        x2 = x.reshape(-1, x.size(-1))                                    # (M, K)
+        if self.c_kernel(x2) is None:
             return super().forward(x)
-        if tracing():                               # inside a compiled step: the loop inlined
-            return float_matvec(x.reshape(1, -1), self.weight).reshape(*x.shape[:-1], -1)
-        y = compiled(float_matvec)(x.reshape(1, -1), self.weight)         # (1, N)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return c_product("float_gemv", x2, [self])[0].reshape(*x.shape[:-1], self.out_features)
 
 
 def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:

@@ -41,7 +41,7 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
     bfloat16 and float16, is refused before anything is read or fetched.
 
     quant (step 13): None keeps float weights in plain linear layers; "float" keeps them too,
-    read at one row by a compiled loop (quant.GemvLinear); "int8" (per output channel) or
+    a few rows read by a C loop (quant.GemvLinear); "int8" (per output channel) or
     "int4" (groups of 32) quantizes every linear layer at load (quant.quantize); "gguf" keeps a
     GGUF file's Q8_0, Q4_0 and Q4_1 blocks as they are (a GGUF file only)."""
     device, dtype = pick_device_dtype(device, dtype)
