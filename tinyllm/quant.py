@@ -311,8 +311,9 @@ def c_product(kernel: str, x2: Tensor, layers: list[nn.Module]) -> list[Tensor]:
 
 def projections(x: Tensor, layers: list[nn.Module]) -> list[Tensor]:
     """Layers that read the same x (..., K) (q, k and v; gate and up) -> their outputs: in one
-    call of a C kernel when they all run the same one (x quantized once, one call's cost
-    instead of several: vLLM merges such layers into one weight), else one layer at a time."""
+    call of a C kernel when they all run the same one (x read, and quantized, once; one
+    call's cost instead of several: vLLM merges such layers into one weight), else one layer
+    at a time."""
     x2 = x.reshape(-1, x.size(-1))                                        # (M, K)
     kernels = {m.c_kernel(x2) if isinstance(m, (QuantLinear, GemvLinear)) else None
                for m in layers}
