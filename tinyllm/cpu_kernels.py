@@ -86,6 +86,15 @@ static float hsum(__m256 s) {
 }
 #endif
 
+#ifdef AVX2
+/* 16 int8 values as int16 at x . 16 int8 values at w: widened to int16 and multiplied in pairs
+   into 8 int32 partial sums, exact */
+static __m256i dot16_q8(const int16_t *x, const int8_t *w) {
+    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)),
+                             _mm256_loadu_si256((const __m256i *)x));
+}
+#endif
+
 /* x (K) int8 values as int16 . w (K) int8, exact in int32 */
 static int32_t dot_q8(const int16_t *x, const int8_t *w, int64_t K) {
     int64_t k = 0;
@@ -93,12 +102,8 @@ static int32_t dot_q8(const int16_t *x, const int8_t *w, int64_t K) {
 #ifdef AVX2
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
     for (; k + 32 <= K; k += 32) {
-        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
-        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k + 16)));
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + k));
-        __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + k + 16));
-        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, x0));
-        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w1, x1));
+        a0 = _mm256_add_epi32(a0, dot16_q8(x + k, w + k));
+        a1 = _mm256_add_epi32(a1, dot16_q8(x + k + 16, w + k + 16));
     }
     __m256i s = _mm256_add_epi32(a0, a1);
     __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
@@ -365,11 +370,7 @@ static float row_q8(const int8_t *q, const uint16_t *scale, const int16_t *xq,
         for (; k < G; k++) {
             const int8_t *qk = q + k * 32;
             const int16_t *xk = xq + k * 32;
-            __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qk));
-            __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qk + 16)));
-            __m256i p = _mm256_add_epi32(
-                _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xk)),
-                _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xk + 16))));
+            __m256i p = _mm256_add_epi32(dot16_q8(xk, qk), dot16_q8(xk + 16, qk + 16));
             __m256 f = _mm256_set1_ps(half_to_float(scale[k]) * sx[k]);
             if (k & 1) a1 = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), a1);
             else a0 = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), a0);

@@ -165,10 +165,11 @@ def compiled_matmul(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor | None, bi
     return compiled(fused_matmul)(padded_rows(x), q, scale, zero, bits)[:x.size(0)]
 
 
-def c_kernels(x: Tensor) -> bool:
-    """Whether the C kernels (cpu_kernels) compute a product of x: float32 on a CPU, the
-    kernels compiled."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels.available()
+def c_kernels(x2: Tensor) -> bool:
+    """Whether the C kernels (cpu_kernels) compute a product of x2 (M, K): a few rows
+    (FUSED_ROWS at most) of float32 on a CPU, the kernels compiled."""
+    return (0 < x2.size(0) <= FUSED_ROWS and x2.dtype == torch.float32
+            and x2.device.type == "cpu" and cpu_kernels.available())
 
 
 def rounded_activations(x: Tensor, group_size: int) -> Tensor:
@@ -264,7 +265,7 @@ class QuantLinear(nn.Module):
         """Which C kernel (cpu_kernels) computes the product of x2 (M, K), or None: int8mm's,
         int4a8's and int8a8's up to FUSED_ROWS rows, in float32 on a CPU, the kernels
         compiled."""
-        if not 0 < x2.size(0) <= FUSED_ROWS or not c_kernels(x2):
+        if not c_kernels(x2):
             return None
         return {"int8mm": "int8_gemv", "int4a8": "int4_gemv",
                 "int8a8": "int8g_gemv"}.get(self.kernel_for(x2))
@@ -353,7 +354,7 @@ class GemvLinear(nn.Linear):
 
     def c_kernel(self, x2: Tensor) -> str | None:
         """"float_gemv" where the C loop computes the product of x2 (M, K), else None."""
-        if 0 < x2.size(0) <= FUSED_ROWS and c_kernels(x2) and self.weight.is_contiguous():
+        if c_kernels(x2) and self.weight.is_contiguous():
             return "float_gemv"
         return None
 
