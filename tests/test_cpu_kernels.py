@@ -176,6 +176,104 @@ def test_rounded_activations_round_each_group_to_its_own_step():
     torch.testing.assert_close(got[0, 3:], torch.round(x[0, 3:] / step) * step)
 
 
+def attention_case(seed: int, B: int, n_kv: int, g: int, hd: int, W: int, dtype):
+    """A layer's cache of 64 + 2 B rows (a head's rows 32 apart), a decode step's q, k and v,
+    each row's write rows (past 64: new) and read rows (random, one of them its new token),
+    and a mask that hides random keys but never the new one."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, hs = 64 + 2 * B * n_kv, 32
+    keys, values = (torch.randn(rows, hd, generator=gen, dtype=dtype) for _ in "kv")
+    q = torch.randn(B, n_kv, g, hd, generator=gen, dtype=dtype)
+    k, v = (torch.randn(B, n_kv, 1, hd, generator=gen, dtype=dtype) for _ in "kv")
+    write = 64 + torch.arange(B * n_kv).view(B, n_kv) * 2  # head h: + h * 2
+    read = torch.randint(0, hs, (B, W), generator=gen)
+    mine = torch.randint(0, W, (B,), generator=gen)  # the new key's j
+    read[torch.arange(B), mine] = write[:, 0]
+    hidden = torch.rand(B, W, generator=gen) < 0.3
+    hidden[torch.arange(B), mine] = False
+    mask = torch.zeros(B, W, dtype=dtype).masked_fill(hidden, float("-inf"))
+    return keys, values, q, k, v, write, read, 2 if n_kv > 1 else hs, mask
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    B=st.integers(1, 5),
+    n_kv=st.integers(1, 3),
+    g=st.integers(1, 3),
+    hd=st.sampled_from([4, 8, 20, 64, 72, 128]),  # the vector loops' leftovers too
+    W=st.integers(1, 40),  # 4 keys at a time, 8 weights at a time: leftovers too
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    threads=st.sampled_from([1, 2]),
+)
+def test_decode_attention_is_sdpa_over_the_rows_it_reads_and_each_row_its_own(
+    seed, B, n_kv, g, hd, W, dtype, threads
+):
+    """decode_attention writes each row's new key and value where write says, then equals
+    scaled_dot_product_attention over the keys read says (mask added) up to rounding, on both
+    builds, any thread count; each row's result, bit for bit, is the one it gets alone, with
+    only its own keys."""
+    keys, values, q, k, v, write, read, hs, mask = attention_case(seed, B, n_kv, g, hd, W, dtype)
+    want_k, want_v = keys.clone(), values.clone()
+    want_k[write.view(-1)], want_v[write.view(-1)] = k.reshape(-1, hd), v.reshape(-1, hd)
+    heads = read[:, None, :] + hs * torch.arange(n_kv)[None, :, None]  # (B, n_kv, W)
+    K, V, M = want_k[heads].double(), want_v[heads].double(), mask[:, None, None].double()
+    want = F.scaled_dot_product_attention(q.double(), K, V, attn_mask=M)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lib in (None, PORTABLE):
+            ck, cv = keys.clone(), values.clone()
+            got = cpu_kernels.decode_attention(q, k, v, ck, cv, write, read, hs, mask, lib)
+            assert torch.equal(ck, want_k) and torch.equal(cv, want_v), "the new rows"
+            tol = 1e-5 if dtype == torch.float32 else 1e-12
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+            for b in range(B):  # alone: its own keys, up to its last visible one
+                n = int((mask[b] == 0).nonzero().max()) + 1
+                alone = cpu_kernels.decode_attention(
+                    *(t[b : b + 1].contiguous() for t in (q, k, v)), ck, cv, write[b : b + 1],
+                    read[b : b + 1, :n].contiguous(), hs, mask[b : b + 1, :n].contiguous(), lib,
+                )  # fmt: skip
+                assert torch.equal(alone, got[b : b + 1]), f"row {b} depends on the batch"
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("where", ["write", "read"])
+def test_decode_attention_refuses_a_row_outside_the_cache_and_writes_nothing(where):
+    keys, values, q, k, v, write, read, hs, mask = attention_case(5, 2, 2, 3, 64, 9, torch.float32)
+    bad = {"write": write.clone(), "read": read.clone()}
+    bad[where][1, 0] = keys.size(0) if where == "write" else keys.size(0) - 1  # head 1: past
+    before = keys.clone(), values.clone()
+    with pytest.raises(IndexError, match="outside the cache's 72 rows"):
+        cpu_kernels.decode_attention(q, k, v, keys, values, bad["write"], bad["read"], hs, mask)
+    assert torch.equal(keys, before[0]) and torch.equal(values, before[1])
+
+
+@pytest.mark.parametrize("kv", ["slots", "paged"])
+def test_every_decode_step_attends_in_the_c_kernel_on_slot_and_paged_caches(kv, monkeypatch):
+    """On a CPU in float32 and float64, the engine's decode steps go through decode_attention,
+    a call a layer (prefills do not); its tokens are the solo ones (the oracle tests, in
+    float64, run the kernel on every workload)."""
+    calls = []
+    kernel = cpu_kernels.decode_attention
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    for dtype in (torch.float32, torch.float64):
+        model = make_tiny(seed=4, dtype=dtype)
+        kw = dict(kv=kv, block_size=4) if kv == "paged" else dict(kv=kv)
+        eng = ContinuousEngine(model, 2, **kw)
+        rids = [eng.add_request(r) for r in REQS[:2]]
+        steps = 0
+        while eng.has_work():
+            eng.step()
+            steps += 1
+        got = [eng.results.pop(r).tokens for r in rids]
+        assert got == [solo(model, r).tokens for r in REQS[:2]]
+        decodes = steps - 1  # both prompts in the first step, then one token a row a step
+        assert len(calls) == decodes * model.cfg.n_layers, f"{dtype}: {len(calls)} calls"
+        calls.clear()
+
+
 def test_the_layers_pick_the_kernels_in_float32_and_agree_across_row_counts():
     """On a CPU in float32, a float layer and auto's int8 per row and int4 take the C kernels
     for a few rows and the library beyond; both are the same product (int8: bit for bit), so a

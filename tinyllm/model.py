@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tinyllm import cpu_kernels
+
 
 def gpu_dtype(device) -> torch.dtype:
     """The low-precision dtype of weights, caches and autocast on a CUDA device: bfloat16 where
@@ -140,23 +142,47 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, hd).transpose(1, 2)    # (B, n_kv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, hd).transpose(1, 2)    # (B, n_kv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:
-            mask, causal = None, True
-        else:
-            k, v, mask = cache.update(self.layer, k, v)        # (B, n_kv, S, hd), mask (B, 1, T, S)
-            causal = False
         if T == 1 and cache is not None:
-            # decode: the g query heads of each KV head become g query rows of that head, (B,
-            # n_kv, g, hd), so the keys and values are read where they lie, never copied
-            g = self.n_heads // self.n_kv_heads
-            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv_heads, g, hd), k, v,
-                                               attn_mask=mask)                # (B, n_kv, g, hd)
-            y = y.reshape(B, self.n_heads, 1, hd)                             # (B, H, 1, hd)
+            y = self.decode(q, k, v, cache)                                   # (B, H, 1, hd)
         else:
+            if cache is None:
+                mask, causal = None, True
+            else:
+                k, v, mask = cache.update(self.layer, k, v)    # (B, n_kv, S, hd), mask (B, 1, T, S)
+                causal = False
             k, v = repeat_kv(k, self.n_heads), repeat_kv(v, self.n_heads)     # (B, H, S, hd)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, H * hd)
         return self.o_proj(y)
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, cache) -> Tensor:
+        """Attention for one new token a row: q (B, H, 1, hd), k and v (B, n_kv, 1, hd) -> y
+        (B, H, 1, hd). The g query heads of each KV head become g query rows of that head, (B,
+        n_kv, g, hd), so the keys and values are read where they lie, never copied. On a CPU in
+        float32 or float64, a slot or paged cache (04, 05) says where they lie and one C call
+        writes the new ones and attends (kernel_layout, cpu_kernels.decode_attention: 13);
+        otherwise the cache's update returns them and scaled_dot_product_attention attends."""
+        B, hd = v.size(0), self.head_dim     # v's rows: RoPE's positions may broadcast q and k
+        layout = kernel_layout(cache, self.layer, v)
+        q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads, hd)  # (B, n_kv, g, hd)
+        if layout is not None:
+            y = cpu_kernels.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                             *layout)
+        else:
+            k, v, mask = cache.update(self.layer, k, v)       # (B, n_kv, S, hd), mask (B, 1, 1, S)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return y.reshape(B, self.n_heads, 1, hd)
+
+
+def kernel_layout(cache, layer: int, v: Tensor) -> tuple | None:
+    """The cache's decode_layout(layer) where cpu_kernels.decode_attention can run this step:
+    a cache that has one, the new values v (B, n_kv, 1, hd) on a CPU, in float32 or float64,
+    the cache's dtype, and the C kernels built; else None."""
+    if (not hasattr(cache, "decode_layout") or v.device.type != "cpu"
+            or v.dtype not in (torch.float32, torch.float64) or not cpu_kernels.available()):
+        return None
+    layout = cache.decode_layout(layer, v.size(0))
+    return layout if layout is not None and layout[0].dtype == v.dtype else None
 
 
 class MLP(nn.Module):

@@ -196,9 +196,9 @@ class PagedKVCache(SlotCache):
     Per layer the pool is (n_blocks * block_size, n_kv, hd): pool row b * block_size + i is
     offset i of block b. tables[s] is slot s's block table. reserved_tokens() is the pool,
     allocated_tokens() what the block tables hold, used_tokens() the positions written. A step
-    writes each new token through its row's block table and gathers the first W positions of
-    every row (`slot_mapping`), indices built once for every layer. `pool` hands blocks out and
-    takes them back: the BlockAllocator (`allocator`), or the PrefixCache (`prefix`).
+    writes each new token through its row's block table and reads the first W positions of
+    each row (`slot_mapping`; a gather, or in place on a CPU's decode step), indices built once
+    a step. `pool` hands blocks out and back: the BlockAllocator or the PrefixCache (`prefix`).
 
     prefix_cache (08): blocks are counted by the tables holding them, hashes[s] names slot s's
     full blocks in order, a newcomer admitted with its context starts with the cached blocks of
@@ -211,8 +211,7 @@ class PagedKVCache(SlotCache):
                  dtype: torch.dtype = torch.float32, device=None, prefix_cache: bool = False,
                  name_at_admission: bool = False):
         if n_blocks < 1 or block_size < 1:
-            raise ValueError(f"need n_blocks >= 1 and block_size >= 1, got {n_blocks}, "
-                             f"{block_size}")
+            raise ValueError(f"need n_blocks, block_size >= 1, got {n_blocks}, {block_size}")
         super().__init__(n_layers, n_slots, max_len, device)
         self.n_blocks, self.block_size = n_blocks, block_size
         shape = (n_blocks * block_size, n_kv_heads, head_dim)           # (N * bs, n_kv, hd)
@@ -255,9 +254,8 @@ class PagedKVCache(SlotCache):
         check_admission(self, slot, n_tokens, context)
         need, shared = self._need(n_tokens, context)
         if need > self.n_free():
-            raise ValueError(f"a context of {n_tokens} tokens needs {need} blocks, "
-                             f"{self.n_free()} are free: admit only what can_admit, asked "
-                             f"with the same context, accepts")
+            raise ValueError(f"a context of {n_tokens} tokens needs {need} blocks, {self.n_free()} "
+                             f"are free: admit only what can_admit (same context) accepts")
         super().admit(slot, n_tokens, context)
         if shared:                                      # out of the eviction order, then fresh
             self.prefix.share(shared)
@@ -293,11 +291,9 @@ class PagedKVCache(SlotCache):
         del self.tables[slot][keep:]
 
     def cache_blocks(self, slot: int, context: list[int]) -> None:
-        """Name the slot's blocks that are full now (their tokens are context's, in order),
-        so that later requests can share them."""
+        """Name the slot's full blocks (their tokens are context's), for later requests."""
         if self.prefix is not None:
-            self.prefix.name_blocks(self.tables[slot], self.hashes[slot], context,
-                                    self.lens[slot])
+            self.prefix.name_blocks(self.tables[slot], self.hashes[slot], context, self.lens[slot])
 
     def check_integrity(self, idle: bool = False) -> str | None:
         """As SlotCache.check_integrity, then the tables (tables_problem) and the pool's books
@@ -329,6 +325,10 @@ class PagedKVCache(SlotCache):
         keys = torch.arange(W, device=self.device).expand(B, W)         # (B, W)
         self._write = self.new_columns(slot_mapping(tables, positions, self.block_size))  # (N,)
         self._read = slot_mapping(tables, keys, self.block_size)        # (B, W)
+
+    def _kernel_rows(self) -> tuple[Tensor, Tensor, int]:
+        n = self.k[0].size(1)                      # the pool as (rows * n_kv, hd): head h 1 on
+        return self._write[:, None] * n + torch.arange(n, device=self.device), self._read * n, 1
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         pk, pv = self.k[layer], self.v[layer]

@@ -13,10 +13,11 @@ cache). A decode step runs three kinds of compiled piece: `before` (the first la
 q, k and v projections, RoPE), `between` (the rest of a layer: the output projection, the
 residual, the norm, the MLP, the residual; then the next layer's `before`) and `last` (the rest
 of the last layer, the final norm, the head): 31 calls for 30 layers. The cache's update and the
-attention stay eager between them (`attention`), so any cache works: slots, a paged pool, a
-prefix cache. Every layer runs the same code at the same shapes, so a piece is compiled once for
-all the layers, with the layer's weights as inputs: one program for each power of two of rows
-(a batch is padded up to the next), a few seconds each on first use, or ahead with
+attention stay eager between them (the model's `Attention.decode`), so any cache works: slots,
+a paged pool, a prefix cache. Every layer runs the same code at the same shapes, so a piece is
+compiled once for all the layers, with the layer's weights as inputs: one program for each
+power of two of rows (a batch is padded up to the next), a few seconds each on first use, or
+ahead with
 `warm_up(max_rows)` (bench and serve call it before any request). A prefill, a chunk or
 speculation's verification (more than one token a row) runs the model as it is.
 
@@ -76,17 +77,6 @@ def last(block, norm, head, x: Tensor, y: Tensor) -> Tensor:
     """The piece after the last attention: after(block), the final norm, the head -> logits
     (B, 1, V)."""
     return head(norm(after(block, x, y)))
-
-
-def attention(block, q: Tensor, k: Tensor, v: Tensor, cache) -> Tensor:
-    """The eager part of a layer: the cache's update and attention over its keys and values,
-    for the batch's B rows -> y (B, H, 1, hd)."""
-    attn, B = block.self_attn, q.size(0)
-    k, v, mask = cache.update(attn.layer, k, v)         # (B, n_kv, S, hd), mask (B, 1, 1, S)
-    g, hd = attn.n_heads // attn.n_kv_heads, attn.head_dim
-    y = F.scaled_dot_product_attention(q.reshape(B, attn.n_kv_heads, g, hd), k, v,
-                                       attn_mask=mask)                    # (B, n_kv, g, hd)
-    return y.reshape(B, attn.n_heads, 1, hd)
 
 
 def padded(t: Tensor, B: int) -> Tensor:
@@ -211,6 +201,6 @@ class PiecewiseDecoder:
         m = self.model
         cos, sin = m.rope(cache.begin_step(1).to(idx.device))             # (B, 1, 1, hd)
         logits = self.pieces(m.embed_tokens(idx), cos, sin,
-                             lambda block, q, k, v: attention(block, q, k, v, cache))
+                             lambda block, q, k, v: block.self_attn.decode(q, k, v, cache))
         cache.end_step()
         return logits, None                                               # (B, 1, V)

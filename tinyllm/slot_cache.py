@@ -16,7 +16,9 @@ up front.
 One step, in three moves: the engine plans it (`plan_step(rows, q_lens)`: which slots, how many
 new tokens each), the model's forward pass begins it (`begin_step`: positions, mask, where to
 write and what to read, built once for every layer), calls `update` in each layer, and ends it
-(`end_step`: each row's length grows by its new tokens).
+(`end_step`: each row's length grows by its new tokens). A decode step on a CPU asks
+`decode_layout` instead of calling `update`: where the keys lie, so that one C call (13) writes
+and attends in place.
 """
 
 import torch
@@ -51,11 +53,33 @@ def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
 
 
+def check_slot(cache: "SlotCache", slot) -> None:
+    """Raise ValueError unless slot is one of the cache's slots."""
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < cache.n_slots:
+        raise ValueError(f"slot {slot!r} is not one of the cache's slots 0..{cache.n_slots - 1}")
+
+
+def check_plan(cache: "SlotCache", rows: list[int], q_lens: list[int]) -> None:
+    """Raise ValueError naming why a step of these rows and q_lens cannot run: slots that are
+    not distinct or not busy, a q_len that is not a positive int, or no room for the tokens."""
+    if not rows or len(rows) != len(q_lens) or len(set(rows)) != len(rows):
+        raise ValueError(f"a step needs distinct slots and one q_len each, got {rows}, {q_lens}")
+    for s, q in zip(rows, q_lens):
+        check_slot(cache, s)
+        if not cache.active[s]:
+            raise ValueError(f"slot {s} is free: admit a sequence before stepping it")
+        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+            raise ValueError(f"slot {s}: a row brings q_len >= 1 new tokens, got {q!r}")
+        if cache.lens[s] + q > cache.capacity(s):
+            raise ValueError(f"slot {s} holds {cache.lens[s]} tokens and has room for "
+                             f"{cache.capacity(s)}: it cannot take {q} more (reserve first)")
+
+
 def check_admission(cache: "SlotCache", slot: int, n_tokens: int,
                     context: list[int] | None) -> None:
     """Raise ValueError naming why slot cannot be given to a context of n_tokens: not a slot
     of the cache, busy, a context that cannot fit a slot, or a context of another length."""
-    cache._check_slot(slot)
+    check_slot(cache, slot)
     if cache.active[slot]:
         raise ValueError(f"slot {slot} is already serving a request")
     if not 0 < n_tokens < cache.max_len:
@@ -86,7 +110,8 @@ def slots_problem(cache: "SlotCache", idle: bool) -> str | None:
 class SlotCache:
     """The bookkeeping of n_slots slots, each holding at most max_len tokens: `active[s]`,
     `lens[s]` (tokens stored), and the step in progress. Subclasses store the keys and values
-    (in lists `k` and `v`, a tensor per layer; `_index` and `update`) and say how much memory
+    (in lists `k` and `v`, a tensor per layer; `_index` and `update`; `_kernel_rows`: where
+    decode_layout's rows are) and say how much memory
     a slot may use (`capacity`, `reserve`)."""
 
     def __init__(self, n_layers: int, n_slots: int, max_len: int, device=None):
@@ -165,32 +190,16 @@ class SlotCache:
         between steps."""
         return slots_problem(self, idle)
 
-    def _check_slot(self, slot) -> None:
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_slots:
-            raise ValueError(f"slot {slot!r} is not one of the cache's slots 0..{self.n_slots - 1}")
-
     # ---- a ragged step ----------------------------------------------------------------------
     def plan_step(self, rows: list[int], q_lens: list[int]) -> None:
         """The next forward pass runs these busy slots, in this order (batch row i is slot
         rows[i]), and row i brings q_lens[i] >= 1 new tokens."""
-        if not rows or len(rows) != len(q_lens) or len(set(rows)) != len(rows):
-            raise ValueError(f"a step needs distinct slots and one q_len each, got {rows}, "
-                             f"{q_lens}")
-        for s, q in zip(rows, q_lens):
-            self._check_slot(s)
-            if not self.active[s]:
-                raise ValueError(f"slot {s} is free: admit a sequence before stepping it")
-            if isinstance(q, bool) or not isinstance(q, int) or q < 1:
-                raise ValueError(f"slot {s}: a row brings q_len >= 1 new tokens, got {q!r}")
-            if self.lens[s] + q > self.capacity(s):
-                raise ValueError(f"slot {s} holds {self.lens[s]} tokens and has room for "
-                                 f"{self.capacity(s)}: it cannot take {q} more (reserve first)")
+        check_plan(self, rows, q_lens)
         self._plan = (list(rows), list(q_lens))
 
     def _planned(self) -> tuple[list[int], list[int]]:
         if self._plan is None:
-            raise ValueError("no step planned: call plan_step(rows, q_lens) before the forward "
-                             "pass")
+            raise ValueError("no step planned: call plan_step(rows, q_lens) before the pass")
         return self._plan
 
     def begin_step(self, T: int) -> Tensor:
@@ -203,15 +212,29 @@ class SlotCache:
         # the new tokens' places in the (B * T) columns of the batch: all, or the unpadded ones
         self._new = None if min(q_lens) == T else torch.tensor(
             [b * T + i for b, q in enumerate(q_lens) for i in range(q)], device=self.device)
-        self._B = len(rows)
+        self._B, self._layout = len(rows), None
         self._index(rows, positions)
         return positions
+
+    def decode_layout(self, layer: int, B: int) -> tuple | None:
+        """Where a decode step of B rows finds its keys, for cpu_kernels.decode_attention to
+        write and read them in place: (the layer's keys and values, rows of hd; write (B, n_kv):
+        the new tokens' rows; read (B, W): the rows of KV head 0's keys each row may see, head
+        h's + h * stride; stride; the mask (B, W)). None for more than one token a row."""
+        if self._mask.size(2) != 1:
+            return None
+        self._check_rows(B)
+        self._layout = self._layout or (*self._kernel_rows(), self._mask.view(B, -1))
+        return (self.k[layer], self.v[layer], *self._layout)
+
+    def _check_rows(self, B: int) -> None:
+        if B != self._B:
+            raise ValueError(f"the step was planned for {self._B} rows, the batch has {B}")
 
     def new_tokens(self, x: Tensor) -> Tensor:
         """The step's new keys (or values) x (B, n_kv, T, hd), padding left out: (N, n_kv, hd)."""
         B, n_kv, T, hd = x.shape
-        if B != self._B:
-            raise ValueError(f"the step was planned for {self._B} rows, the batch has {B}")
+        self._check_rows(B)
         flat = x.transpose(1, 2).reshape(B * T, n_kv, hd)                # (B * T, n_kv, hd)
         return flat if self._new is None else flat.index_select(0, self._new)
 
@@ -257,6 +280,12 @@ class SlotKVCache(SlotCache):
         # each new token's row for each head in a layer's (S * n_kv * max_len, hd) view
         self._write = ((slot[:, None] * n_kv + heads) * self.max_len
                        + self.new_columns(positions)[:, None]).view(-1)  # (N * n_kv,)
+
+    def _kernel_rows(self) -> tuple[Tensor, Tensor, int]:
+        B, W = self._B, self._mask.size(-1)                # a row per slot, head h max_len on
+        first = self._rows[:, None] * (self.k[0].size(1) * self.max_len)           # (B, 1)
+        read = first + torch.arange(W, device=self.device)                           # (B, W)
+        return self._write.view(B, -1), read, self.max_len
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         ck, cv = self.k[layer], self.v[layer]
