@@ -7,9 +7,10 @@ so a checkpoint's tensor names map one to one (see `checkpoint.py`).
 
 The model never knows which KV cache it is given: a forward pass begins a step of the cache
 (which answers the positions of the new tokens), hands it each layer's new keys and values, and
-ends the step (`kv_cache.Cache`). With no cache it
-is plain causal attention over the whole input: the slow reference every fast path is
-checked against.
+ends the step (`kv_cache.Cache`). With no cache it is plain causal attention over the whole
+input: the slow reference every fast path is checked against. A decode step on a CPU, with a
+slot or paged cache, attends in one C call a layer where the cache keeps its keys
+(`Attention.decode`, step 13).
 """
 
 import math
