@@ -159,10 +159,11 @@ class Attention(nn.Module):
     def decode(self, q: Tensor, k: Tensor, v: Tensor, cache) -> Tensor:
         """Attention for one new token a row: q (B, H, 1, hd), k and v (B, n_kv, 1, hd) -> y
         (B, H, 1, hd). The g query heads of each KV head become g query rows of that head, (B,
-        n_kv, g, hd), so the keys and values are read where they lie, never copied. On a CPU in
-        float32 or float64, a slot or paged cache (04, 05) says where they lie and one C call
-        writes the new ones and attends (kernel_layout, cpu_kernels.decode_attention: 13);
-        otherwise the cache's update returns them and scaled_dot_product_attention attends."""
+        n_kv, g, hd), so the keys and values need no repeat per query head. On a CPU in float32
+        or float64, a slot or paged cache (04, 05) says where they lie and one C call writes the
+        new ones and attends there (kernel_layout, cpu_kernels.decode_attention: 13); otherwise
+        the cache's update returns them (a view, or a gather) and scaled_dot_product_attention
+        attends."""
         B, hd = v.size(0), self.head_dim     # v's rows: RoPE's positions may broadcast q and k
         layout = kernel_layout(cache, self.layer, v)
         q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads, hd)  # (B, n_kv, g, hd)
