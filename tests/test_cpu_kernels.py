@@ -32,7 +32,7 @@ from tinyllm.sampling import Sampling
 pytestmark = pytest.mark.skipif(
     cpu_kernels.library() is None, reason="no C compiler: the kernels cannot be built"
 )
-PORTABLE = cpu_kernels.build(["-O3"])  # no -march: the plain C loops, as on any machine
+PORTABLE = cpu_kernels.build(["-O3"], "tinyllm_portable")  # no -march: the plain C loops
 
 
 def weights(seed: int, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,10 +60,10 @@ def test_float_gemv_is_the_float_product_and_each_row_its_own(seed, N, K, M, thr
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for lib in (None, PORTABLE):
-            got = cpu_kernels.float_gemv(x, [w], lib)
+        for ops in (None, PORTABLE):
+            got = cpu_kernels.float_gemv(x, [w], ops)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-            if lib is None:
+            if ops is None:
                 assert torch.equal(got, alone), f"{N}x{K}: a row depends on the {M} rows"
     finally:
         torch.set_num_threads(old)
@@ -85,9 +85,9 @@ def test_int8_gemv_is_int_mm_bit_for_bit(seed, N, K, M, threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for lib in (None, PORTABLE):
-            got = cpu_kernels.int8_gemv(x, [q], [scale], lib)
-            assert torch.equal(got, want), f"{N}x{K}, {M} rows, lib {lib}"
+        for ops in (None, PORTABLE):
+            got = cpu_kernels.int8_gemv(x, [q], [scale], ops)
+            assert torch.equal(got, want), f"{N}x{K}, {M} rows, ops {ops}"
     finally:
         torch.set_num_threads(old)
 
@@ -113,22 +113,22 @@ def test_grouped_kernels_are_the_product_of_the_rounded_activations(
     if bits == 4:
         q, scale, zero = quantize_int4(weights(seed, N, K)[0], group_size)
 
-        def kernel(x, lib=None):
-            return cpu_kernels.int4_gemv(x, [q], [scale], [zero], lib)
+        def kernel(x, ops=None):
+            return cpu_kernels.int4_gemv(x, [q], [scale], [zero], ops)
     else:
         q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
         scale, zero = (torch.rand(N, groups, generator=g) * 0.01).half(), None
 
-        def kernel(x, lib=None):
-            return cpu_kernels.int8g_gemv(x, [q], [scale], lib)
+        def kernel(x, ops=None):
+            return cpu_kernels.int8g_gemv(x, [q], [scale], ops)
 
-    rounded = rounded_activations(x.double(), group_size)
+    rounded = rounded_activations(x, group_size).double()  # rounded in float32, as the kernel does
     want = F.linear(rounded, dequantize(bits, q, scale, zero, K, torch.float64))
     rows = torch.cat([kernel(x[i : i + 1].contiguous()) for i in range(M)])
-    for lib in (None, PORTABLE):
-        got = kernel(x, lib)
+    for ops in (None, PORTABLE):
+        got = kernel(x, ops)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
-        if lib is None:
+        if ops is None:
             assert torch.equal(got, rows), "a row's result depends on the batch"
 
 
@@ -222,9 +222,9 @@ def test_decode_attention_is_sdpa_over_the_rows_it_reads_and_each_row_its_own(
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for lib in (None, PORTABLE):
+        for ops in (None, PORTABLE):
             ck, cv = keys.clone(), values.clone()
-            got = cpu_kernels.decode_attention(q, k, v, ck, cv, write, read, hs, mask, lib)
+            got = cpu_kernels.decode_attention(q, k, v, ck, cv, write, read, hs, mask, ops)
             assert torch.equal(ck, want_k) and torch.equal(cv, want_v), "the new rows"
             tol = 1e-5 if dtype == torch.float32 else 1e-12
             torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
@@ -232,7 +232,7 @@ def test_decode_attention_is_sdpa_over_the_rows_it_reads_and_each_row_its_own(
                 n = int((mask[b] == 0).nonzero().max()) + 1
                 alone = cpu_kernels.decode_attention(
                     *(t[b : b + 1].contiguous() for t in (q, k, v)), ck, cv, write[b : b + 1],
-                    read[b : b + 1, :n].contiguous(), hs, mask[b : b + 1, :n].contiguous(), lib,
+                    read[b : b + 1, :n].contiguous(), hs, mask[b : b + 1, :n].contiguous(), ops,
                 )  # fmt: skip
                 assert torch.equal(alone, got[b : b + 1]), f"row {b} depends on the batch"
     finally:

@@ -31,19 +31,19 @@ integers, as llama.cpp's products do:
   and gathers and scaled_dot_product_attention: at batch 1 and a short context, about 20
   microseconds a layer against 60; float64 too, in plain C, so the float64 oracle tests run it.
 
-Each takes a list of weights that read the same x (q, k and v; gate and up:
+Each product takes a list of weights that read the same x (q, k and v; gate and up:
 quant.projections), their outputs side by side: x is read (and quantized) once, and the
-call's cost (several microseconds from Python) is paid once. Each output is one loop over one
-row, the same loop for any batch, list or thread count, so every row's result depends on that
-row alone. The source is compiled once per machine at first use (`library()`, with the C
-compiler torch.compile also needs, into the cache directory); the products are registered as
-PyTorch operators (`torch.ops.tinyllm.float_gemv`, `.int8_gemv`, `.int4_gemv`, `.int8g_gemv`)
-that a compiled piece calls like any other, and attention, which stays eager, is called
-directly. Where no compiler works, `library()` is None and quant.py
-uses PyTorch's products.
+call's cost is paid once. Each output is one loop over one row, the same loop for any batch,
+list or thread count, so every row's result depends on that row alone. The C source is
+compiled once per machine at first use (`library()`, into the cache directory), with a few
+lines of C++ (BINDINGS) that make each kernel a PyTorch operator (`torch.ops.tinyllm.int8_gemv`
+and the rest), compiled against torch's own headers by the C++ compiler torch.compile also
+needs. An operator is what a compiled piece calls like any of torch's, and a call costs about
+4 microseconds from Python; the same call through ctypes and an operator written in Python
+cost about 13, 121 times a step. Where nothing compiles, `library()` is None and quant.py uses
+PyTorch's products.
 """
 
-import ctypes
 import hashlib
 import os
 import shutil
@@ -601,63 +601,252 @@ DECODE_ATTENTION(decode_attention_f64, double, f64)
 """
 
 
-def compiler() -> str | None:
-    """The C compiler: $CC, else cc, gcc or clang on the PATH (None: none)."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+BINDINGS = r"""
+/* The kernels above as PyTorch operators, in the build's namespace (TINYLLM_NS: tinyllm for
+   library()): each checks what it is given (a wrong dtype, shape or layout is an error, not a
+   crash), makes its output and runs the C loop on torch's thread count. A call costs a few
+   microseconds from Python, as any operator of torch's own does. */
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <cmath>
+#include <torch/library.h>
+#include <vector>
+
+extern "C" {
+void float_gemv(int64_t, int64_t, const int64_t *, int64_t, const float *, const float **,
+                float *, int);
+void int8_gemv(int64_t, int64_t, const int64_t *, int64_t, const float *, const int8_t **,
+               const uint16_t **, float *, int);
+void int4_gemv(int64_t, int64_t, const int64_t *, int64_t, int64_t, const float *,
+               const uint8_t **, const uint16_t **, const uint16_t **, float *, int);
+void int8g_gemv(int64_t, int64_t, const int64_t *, int64_t, int64_t, const float *,
+                const int8_t **, const uint16_t **, float *, int);
+int decode_attention_f32(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         const float *, const float *, const float *, float *, float *,
+                         const int64_t *, const int64_t *, const float *, double, float *, int);
+int decode_attention_f64(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         const double *, const double *, const double *, double *, double *,
+                         const int64_t *, const int64_t *, const double *, double, double *, int);
+}
+
+/* x (M, K) float32 on the CPU, contiguous (a copy where it is not) */
+static at::Tensor input(const at::Tensor &x) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "x must be (M, K) float32 on the CPU, got ", x.scalar_type(), " ", x.sizes());
+    return x.contiguous();
+}
+
+/* the data of each weight ws[i]: a contiguous CPU tensor of dtype, Ns[i] rows of per_row */
+template <typename T>
+static std::vector<const T *> rows(at::TensorList ws, const std::vector<int64_t> &Ns,
+                                   int64_t per_row, at::ScalarType dtype, const char *what) {
+    TORCH_CHECK(ws.size() == Ns.size(), what, ": ", Ns.size(), " tensors expected, got ",
+                ws.size());
+    std::vector<const T *> data;
+    for (size_t i = 0; i < ws.size(); i++) {
+        const at::Tensor &w = ws[i];
+        TORCH_CHECK(w.scalar_type() == dtype, what, "[", i, "] must be ", dtype, ", got ",
+                    w.scalar_type());
+        TORCH_CHECK(w.device().is_cpu() && w.is_contiguous(), what, "[", i,
+                    "] must be a contiguous CPU tensor");
+        TORCH_CHECK(w.dim() >= 1 && w.size(0) == Ns[i] && w.numel() == Ns[i] * per_row, what,
+                    "[", i, "] must hold ", Ns[i], " rows of ", per_row, " values, got ",
+                    w.sizes());
+        data.push_back(static_cast<const T *>(w.data_ptr()));
+    }
+    return data;
+}
+
+/* each weight's rows (N_i), and the output (M, N_1 + N_2 + ...) */
+static std::vector<int64_t> counts(at::TensorList ws) {
+    TORCH_CHECK(!ws.empty(), "the list of weights is empty");
+    std::vector<int64_t> Ns;
+    for (const at::Tensor &w : ws) Ns.push_back(w.dim() ? w.size(0) : 0);
+    return Ns;
+}
+static at::Tensor output(const at::Tensor &x, const std::vector<int64_t> &Ns) {
+    int64_t N = 0;
+    for (int64_t n : Ns) N += n;
+    return at::empty({x.size(0), N}, x.options());
+}
+
+static at::Tensor float_gemv_op(const at::Tensor &x_, at::TensorList w) {
+    at::Tensor x = input(x_);
+    std::vector<int64_t> Ns = counts(w);
+    std::vector<const float *> wd = rows<float>(w, Ns, x.size(1), at::kFloat, "w");
+    at::Tensor y = output(x, Ns);
+    float_gemv(x.size(0), Ns.size(), Ns.data(), x.size(1), x.data_ptr<float>(), wd.data(),
+               y.data_ptr<float>(), at::get_num_threads());
+    return y;
+}
+
+static at::Tensor int8_gemv_op(const at::Tensor &x_, at::TensorList q, at::TensorList scale) {
+    at::Tensor x = input(x_);
+    std::vector<int64_t> Ns = counts(q);
+    std::vector<const int8_t *> qd = rows<int8_t>(q, Ns, x.size(1), at::kChar, "q");
+    std::vector<const uint16_t *> sd = rows<uint16_t>(scale, Ns, 1, at::kHalf, "scale");
+    at::Tensor y = output(x, Ns);
+    int8_gemv(x.size(0), Ns.size(), Ns.data(), x.size(1), x.data_ptr<float>(), qd.data(),
+              sd.data(), y.data_ptr<float>(), at::get_num_threads());
+    return y;
+}
+
+static at::Tensor int4_gemv_op(const at::Tensor &x_, at::TensorList q, at::TensorList scale,
+                               at::TensorList zero) {
+    at::Tensor x = input(x_);
+    std::vector<int64_t> Ns = counts(q);
+    TORCH_CHECK(q[0].dim() == 3, "q must be (N, G, h) bytes, got ", q[0].sizes());
+    int64_t G = q[0].size(1), h = q[0].size(2);
+    TORCH_CHECK(2 * h * G == x.size(1), "x's ", x.size(1), " columns are not the weights' ",
+                2 * h * G);
+    std::vector<const uint8_t *> qd = rows<uint8_t>(q, Ns, G * h, at::kByte, "q");
+    std::vector<const uint16_t *> sd = rows<uint16_t>(scale, Ns, G, at::kHalf, "scale");
+    std::vector<const uint16_t *> zd = rows<uint16_t>(zero, Ns, G, at::kHalf, "zero");
+    at::Tensor y = output(x, Ns);
+    int4_gemv(x.size(0), Ns.size(), Ns.data(), G, h, x.data_ptr<float>(), qd.data(), sd.data(),
+              zd.data(), y.data_ptr<float>(), at::get_num_threads());
+    return y;
+}
+
+static at::Tensor int8g_gemv_op(const at::Tensor &x_, at::TensorList q, at::TensorList scale) {
+    at::Tensor x = input(x_);
+    std::vector<int64_t> Ns = counts(q);
+    int64_t K = x.size(1), G = scale.empty() || scale[0].dim() < 2 ? 0 : scale[0].size(1);
+    TORCH_CHECK(G > 0 && K % G == 0, "scale must be (N, G) with G dividing x's ", K,
+                " columns");
+    std::vector<const int8_t *> qd = rows<int8_t>(q, Ns, K, at::kChar, "q");
+    std::vector<const uint16_t *> sd = rows<uint16_t>(scale, Ns, G, at::kHalf, "scale");
+    at::Tensor y = output(x, Ns);
+    int8g_gemv(x.size(0), Ns.size(), Ns.data(), G, K / G, x.data_ptr<float>(), qd.data(),
+               sd.data(), y.data_ptr<float>(), at::get_num_threads());
+    return y;
+}
+
+static at::Tensor decode_attention_op(const at::Tensor &q_, const at::Tensor &k_,
+                                      const at::Tensor &v_, at::Tensor &keys, at::Tensor &values,
+                                      const at::Tensor &write_, const at::Tensor &read_,
+                                      int64_t head_stride, const at::Tensor &mask_) {
+    at::ScalarType dtype = keys.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+                "decode_attention runs in float32 or float64, not ", dtype);
+    TORCH_CHECK(q_.dim() == 4, "q must be (B, n_kv, g, hd), got ", q_.sizes());
+    int64_t B = q_.size(0), n_kv = q_.size(1), g = q_.size(2), hd = q_.size(3);
+    for (const at::Tensor *t : std::initializer_list<const at::Tensor *>{&q_, &k_, &v_, &keys,
+                                                                       &values, &mask_})
+        TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(),
+                    "q, k, v, the cache and the mask must be CPU tensors of one dtype");
+    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && hd > 0 &&
+                keys.numel() == values.numel() && keys.numel() % hd == 0,
+                "keys and values must be contiguous rows of ", hd, " values");
+    TORCH_CHECK(k_.numel() == B * n_kv * hd && v_.numel() == B * n_kv * hd,
+                "k and v must be (B, n_kv, 1, hd) = (", B, ", ", n_kv, ", 1, ", hd, ")");
+    TORCH_CHECK(write_.scalar_type() == at::kLong && write_.numel() == B * n_kv,
+                "write must be (B, n_kv) int64");
+    TORCH_CHECK(read_.scalar_type() == at::kLong && read_.dim() == 2 && read_.size(0) == B &&
+                mask_.sizes() == read_.sizes(), "read and mask must be (B, W), read int64");
+    at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+    at::Tensor write = write_.contiguous(), read = read_.contiguous(), mask = mask_.contiguous();
+    at::Tensor y = at::empty(q.sizes(), q.options());
+    int64_t W = read.size(1), cached = keys.numel() / hd, threads = at::get_num_threads();
+    double scale = std::pow((double)hd, -0.5);
+    int outside = dtype == at::kFloat
+        ? decode_attention_f32(B, n_kv, g, hd, W, cached, head_stride, q.data_ptr<float>(),
+                               k.data_ptr<float>(), v.data_ptr<float>(), keys.data_ptr<float>(),
+                               values.data_ptr<float>(), write.data_ptr<int64_t>(),
+                               read.data_ptr<int64_t>(), mask.data_ptr<float>(), scale,
+                               y.data_ptr<float>(), threads)
+        : decode_attention_f64(B, n_kv, g, hd, W, cached, head_stride, q.data_ptr<double>(),
+                               k.data_ptr<double>(), v.data_ptr<double>(),
+                               keys.data_ptr<double>(), values.data_ptr<double>(),
+                               write.data_ptr<int64_t>(), read.data_ptr<int64_t>(),
+                               mask.data_ptr<double>(), scale, y.data_ptr<double>(), threads);
+    TORCH_CHECK_INDEX(!outside, "decode_attention: a row to write or read lies outside the "
+                      "cache's ", cached, " rows");
+    return y;
+}
+
+#define DEFINE(ns) TORCH_LIBRARY(ns, m)      /* TINYLLM_NS expanded first */
+#define IMPLEMENT(ns) TORCH_LIBRARY_IMPL(ns, CPU, m)
+DEFINE(TINYLLM_NS) {
+    m.def("float_gemv(Tensor x, Tensor[] w) -> Tensor");
+    m.def("int8_gemv(Tensor x, Tensor[] q, Tensor[] scale) -> Tensor");
+    m.def("int4_gemv(Tensor x, Tensor[] q, Tensor[] scale, Tensor[] zero) -> Tensor");
+    m.def("int8g_gemv(Tensor x, Tensor[] q, Tensor[] scale) -> Tensor");
+    m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, "
+          "Tensor write, Tensor read, int head_stride, Tensor mask) -> Tensor");
+}
+IMPLEMENT(TINYLLM_NS) {
+    m.impl("float_gemv", float_gemv_op);
+    m.impl("int8_gemv", int8_gemv_op);
+    m.impl("int4_gemv", int4_gemv_op);
+    m.impl("int8g_gemv", int8g_gemv_op);
+    m.impl("decode_attention", decode_attention_op);
+}
+"""
+
+
+def compilers() -> tuple[str, str] | None:
+    """The C and C++ compilers: $CC, else cc, gcc or clang, and $CXX, else c++, g++ or
+    clang++, on the PATH (None: either is missing). torch.compile needs the C++ one too."""
+    found = [next((shutil.which(n) for n in names if n and shutil.which(n)), None)
+             for names in ((os.environ.get("CC"), "cc", "gcc", "clang"),
+                           (os.environ.get("CXX"), "c++", "g++", "clang++"))]
+    return None if None in found else (found[0], found[1])
 
 
 FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 
 
-def build(flags: list[str]) -> ctypes.CDLL | None:
-    """The kernels compiled with these flags, once: kept under the cache directory by a hash
-    of the source, the flags and the compiler, so a second process loads them in a
-    millisecond -> the loaded library, or None where they do not compile."""
-    cc = compiler()
-    if cc is None:
+def build(flags: list[str], namespace: str = "tinyllm"):
+    """The kernels compiled with these C flags and bound as operators of torch.ops.namespace,
+    once: the C source (SOURCE) and its bindings (BINDINGS, C++ against torch's headers, about
+    ten seconds) kept under the cache directory by a hash of both, the flags, the compilers
+    and torch's version, so a second process loads them in milliseconds -> torch.ops.namespace,
+    or None where they do not compile. A namespace is bound once a process."""
+    found = compilers()
+    if found is None:
         return None
-    key = hashlib.sha256("\0".join([SOURCE, cc, *flags]).encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"gemv-{key}.so"
+    cc, cxx = found
+    key = "\0".join([SOURCE, BINDINGS, cc, cxx, *flags, namespace, torch.__version__])
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"{namespace}-{key}.so"
     if not path.is_file():
+        torch_dir = os.path.dirname(torch.__file__)
+        openmp = ["-fopenmp"] if "-fopenmp" in flags else []
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
-            src, out = os.path.join(tmp, "gemv.c"), os.path.join(tmp, "gemv.so")
-            with open(src, "w") as f:
-                f.write(SOURCE)
-            done = subprocess.run(
-                [cc, *flags, "-shared", "-fPIC", src, "-o", out, "-lm"], capture_output=True
-            )
-            if done.returncode != 0:
+            src, obj, cpp, out = (os.path.join(tmp, f) for f in ("k.c", "k.o", "ops.cpp", "k.so"))
+            for name, text in ((src, SOURCE), (cpp, BINDINGS)):
+                with open(name, "w") as f:
+                    f.write(text)
+            steps = ([cc, *flags, "-fPIC", "-c", src, "-o", obj],
+                     [cxx, "-O2", "-std=c++17", "-w", "-fPIC", "-shared", cpp, obj, "-o", out,
+                      *openmp, f"-DTINYLLM_NS={namespace}",
+                      f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+                      f"-I{torch_dir}/include", f"-L{torch_dir}/lib", "-lc10", "-ltorch_cpu",
+                      f"-Wl,-rpath,{torch_dir}/lib", "-lm"])
+            if any(subprocess.run(step, capture_output=True).returncode for step in steps):
                 return None
             shutil.move(out, path.with_suffix(".tmp"))
             os.replace(path.with_suffix(".tmp"), path)  # whole, even with a neighbour
     try:
-        lib = ctypes.CDLL(str(path))
+        torch.ops.load_library(str(path))
     except OSError:
         return None
-    i64, ptr, ptrs = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
-    i64s = ctypes.POINTER(ctypes.c_int64)            # the kernels' arguments, as C declares them
-    lib.int8_gemv.argtypes = [i64, i64, i64s, i64, ptr, ptrs, ptrs, ptr, ctypes.c_int]
-    lib.int4_gemv.argtypes = [i64, i64, i64s, i64, i64, ptr, ptrs, ptrs, ptrs, ptr, ctypes.c_int]
-    lib.int8g_gemv.argtypes = [i64, i64, i64s, i64, i64, ptr, ptrs, ptrs, ptr, ctypes.c_int]
-    lib.float_gemv.argtypes = [i64, i64, i64s, i64, ptr, ptrs, ptr, ctypes.c_int]
-    for name in ("decode_attention_f32", "decode_attention_f64"):
-        getattr(lib, name).argtypes = [i64] * 7 + [ptr] * 8 + [ctypes.c_double, ptr, ctypes.c_int]
-        getattr(lib, name).restype = ctypes.c_int
-    return lib
+    for name in OPS:
+        torch.library.register_fake(f"{namespace}::{name}")(_fake(name))
+    return getattr(torch.ops, namespace)
 
 
 @cache
-def library() -> ctypes.CDLL | None:
-    """The kernels for this machine: the first of FLAGS that compiles (-march=native: the
-    machine's own vector instructions; OpenMP where the compiler has it), or None (no C
-    compiler, or $TINYLLM_NO_C_KERNELS=1)."""
+def library():
+    """The kernels for this machine, as torch.ops.tinyllm: the first of FLAGS that compiles
+    (-march=native: the machine's own vector instructions; OpenMP where the compiler has it),
+    or None (no compilers, or $TINYLLM_NO_C_KERNELS=1)."""
     if os.environ.get("TINYLLM_NO_C_KERNELS") == "1":
         return None
-    return next((lib for lib in map(build, FLAGS) if lib is not None), None)
+    return next((ops for ops in map(build, FLAGS) if ops is not None), None)
 
 
 _built: bool | None = None  # available()'s answer, once asked
@@ -673,92 +862,62 @@ def available() -> bool:
     return _built
 
 
-def _pointers(tensors: list[Tensor]):
-    """The tensors' data pointers, as a C array."""
-    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
-
-
-def _stacked(kernel: str, x: Tensor, q: list[Tensor], sizes: list[int], arrays: list,
-             lib=None) -> Tensor:
-    """Run a C kernel on x (M, K) and the stacked weights q[i] (N_i, ...) -> (M, N_1 + N_2 +
-    ...): its arguments are M, the weights' count and rows, sizes (the kernel's own), x, a
-    pointer array for each list in arrays, the output and the thread count."""
-    Ns = [t.size(0) for t in q]
-    y = x.new_empty((x.size(0), sum(Ns)))
-    getattr(lib or library(), kernel)(x.size(0), len(q), (ctypes.c_int64 * len(q))(*Ns), *sizes,
-                                      x.data_ptr(), *map(_pointers, arrays), y.data_ptr(),
-                                      torch.get_num_threads())
-    return y
-
-
-def int8_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], lib=None) -> Tensor:
+def int8_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], ops=None) -> Tensor:
     """x (M, K) float32 @ [W_1; W_2; ...]^T -> (M, N_1 + N_2 + ...) float32, each W_i = q[i]
     (N_i, K) int8 times scale[i] (N_i, 1) float16: the products of layers that read the same
     x, in one call, with each row of x quantized to int8 once; each one quant.int8_matmul's
-    result, bit for bit. Contiguous tensors on the CPU; lib: a build() of the kernels (None:
-    library())."""
-    return _stacked("int8_gemv", x, q, [x.size(1)], [q, scale], lib)
+    result, bit for bit. CPU tensors, the weights contiguous; ops: a build() of the kernels
+    (None: library())."""
+    return (ops or library()).int8_gemv(x, q, scale)
 
 
 def int4_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], zero: list[Tensor],
-              lib=None) -> Tensor:
+              ops=None) -> Tensor:
     """x (M, K) float32 @ [W_1; W_2; ...]^T -> (M, N_1 + N_2 + ...) float32 for 4-bit weights
     W_i held as quant.dequantize reads them (q[i] (N_i, G, h) uint8, K = 2 h G; scale[i] and
     zero[i] (N_i, G) float16), each group of x quantized to int8 once:
     F.linear(quant.rounded_activations(x, 2 h), W_i) up to the order of additions.
-    Contiguous tensors on the CPU; lib: a build() of the kernels (None: library())."""
-    return _stacked("int4_gemv", x, q, list(q[0].shape[1:]), [q, scale, zero], lib)
+    CPU tensors, the weights contiguous; ops: a build() of the kernels (None: library())."""
+    return (ops or library()).int4_gemv(x, q, scale, zero)
 
 
-def int8g_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], lib=None) -> Tensor:
+def int8g_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], ops=None) -> Tensor:
     """x (M, K) float32 @ [W_1; W_2; ...]^T -> (M, N_1 + N_2 + ...) float32 for 8-bit weights
     in groups (GGUF's Q8_0): W_i = q[i] (N_i, K) int8 times scale[i] (N_i, G) float16, a scale
     per group of K / G, each group of x quantized to int8 once:
     F.linear(quant.rounded_activations(x, K / G), W_i) up to the order of additions.
-    Contiguous tensors on the CPU; lib: a build() of the kernels (None: library())."""
-    G = scale[0].size(1)
-    return _stacked("int8g_gemv", x, q, [G, x.size(1) // G], [q, scale], lib)
+    CPU tensors, the weights contiguous; ops: a build() of the kernels (None: library())."""
+    return (ops or library()).int8g_gemv(x, q, scale)
 
 
-def float_gemv(x: Tensor, w: list[Tensor], lib=None) -> Tensor:
+def float_gemv(x: Tensor, w: list[Tensor], ops=None) -> Tensor:
     """x (M, K) float32 @ [W_1; W_2; ...]^T -> (M, N_1 + N_2 + ...) float32 for float32
     weights W_i (N_i, K): F.linear's product up to the order of additions, the same order for
-    any M. Contiguous tensors on the CPU; lib: a build() of the kernels (None: library())."""
-    return _stacked("float_gemv", x, w, [x.size(1)], [w], lib)
+    any M. CPU tensors, the weights contiguous; ops: a build() of the kernels (None:
+    library())."""
+    return (ops or library()).float_gemv(x, w)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
                      write: Tensor, read: Tensor, head_stride: int, mask: Tensor,
-                     lib=None) -> Tensor:
+                     ops=None) -> Tensor:
     """A decode step's attention in one layer, reading the cache where it lies: the new keys
     and values k, v (B, n_kv, 1, hd) are written to rows write (B, n_kv) of keys and values
-    (a layer's cache: rows of hd values), then the g query heads of each KV head h,
+    (a layer's cache: contiguous rows of hd values), then the g query heads of each KV head h,
     q (B, n_kv, g, hd), attend to the W keys at rows read (B, W) + h * head_stride, with the
     additive mask (B, W) (-inf: hidden) -> y (B, n_kv, g, hd): scaled_dot_product_attention's
     result up to the order of additions, each row's the same in any batch. float32 or float64,
-    contiguous, on the CPU; an index outside the cache raises IndexError and writes nothing."""
-    B, n_kv, g, hd = q.shape
-    y = torch.empty_like(q)
-    run = getattr(lib or library(), "decode_attention_f32" if q.dtype == torch.float32
-                  else "decode_attention_f64")
-    rows = keys.numel() // hd
-    if run(B, n_kv, g, hd, read.size(1), rows, head_stride, q.data_ptr(), k.data_ptr(),
-           v.data_ptr(), keys.data_ptr(), values.data_ptr(), write.data_ptr(), read.data_ptr(),
-           mask.data_ptr(), hd ** -0.5, y.data_ptr(), torch.get_num_threads()):
-        raise IndexError(f"decode_attention: a row to write or read lies outside the cache's "
-                         f"{rows} rows")
-    return y
+    on the CPU; an index outside the cache raises IndexError and writes nothing."""
+    return (ops or library()).decode_attention(q, k, v, keys, values, write, read, head_stride,
+                                               mask)
 
 
-def _stacked_shape(x: Tensor, q: list[Tensor], *rest) -> Tensor:
-    """What every kernel returns, for torch.compile and make_fx to trace: (M, N_1 + N_2 + ...)."""
-    return x.new_empty((x.size(0), sum(t.size(0) for t in q)))
+def _fake(name: str):
+    """What an operator returns, for torch.compile and make_fx to trace: (M, N_1 + N_2 + ...)
+    for a product, q's shape for attention."""
+    if name == "decode_attention":
+        return lambda q, *rest: torch.empty_like(q)
+    return lambda x, q, *rest: x.new_empty((x.size(0), sum(t.size(0) for t in q)))
 
 
-OPS = torch.library.Library("tinyllm", "DEF")  # the kernels as operators, for tracing them
-KERNELS = ((float_gemv, "w"), (int8_gemv, "q, Tensor[] scale"), (int8g_gemv, "q, Tensor[] scale"),
-           (int4_gemv, "q, Tensor[] scale, Tensor[] zero"))    # each with its lists of weights
-for fn, lists in KERNELS:
-    OPS.define(f"{fn.__name__}(Tensor x, Tensor[] {lists}) -> Tensor")
-    OPS.impl(fn.__name__, fn, "CPU")
-    torch.library.register_fake(f"tinyllm::{fn.__name__}")(_stacked_shape)
+OPS = ("float_gemv", "int8_gemv", "int4_gemv", "int8g_gemv", "decode_attention")

@@ -168,8 +168,7 @@ class Attention(nn.Module):
         layout = kernel_layout(cache, self.layer, v)
         q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads, hd)  # (B, n_kv, g, hd)
         if layout is not None:
-            y = cpu_kernels.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                             *layout)
+            y = cpu_kernels.decode_attention(q, k, v, *layout)
         else:
             k, v, mask = cache.update(self.layer, k, v)       # (B, n_kv, S, hd), mask (B, 1, 1, S)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
