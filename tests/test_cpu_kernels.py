@@ -250,6 +250,32 @@ def test_decode_attention_refuses_a_row_outside_the_cache_and_writes_nothing(whe
     assert torch.equal(keys, before[0]) and torch.equal(values, before[1])
 
 
+def test_the_operators_refuse_what_their_loops_cannot_read():
+    """A wrong dtype, shape or layout is an error naming the argument, not a crash or a
+    result read from the wrong bytes; an x with other strides is copied, not refused."""
+    w, x = weights(1, 8, 64)
+    q, scale = quantize_int8(w)
+    bad = [
+        ((x, [w.double()]), "float_gemv", r"w\[0\] must be Float"),
+        ((x, [w.t()]), "float_gemv", r"w\[0\] must be a contiguous CPU tensor"),
+        ((x[:, :32].contiguous(), [w]), "float_gemv", r"w\[0\] must hold 8 rows of 32"),
+        ((x.long(), [w]), "float_gemv", r"x must be \(M, K\) float32"),
+        ((x, [q], [scale.float()]), "int8_gemv", r"scale\[0\] must be Half"),
+        ((x, [q, q], [scale]), "int8_gemv", r"scale: 2 tensors expected, got 1"),
+        ((x, []), "float_gemv", "the list of weights is empty"),
+    ]
+    for args, name, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            getattr(torch.ops.tinyllm, name)(*args)
+    wide = torch.stack([x, x], -1)[..., 0]  # x, every other value of a wider tensor
+    assert torch.equal(cpu_kernels.float_gemv(wide, [w]), cpu_kernels.float_gemv(x, [w]))
+    keys, values, q, k, v, write, read, hs, mask = attention_case(2, 2, 2, 3, 8, 5, torch.float32)
+    with pytest.raises(RuntimeError, match=r"write must be \(B, n_kv\) int64"):
+        cpu_kernels.decode_attention(q, k, v, keys, values, write.int(), read, hs, mask)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_kernels.decode_attention(q.double(), k, v, keys, values, write, read, hs, mask)
+
+
 @pytest.mark.parametrize("kv", ["slots", "paged"])
 def test_every_decode_step_attends_in_the_c_kernel_on_slot_and_paged_caches(kv, monkeypatch):
     """On a CPU in float32 and float64, the engine's decode steps go through decode_attention,

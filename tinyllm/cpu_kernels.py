@@ -39,15 +39,16 @@ compiled once per machine at first use (`library()`, into the cache directory), 
 lines of C++ (BINDINGS) that make each kernel a PyTorch operator (`torch.ops.tinyllm.int8_gemv`
 and the rest), compiled against torch's own headers by the C++ compiler torch.compile also
 needs. An operator is what a compiled piece calls like any of torch's, and a call costs about
-4 microseconds from Python; the same call through ctypes and an operator written in Python
-cost about 13, 121 times a step. Where nothing compiles, `library()` is None and quant.py uses
-PyTorch's products.
+6 microseconds beyond its arithmetic; the same operator written in Python around a ctypes call
+cost about 18, 121 times a step of SmolLM2. Where nothing compiles, `library()` is None and
+quant.py uses PyTorch's products.
 """
 
 import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from functools import cache
 
@@ -812,6 +813,8 @@ def build(flags: list[str], namespace: str = "tinyllm"):
     key = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"{namespace}-{key}.so"
     if not path.is_file():
+        print(f"tinyllm: compiling the C kernels ({' '.join(flags)}), once for this machine: "
+              f"about ten seconds", file=sys.stderr)
         torch_dir = os.path.dirname(torch.__file__)
         openmp = ["-fopenmp"] if "-fopenmp" in flags else []
         path.parent.mkdir(parents=True, exist_ok=True)
