@@ -276,6 +276,19 @@ def test_the_operators_refuse_what_their_loops_cannot_read():
         cpu_kernels.decode_attention(q.double(), k, v, keys, values, write, read, hs, mask)
 
 
+def test_a_machine_where_the_kernels_do_not_compile_is_told_why(tmp_path, monkeypatch):
+    """No build compiles (a compiler that fails): library() is None, with a warning that
+    names what the compiler said, and nothing is left in the cache."""
+    monkeypatch.setenv("TINYLLM_CACHE", str(tmp_path))
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'cc: no such instruction set' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing))
+    with pytest.warns(UserWarning, match="did not compile here.*no such instruction set"):
+        assert cpu_kernels.library.__wrapped__() is None
+    assert not list((tmp_path / "kernels").glob("*.so"))
+
+
 @pytest.mark.parametrize("kv", ["slots", "paged"])
 def test_every_decode_step_attends_in_the_c_kernel_on_slot_and_paged_caches(kv, monkeypatch):
     """On a CPU in float32 and float64, the engine's decode steps go through decode_attention,

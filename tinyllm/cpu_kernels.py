@@ -50,6 +50,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from functools import cache
 
 import torch
@@ -787,6 +788,9 @@ IMPLEMENT(TINYLLM_NS) {
 """
 
 
+FAILURES: list[str] = []  # what the compiler said of each build that failed, in this process
+
+
 def compilers() -> tuple[str, str] | None:
     """The C and C++ compilers: $CC, else cc, gcc or clang, and $CXX, else c++, g++ or
     clang++, on the PATH (None: either is missing). torch.compile needs the C++ one too."""
@@ -829,8 +833,11 @@ def build(flags: list[str], namespace: str = "tinyllm"):
                       f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
                       f"-I{torch_dir}/include", f"-L{torch_dir}/lib", "-lc10", "-ltorch_cpu",
                       f"-Wl,-rpath,{torch_dir}/lib", "-lm"])
-            if any(subprocess.run(step, capture_output=True).returncode for step in steps):
-                return None
+            for step in steps:
+                done = subprocess.run(step, capture_output=True, text=True)
+                if done.returncode != 0:
+                    FAILURES.append(f"{' '.join(flags)}: {done.stderr.strip()[-300:]}")
+                    return None
             shutil.move(out, path.with_suffix(".tmp"))
             os.replace(path.with_suffix(".tmp"), path)  # whole, even with a neighbour
     try:
@@ -846,10 +853,15 @@ def build(flags: list[str], namespace: str = "tinyllm"):
 def library():
     """The kernels for this machine, as torch.ops.tinyllm: the first of FLAGS that compiles
     (-march=native: the machine's own vector instructions; OpenMP where the compiler has it),
-    or None (no compilers, or $TINYLLM_NO_C_KERNELS=1)."""
+    or None (no compilers, none compiled: a warning says why; or $TINYLLM_NO_C_KERNELS=1)."""
     if os.environ.get("TINYLLM_NO_C_KERNELS") == "1":
         return None
-    return next((ops for ops in map(build, FLAGS) if ops is not None), None)
+    ops = next((ops for ops in map(build, FLAGS) if ops is not None), None)
+    if ops is None:
+        warnings.warn("tinyllm: the C kernels did not compile here, so PyTorch's products run "
+                      "instead: " + (FAILURES[-1] if FAILURES else "no C and C++ compilers"),
+                      stacklevel=2)
+    return ops
 
 
 _built: bool | None = None  # available()'s answer, once asked
