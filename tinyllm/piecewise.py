@@ -17,9 +17,8 @@ attention stay eager between them (the model's `Attention.decode`), so any cache
 a paged pool, a prefix cache. Every layer runs the same code at the same shapes, so a piece is
 compiled once for all the layers, with the layer's weights as inputs: one program for each
 power of two of rows (a batch is padded up to the next), a few seconds each on first use, or
-ahead with
-`warm_up(max_rows)` (bench and serve call it before any request). A prefill, a chunk or
-speculation's verification (more than one token a row) runs the model as it is.
+ahead with `warm_up(max_rows)` (bench and serve call it before any request). A prefill, a chunk
+or speculation's verification (more than one token a row) runs the model as it is.
 
 A program is traced with make_fx and compiled by TorchInductor directly (`program`), not by
 torch.compile: torch.compile would check its guards (the inputs' shapes, the modules'
