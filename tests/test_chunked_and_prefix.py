@@ -150,12 +150,18 @@ def test_chunked_engine_online_with_preemption_aborts_and_sampling(
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=requests_st, n_slots=st.integers(1, 4), extra=st.integers(0, 6))
-def test_chunked_engine_with_the_graph_decoder(requests, n_slots, extra):
-    """The graph decoder's step (eager bucketed on a CPU) writes every slot, a slot halfway
-    through its prefill too; that slot's next chunk overwrites the stray key: solo tokens."""
+@given(
+    requests=requests_st,
+    n_slots=st.integers(1, 4),
+    extra=st.integers(0, 6),
+    kv=st.sampled_from(["slots", "paged"]),
+)
+def test_chunked_engine_with_the_graph_decoder(requests, n_slots, extra, kv):
+    """The graph decoder's step (eager bucketed on a CPU) computes every slot, a slot halfway
+    through its prefill too: in a slot cache that slot's next chunk overwrites the stray key,
+    in a paged pool its row writes to the pad block. Solo tokens."""
     results, _ = run_continuous(
-        TINY, requests, n_slots, decoder="graphs", max_step_tokens=n_slots + extra
+        TINY, requests, n_slots, kv=kv, decoder="graphs", max_step_tokens=n_slots + extra
     )
     assert_oracle(requests, results)
 
@@ -237,7 +243,8 @@ prefixes_st = st.lists(st.integers(1, V - 1), min_size=0, max_size=40)
 )
 def test_prefix_cache_matches_solo_generate(systems, block_size, n_slots, data):
     """Prompts that share system prompts (a few, some empty), arriving between steps, greedy and
-    seeded, some aborted, pools from tight to ample, with and without a budget: solo tokens,
+    seeded, some aborted, pools from tight to ample, with and without a budget, the decode step
+    eager or the graph decoder's (its tables in a static buffer, 06): solo tokens,
     the books balanced after every step, nothing referenced at the end."""
     reqs = []
     for i in range(data.draw(st.integers(1, 10))):
@@ -263,6 +270,7 @@ def test_prefix_cache_matches_solo_generate(systems, block_size, n_slots, data):
         kv_blocks=n_blocks,
         prefix_cache=True,
         max_step_tokens=budget,
+        decoder=data.draw(st.sampled_from(["eager", "graphs"])),
     )
     done, aborted = drive(eng, reqs, data, abort_odds=10, check=check_prefix_pool)
     assert set(done) | aborted == set(range(len(reqs)))

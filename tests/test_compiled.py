@@ -3,6 +3,7 @@ request its solo generate() tokens: exactly in float64 and float32, up to near-t
 where every path is checked (the compiled one in float32 in mode max-autotune, where it is
 exact). Compilation is slow, so every test shares a few small shapes."""
 
+import pickle
 import random
 
 import pytest
@@ -11,10 +12,11 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.conftest import make_tiny
 from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
-from tinyllm.compiled import CompiledDecoder
+from tinyllm.compiled import CompiledDecoder, CompiledSteps
 from tinyllm.course.check import divergence, near_tie
 from tinyllm.engine import ContinuousEngine, Request, run_continuous
 from tinyllm.generate import generate
+from tinyllm.paged_kv import PagedKVCache
 from tinyllm.slot_cache import SlotKVCache
 from tinyllm.static import run_static
 
@@ -46,6 +48,44 @@ def test_compiled_decoder_matches_solo(compiled, requests):
     assert summary["occupancy"] == summary["row_util"], "the compiled step computes every slot"
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["paged", "paged+prefix"])
+def compiled_paged(request):
+    """A compiled decoder over a tight paged pool of 3 slots (16 blocks of 4, room for the
+    largest request and a little more), with or without a prefix cache."""
+    cfg = TINY.cfg
+    pool = PagedKVCache(
+        cfg.n_layers,
+        3,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        16,
+        4,
+        48,
+        torch.float64,
+        prefix_cache=request.param,
+    )
+    return CompiledDecoder(TINY, pool, BUCKETS)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=requests_st)
+def test_compiled_decoder_over_a_paged_pool_matches_solo(compiled_paged, requests):
+    """The compiled step over a paged pool (its block tables a static input, 06), the engine's
+    settings taken from the decoder's pool: random workloads that may preempt, each request's
+    solo tokens, the books sound and every block back at the end."""
+    pool = compiled_paged.slots
+    results, summary = run_continuous(TINY, requests, 3, decoder=compiled_paged)
+    assert_oracle(requests, results)
+    why = pool.check_integrity(idle=True)
+    assert why is None, why
+    if pool.prefix is None:
+        assert pool.allocated_tokens() == 0, "a block leaked"
+    else:
+        assert sum(pool.prefix.refs) == 0, "a block is still referenced"
+    assert summary["occupancy"] == summary["row_util"], "the compiled step computes every slot"
+    assert set(compiled_paged.compile_s) <= set(BUCKETS)
+
+
 def test_each_bucket_compiles_once_and_is_replayed(compiled):
     """The steps start in the bucket and the long requests pass it (run alone too: the bucket
     is compiled here if no test before compiled it); a second run of the same work compiles
@@ -61,13 +101,19 @@ def test_each_bucket_compiles_once_and_is_replayed(compiled):
     assert [r.tokens for r in first] == [r.tokens for r in second] == [solo(r) for r in reqs]
 
 
+def test_a_compiled_decoder_travels_without_its_compiled_steps(compiled):
+    """Pickled (the server sends its engine to another process), a compiled decoder leaves its
+    compiled steps behind, which belong to this process, and keeps its cache and settings."""
+    compiled.warm_up()
+    copy = pickle.loads(pickle.dumps(compiled))
+    assert isinstance(copy.graphs, CompiledSteps) and not copy.graphs and copy.compile_s == {}
+    assert copy.graphs.decoder is copy and copy.buckets == compiled.buckets
+    assert torch.equal(copy.slots.k[0], compiled.slots.k[0]) and copy.mode == compiled.mode
+
+
 def test_compiled_decoder_settings_are_checked(compiled):
     with pytest.raises(ValueError, match="decoder must be one of 'eager', 'graphs', 'compiled'"):
         ContinuousEngine(TINY, 2, decoder="fast")
-    with pytest.raises(
-        ValueError, match="the compiled decoder decodes a slot cache: use kv='slots'"
-    ):
-        ContinuousEngine(TINY, 2, kv="paged", decoder="compiled")
     with pytest.raises(TypeError, match="cuda_graph"):  # one keyword per idea: decoder=
         ContinuousEngine(TINY, 2, cuda_graph=True)
     with pytest.raises(

@@ -12,6 +12,7 @@ from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
 from tinyllm.course.check import leaks
 from tinyllm.cuda_graph import SlotGraphDecoder, WindowCache, choose_bucket, default_buckets
 from tinyllm.engine import ContinuousEngine, Request, Sampling, run_continuous
+from tinyllm.kv_cache import KVCache
 from tinyllm.paged_kv import BlockAllocator, PagedKVCache
 from tinyllm.requests import Sequence
 from tinyllm.slot_cache import SlotKVCache
@@ -318,14 +319,99 @@ def test_eager_bucketed_decoder_matches_the_plain_decoder(requests, n_slots, buc
     assert summary["occupancy"] == summary["row_util"], "the graph computes every slot"
 
 
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example],
+)
+@given(
+    requests=requests_st,
+    n_slots=st.integers(1, 5),
+    block_size=st.sampled_from([1, 3, 8]),
+    buckets=st.sampled_from([None, (8, 16, 32, 64), (1, 2, 3, 50)]),
+    data=st.data(),
+)
+def test_graph_decoder_over_a_paged_pool_matches_solo(requests, n_slots, block_size, buckets, data):
+    """The block tables in a static buffer, every slot computed: arrivals between steps, aborts,
+    greedy and seeded requests, a tight pool that preempts: every finished request equals solo,
+    the books balance after every step and every block is back at the end."""
+    reqs = [
+        Request(
+            r.prompt,
+            r.max_new_tokens,
+            r.eos_id,
+            data.draw(st.sampled_from([None, Sampling(0.9, 20, None, seed=i)])),
+        )
+        for i, r in enumerate(requests)
+    ]
+    n_blocks = max(need_blocks(r, block_size) for r in reqs) + data.draw(st.integers(0, 4))
+    eng = ContinuousEngine(
+        TINY,
+        n_slots,
+        kv="paged",
+        block_size=block_size,
+        kv_blocks=n_blocks,
+        decoder="graphs",
+        buckets=buckets,
+    )
+    done, aborted = drive(eng, reqs, data, abort_odds=8)
+    assert set(done) | aborted == set(range(len(reqs))), "every request finished or was aborted"
+    for i, tokens in done.items():
+        assert tokens == solo(reqs[i]), f"request {i}"
+    assert eng.cache.allocator.n_free() == n_blocks
+
+
+def test_rows_that_decode_nothing_write_only_the_pad_block():
+    """A paged graph step of 4 slots, two of them decoding, one free and one admitted but not
+    yet prefilled: the pool changes only at the two decoding rows' new positions and in the pad
+    block, and the static tables hold the decoding rows' tables, the pad elsewhere."""
+    cfg = TINY.cfg
+    pool = PagedKVCache(cfg.n_layers, 4, cfg.n_kv_heads, cfg.head_dim, 12, 4, 32, torch.float64)
+    dec = SlotGraphDecoder(TINY, pool, buckets=(8, 16))
+    for s, prompt in ((0, [5, 6, 7, 8, 9]), (2, [1, 2])):
+        pool.admit(s, len(prompt))
+        pool.plan_step([s], [len(prompt)])
+        TINY(torch.tensor([prompt]), cache=pool)
+    pool.admit(3, 6)  # admitted, not prefilled: no token yet
+    assert pool.reserve(0) and pool.reserve(2)
+    before = [k.clone() for k in pool.k]
+    pool.plan_step([0, 2], [1, 1])
+    dec.step(torch.tensor([[3], [0], [4], [0]]))
+    assert pool.lens == [6, 0, 3, 0]
+    pad, n = pool.pad, dec.tables.size(1)
+    assert dec.tables.tolist() == [
+        pool.tables[0] + [pad] * (n - len(pool.tables[0])),
+        [pad] * n,
+        pool.tables[2] + [pad] * (n - len(pool.tables[2])),
+        [pad] * n,
+    ]
+    written = {pool.tables[0][5 // 4] * 4 + 5 % 4, pool.tables[2][0] * 4 + 2}
+    for layer, (old, new) in enumerate(zip(before, pool.k)):
+        changed = {r for r in range(pad * 4) if not torch.equal(old[r], new[r])}
+        assert changed == written, f"layer {layer}: rows {sorted(changed)} changed"
+    check_pool(pool)
+
+
+def test_a_paged_graph_decoder_is_reused_only_by_a_pool_like_its_own():
+    eng = ContinuousEngine(TINY, 3, kv="paged", block_size=4, kv_blocks=20, decoder="graphs")
+    reqs = [Request([1, 2, 3], 9), Request([4], 14)]
+    first, _ = run_continuous(TINY, reqs, 3, decoder=eng.decoder)
+    assert [r.tokens for r in first] == [solo(r) for r in reqs]
+    again = ContinuousEngine(TINY, 3, decoder=eng.decoder)
+    assert again.cache is eng.cache and again.config.kv == "paged"
+    for kw in (dict(kv_blocks=21), dict(block_size=2), dict(prefix_cache=True), dict(kv="slots")):
+        with pytest.raises(ValueError, match="the decoder serves another model"):
+            ContinuousEngine(TINY, 3, decoder=eng.decoder, **kw)
+
+
 def test_graph_decoder_settings_are_checked():
     slots = SlotKVCache(2, 2, 2, 16, 32, torch.float64)
     with pytest.raises(ValueError, match="CUDA device"):
         SlotGraphDecoder(TINY, slots, capture=True)
     with pytest.raises(ValueError, match="buckets must lie in 1..32"):
         SlotGraphDecoder(TINY, slots, buckets=(16, 64))
-    with pytest.raises(ValueError, match="kv='slots'"):
-        ContinuousEngine(TINY, 2, kv="paged", decoder="graphs")
+    with pytest.raises(ValueError, match="a SlotKVCache or a PagedKVCache, got KVCache"):
+        SlotGraphDecoder(TINY, KVCache(2, 32))
     for bad in [(8.5,), (0, 16), ()]:  # named when made, not at the first step
         with pytest.raises(ValueError, match="bucket"):
             ContinuousEngine(TINY, 2, decoder="graphs", buckets=bad)

@@ -93,8 +93,6 @@ def test_a_decode_step_in_pieces_equals_the_models():
 
 def test_settings_that_cannot_go_with_the_pieces_are_named():
     EngineConfig(2, kv="paged", decoder="pieces", speculate="ngram")  # both fine
-    with pytest.raises(ValueError, match="the graphs decoder decodes a slot cache"):
-        EngineConfig(2, kv="paged", decoder="graphs")
     with pytest.raises(ValueError, match="use decoder='eager' or 'pieces'"):
         EngineConfig(2, decoder="compiled", speculate="ngram")
 

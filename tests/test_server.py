@@ -478,6 +478,22 @@ def test_a_speculating_server_streams_the_solo_text_and_counts_its_guesses(bundl
             srv.stop()
 
 
+def test_a_compiled_decoder_over_a_paged_pool_is_served(bundled64):
+    """serve --kv paged --decoder compiled: the decoder goes to the engine's process without
+    its compiled steps and compiles its bucket there before the first request; a stream carries
+    solo's text, and the pool's books are sound when the server is idle."""
+    model, tok = bundled64
+    eng = ContinuousEngine(model, 3, kv="paged", decoder="compiled", max_len=96, buckets=(64,))
+    srv = Running(eng, tok)
+    try:
+        cl = srv.client()
+        for prompt in PROMPTS[:2]:
+            assert streamed_text(cl, prompt, 24) == solo_text(srv, prompt, 24)
+        assert srv.wait_idle() == (0, 0)
+    finally:
+        srv.stop()
+
+
 def test_a_quantized_model_served_in_pieces_streams_its_solo_text(bundled64):
     """serve --quant int8 --decoder pieces: the model and its decoder go to the engine's
     process (the pieces compile there), and a stream carries solo's text on that model."""

@@ -35,7 +35,7 @@ import torch
 from tinyllm.config import COMPILE_MODES
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.model import Transformer
-from tinyllm.slot_cache import SlotKVCache
+from tinyllm.slot_cache import SlotCache
 
 
 def compile_settings(mode: str, device: torch.device,
@@ -107,7 +107,7 @@ class CompiledDecoder(SlotGraphDecoder):
     are free, so that no request waits for a compilation. mode: "default" or "max-autotune"
     (frozen weights and generated GEMM kernels: a faster step, a longer compilation)."""
 
-    def __init__(self, model: Transformer, slots: SlotKVCache, buckets=None,
+    def __init__(self, model: Transformer, slots: SlotCache, buckets=None,
                  mode: str = "default"):
         # torch.compile's keywords and the inductor settings of every bucket (refuses a bad mode)
         self.compile_kwargs, self.inductor = compile_settings(mode, slots.k[0].device,
@@ -120,6 +120,17 @@ class CompiledDecoder(SlotGraphDecoder):
         self.graphs = CompiledSteps(self)
         self.compile_s: dict[int, float] = {}
 
+    def __getstate__(self):
+        """Sent to another process, the decoder goes without its compiled steps, which stay in
+        the process that compiled them: it compiles them there (warm_up, or the first steps)."""
+        return {**self.__dict__, "graphs": None, "logits": {}, "compile_s": {}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                    RECOMPILE_LIMIT)
+        self.graphs = CompiledSteps(self)
+
     @torch.no_grad()
     def warm_up(self, buckets=None) -> dict[int, float]:
         """Compile these buckets now (default: every one) -> the seconds each took. Runs each
@@ -129,6 +140,7 @@ class CompiledDecoder(SlotGraphDecoder):
             raise ValueError("warm_up writes into the slots: call it while they are free")
         self.tokens.zero_()
         self.lens.zero_()
+        self.fill_tables([])                            # a paged pool: every row on the pad
         for W in buckets or self.buckets:
             self.graphs[W].replay()
         return {W: self.compile_s[W] for W in buckets or self.buckets}

@@ -68,8 +68,6 @@ class EngineConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, "
                                  f"got {getattr(self, name)!r}")
-        if self.decoder in ("graphs", "compiled") and self.kv != "slots":
-            raise ValueError(f"the {self.decoder} decoder decodes a slot cache: use kv='slots'")
         if self.compile_mode != "default" and self.decoder != "compiled":
             raise ValueError(f"compile_mode is the compiled decoder's: use decoder='compiled' "
                              f"(got decoder={self.decoder!r})")
@@ -154,9 +152,8 @@ class EngineConfig:
                        help="requests share the blocks of common prefixes (step 08, paged)")
         g.add_argument("--decoder", choices=DECODERS, default="eager",
                        help="the decode step: eager, CUDA graphs (their eager bucketed twin on "
-                            "a CPU) or compiled by torch.compile (step 06, slots), or each "
-                            "layer compiled in pieces around attention (step 13, any cache) "
-                            "(default: eager)")
+                            "a CPU) or compiled by torch.compile (step 06), or each layer "
+                            "compiled in pieces around attention (step 13) (default: eager)")
         g.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
                        help="the compiled step's mode: max-autotune generates GEMM kernels for "
                             "the step's batch, a faster step for a longer compilation "

@@ -61,7 +61,8 @@ def _settings(config: EngineConfig | int, settings: dict):
     """The EngineConfig of ContinuousEngine's arguments (n_slots and keywords, or a config and
     keywords to change), and the decoder passed to reuse, if one was: `decoder` names a kind
     ("eager", "graphs", "compiled") or passes a built decoder (SlotGraphDecoder,
-    CompiledDecoder), whose kind, compile mode and max_len the config then takes."""
+    CompiledDecoder), whose kind, compile mode and cache (max_len; a paged pool's blocks and
+    prefix cache) the config then takes."""
     decoder = settings.pop("decoder", None)
     if isinstance(decoder, SlotGraphDecoder):
         settings["decoder"] = "compiled" if isinstance(decoder, CompiledDecoder) else "graphs"
@@ -69,7 +70,13 @@ def _settings(config: EngineConfig | int, settings: dict):
             if settings.setdefault("compile_mode", decoder.mode) != decoder.mode:
                 raise ValueError(f"compile_mode {settings['compile_mode']!r}: the decoder "
                                  f"given was compiled in mode {decoder.mode!r}")
-        settings.setdefault("max_len", decoder.slots.max_len)     # by default, its cache's
+        cache = decoder.slots                           # by default, its cache's settings
+        settings.setdefault("max_len", cache.max_len)
+        if isinstance(cache, PagedKVCache):
+            for name, value in (("kv", "paged"), ("kv_blocks", cache.n_blocks),
+                                ("block_size", cache.block_size),
+                                ("prefix_cache", cache.prefix is not None)):
+                settings.setdefault(name, value)
     elif decoder is not None:
         settings["decoder"], decoder = decoder, None
     if isinstance(config, EngineConfig):
@@ -91,12 +98,26 @@ def _cache_and_decoder(model: Transformer, config: EngineConfig, max_len: int,
         if config.decoder == "graphs":
             return cache, SlotGraphDecoder(model, cache, config.buckets)
         return cache, None
-    cache = decoder.slots
-    if decoder.model is not model or cache.n_slots != config.n_slots or \
-            cache.max_len != max_len or any(cache.active):
-        raise ValueError(f"the decoder serves another model, or its cache is not "
-                         f"{config.n_slots} idle slots of {max_len} positions")
+    cache, wanted = decoder.slots, ["slots", max_len, None, config.n_slots]
+    if config.kv == "paged":
+        wanted = ["paged", max_len, n_blocks, config.n_slots, config.block_size,
+                  config.prefix_cache]
+    naming = getattr(cache, "name_at_admission", False)     # safe only without a budget (08)
+    if decoder.model is not model or cache_sizes(cache) != wanted or any(cache.active) or \
+            (naming and config.max_step_tokens is not None):
+        raise ValueError(f"the decoder serves another model, or its cache is not the "
+                         f"{config.kv} cache of these settings ({config.n_slots} idle slots of "
+                         f"{max_len} positions)")
     return cache, decoder
+
+
+def cache_sizes(cache: SlotCache) -> list:
+    """What a cache was made with: its kind, max_len, blocks (None for slots), slots, and a
+    paged pool's block size and whether it has a prefix cache."""
+    if isinstance(cache, PagedKVCache):
+        return ["paged", cache.max_len, cache.n_blocks, cache.n_slots, cache.block_size,
+                cache.prefix is not None]
+    return ["slots", cache.max_len, None, cache.n_slots]
 
 
 class ModelRunner:

@@ -21,15 +21,23 @@ three moves:
    (their activations are never live at the same time, so they can share it).
 
 The step decodes every slot, free or not: a graph has one batch shape. Prefill stays eager
-(prompts come in every length). On a CPU there is nothing to capture: `capture=False` runs the
-very same bucketed, static-buffer step eagerly, so CPU tests check its arithmetic token for
-token, and a GPU adds only the capture.
+(prompts come in every length). A paged cache (05) adds one static input, the block tables
+(S, blocks a slot may hold), as vLLM's graphs keep them: each step copies the decoding rows'
+tables into it (`fill_tables`), and the graph writes and reads through them
+(`PagedWindowCache`). A row that decodes nothing this step gets a table of the pool's pad
+block alone, so what it computes is written where no sequence reads.
+
+On a CPU there is nothing to capture: `capture=False` runs the very same bucketed,
+static-buffer step eagerly, so CPU tests check its arithmetic token for token, and a GPU adds
+only the capture.
 """
 
 import torch
 from torch import Tensor
 
+from tinyllm import paged_kv
 from tinyllm.model import Transformer, gpu_dtype
+from tinyllm.paged_kv import PagedKVCache
 from tinyllm.slot_cache import SlotKVCache
 
 
@@ -119,13 +127,45 @@ class WindowCache:
         """Nothing to count here: the slot cache ends its own step after the replay."""
 
 
+class PagedWindowCache:
+    """The decode step's cache as a graph sees it over a paged pool (05): each of the S rows
+    writes its new key at its length (the static lens buffer) through its block table (the
+    static tables buffer, (S, n_table)) and reads its first W positions through the same table
+    (slot_mapping). Tensor operations only, as WindowCache: a replay repeats it faithfully."""
+
+    def __init__(self, pool: PagedKVCache, lens: Tensor, tables: Tensor, W: int):
+        self.pool, self.lens, self.tables, self.W = pool, lens, tables, W
+        self.keys = torch.arange(W, device=lens.device)                 # (W,)
+
+    def begin_step(self, T: int) -> Tensor:
+        S, bs, where = self.tables.size(0), self.pool.block_size, paged_kv.slot_mapping
+        self.mask = (self.keys[None, :] <= self.lens[:, None])[:, None, None, :]   # (S, 1, 1, W)
+        self.write = where(self.tables, self.lens[:, None], bs)[:, 0]               # (S,)
+        self.read = where(self.tables, self.keys.expand(S, self.W), bs)             # (S, W)
+        return self.lens[:, None]                                       # (S, 1)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        pk, pv = self.pool.k[layer], self.pool.v[layer]                 # (rows, n_kv, hd)
+        pk.index_copy_(0, self.write, k[:, :, 0].to(pk.dtype))          # (S, n_kv, hd) rows
+        pv.index_copy_(0, self.write, v[:, :, 0].to(pv.dtype))
+        shape = self.read.shape + pk.shape[1:]                          # (S, W, n_kv, hd)
+        keys = pk.index_select(0, self.read.view(-1)).view(shape).transpose(1, 2)
+        values = pv.index_select(0, self.read.view(-1)).view(shape).transpose(1, 2)
+        return keys, values, self.mask                                  # (S, n_kv, W, hd)
+
+    def end_step(self) -> None:
+        """Nothing to count here: the paged cache ends its own step after the replay."""
+
+
 class SlotGraphDecoder:
-    """Decode steps of a SlotKVCache's slots, replayed as CUDA graphs, one per window bucket.
+    """Decode steps of a slot cache's slots (a SlotKVCache, or a PagedKVCache's), replayed as
+    CUDA graphs, one per window bucket.
 
     step(tokens (S, 1)) -> logits (S, 1, V) for every slot (read the busy ones): the decode
     step the engine planned (`slots.plan_step(the decoding slots, one token each)`; a busy
     slot it does not plan, one whose prompt is still being prefilled, is computed like a free
-    one, and the prefill that follows overwrites the key it wrote). A replay runs the
+    one: in a SlotKVCache the prefill that follows overwrites the key it wrote, in a paged
+    pool it writes to the pad block). A replay runs the
     captured kernels but none of the forward pass's Python, so step() ends the slots' step
     itself, as the model's forward pass does. capture: record graphs
     (default: on CUDA); False runs the same bucketed static-buffer step eagerly. Capture writes
@@ -133,10 +173,11 @@ class SlotGraphDecoder:
     returned by a replay are the graph's static output: use them before the next step.
     """
 
-    def __init__(self, model: Transformer, slots: SlotKVCache, buckets=None,
+    def __init__(self, model: Transformer, slots: SlotKVCache | PagedKVCache, buckets=None,
                  capture: bool | None = None):
-        if not isinstance(slots, SlotKVCache):
-            raise ValueError(f"SlotGraphDecoder decodes a SlotKVCache, got {type(slots).__name__}")
+        if not isinstance(slots, (SlotKVCache, PagedKVCache)):
+            raise ValueError(f"SlotGraphDecoder decodes a SlotKVCache or a PagedKVCache, got "
+                             f"{type(slots).__name__}")
         self.model, self.slots = model, slots
         self.device = slots.k[0].device
         self.capture = self.device.type == "cuda" if capture is None else capture
@@ -154,18 +195,53 @@ class SlotGraphDecoder:
         S = slots.n_slots
         self.tokens = torch.zeros(S, 1, dtype=torch.long, device=self.device)   # static inputs
         self.lens = torch.zeros(S, dtype=torch.long, device=self.device)
-        self.views = {W: WindowCache(slots, self.lens, W) for W in buckets}
+        self.tables = None                              # a paged cache's tables (S, n_table)
+        if isinstance(slots, PagedKVCache):
+            self.tables = torch.full((S, slots.blocks_for(slots.max_len)), slots.pad,
+                                     dtype=torch.long, device=self.device)
+        self.views = {W: self._view(W) for W in buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, Tensor] = {}                             # static outputs
         self.pool = None
         if self.capture:
             self._capture_all()
 
+    def __getstate__(self):
+        """A decoder sent to another process (the server's engine) goes without its graphs: a
+        CUDA graph belongs to the process that captured it. It captures them again on arrival,
+        while its slots are still free."""
+        return {**self.__dict__, "graphs": {}, "logits": {}, "pool": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.capture:
+            self._capture_all()
+
+    def _view(self, W: int):
+        """The cache as the step at window W sees it, over the static buffers."""
+        if self.tables is None:
+            return WindowCache(self.slots, self.lens, W)
+        return PagedWindowCache(self.slots, self.lens, self.tables, W)
+
+    def fill_tables(self, rows: list[int]) -> None:
+        """A paged cache's block tables into the static tables buffer: row s holds slot s's
+        table, padded with the pad block, when s is one of the step's rows, else the pad block
+        alone (a free slot, or one still prefilling: what it computes is written where no
+        table reads). Nothing to do for a SlotKVCache."""
+        if self.tables is None:
+            return
+        pad, n = self.slots.pad, self.tables.size(1)
+        host = [[pad] * n for _ in range(self.slots.n_slots)]
+        for s in rows:
+            table = self.slots.tables[s]
+            host[s][:len(table)] = table
+        self.tables.copy_(torch.tensor(host, dtype=torch.long))
+
     def run_eager(self, W: int) -> Tensor:
         """The decode step at window W, run eagerly from the static buffers (what a graph of
         bucket W records): logits (S, 1, V)."""
         if W not in self.views:                         # the eager fallback's window
-            self.views[W] = WindowCache(self.slots, self.lens, W)
+            self.views[W] = self._view(W)
         # the autocast cache must be off while capturing: its casts would be captured once
         on_gpu = self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=gpu_dtype(self.device) if on_gpu else None,
@@ -201,4 +277,5 @@ class SlotGraphDecoder:
             raise ValueError("no active slot to decode")
         if max(slots.lens[s] for s in live) >= slots.max_len:
             raise ValueError(f"a slot is full ({slots.max_len} positions)")
+        self.fill_tables(slots._planned()[0])
         return decode_step(self, tokens)

@@ -193,12 +193,12 @@ def tables_problem(cache: "PagedKVCache") -> str | None:
 class PagedKVCache(SlotCache):
     """Keys/values of n_slots sequences in a shared pool of n_blocks blocks of block_size.
 
-    Per layer the pool is (n_blocks * block_size, n_kv, hd): pool row b * block_size + i is
-    offset i of block b. tables[s] is slot s's block table. reserved_tokens() is the pool,
-    allocated_tokens() what the block tables hold, used_tokens() the positions written. A step
-    writes each new token through its row's block table and reads the first W positions of
-    each row (`slot_mapping`; a gather, or in place on a CPU's decode step), indices built once
-    a step. `pool` hands blocks out and back: the BlockAllocator or the PrefixCache (`prefix`).
+    Per layer the pool is ((n_blocks + 1) * block_size, n_kv, hd): row b * block_size + i is offset
+    i of block b; the last block, `pad`, is no table's (a graph's step writes its idle rows there,
+    06). tables[s] is slot s's block table; reserved_tokens() is the n_blocks blocks,
+    allocated_tokens() what the tables hold. A step writes each new token through its row's table
+    and reads each row's first W positions (`slot_mapping`: a gather, or in place on a CPU's decode
+    step). `pool`, the BlockAllocator or the PrefixCache, hands blocks out and back.
 
     prefix_cache (08): blocks are counted by the tables holding them, hashes[s] names slot s's
     full blocks in order, a newcomer admitted with its context starts with the cached blocks of
@@ -213,8 +213,8 @@ class PagedKVCache(SlotCache):
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need n_blocks, block_size >= 1, got {n_blocks}, {block_size}")
         super().__init__(n_layers, n_slots, max_len, device)
-        self.n_blocks, self.block_size = n_blocks, block_size
-        shape = (n_blocks * block_size, n_kv_heads, head_dim)           # (N * bs, n_kv, hd)
+        self.n_blocks, self.block_size, self.pad = n_blocks, block_size, n_blocks
+        shape = ((n_blocks + 1) * block_size, n_kv_heads, head_dim)     # ((N + 1) * bs, n_kv, hd)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.allocator = BlockAllocator(n_blocks)

@@ -7,6 +7,7 @@
     python -m tinyllm bench --decode-steps --compile-mode max-autotune --batch-sizes 1,8
     python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
     python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix
+  python -m tinyllm bench --engines paged,paged+compiled --slots 16 --paged-slots 64
 
 The engine's flags are EngineConfig's (EngineConfig.add_arguments, as `serve`'s), and each
 engine's name parses once into the EngineConfig it runs (engine_config). Engines: static (03,
@@ -50,7 +51,9 @@ from tinyllm.workloads import WORKLOADS, workload
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 ENGINES = ("static", "continuous", "paged", "graphs", "compiled")
-OPTIONS = ("chunked", "prefix", "ngram", "draft", "pieces")  # +chunked (07), +prefix (08), ...
+# +chunked (07), +prefix (08), +ngram and +draft (11); a decode step: +graphs, +compiled (06)
+# and +pieces (13)
+OPTIONS = ("chunked", "prefix", "ngram", "draft", "graphs", "compiled", "pieces")
 DEFAULT_STEP_TOKENS = 64                                # a +chunked engine's budget by default
 
 
@@ -61,13 +64,20 @@ def engine_name(name: str) -> tuple[str, list[str]]:
     if base not in ENGINES or any(o not in OPTIONS for o in opts):
         raise ValueError(f"unknown engine {name!r}: {', '.join(ENGINES)}, the continuous "
                          f"ones with +chunked, (paged) +prefix, +ngram or +draft (a proposer) "
-                         f"and +pieces (the decode step compiled in pieces), e.g. paged+prefix")
+                         f"and (continuous or paged) +graphs, +compiled or +pieces (a decode "
+                         f"step), e.g. paged+prefix")
     if opts and base == "static":
-        raise ValueError(f"{name}: static batching has no token budget and no prefix cache")
+        raise ValueError(f"{name}: static batching has no token budget, no prefix cache and "
+                         f"no decode step to choose")
     if "prefix" in opts and base != "paged":
         raise ValueError(f"{name}: a prefix cache shares blocks: use paged+prefix")
     if "ngram" in opts and "draft" in opts:
         raise ValueError(f"{name}: one proposer at a time: +ngram or +draft")
+    steps = [o for o in opts if o in ("graphs", "compiled", "pieces")]
+    if steps and base not in ("continuous", "paged"):
+        raise ValueError(f"{name}: +{steps[0]} is a decode step of continuous or paged")
+    if len(steps) > 1:
+        raise ValueError(f"{name}: one decode step at a time: +graphs, +compiled or +pieces")
     return base, opts
 
 
@@ -85,7 +95,7 @@ def engine_config(name: str, args, max_len: int | None = None, budget_for_all: b
     - +ngram, +draft: that proposer (11); with no proposer named by any engine, --speculate is
       every continuous engine's;
     - graphs and compiled: that decoder; continuous: --decoder; compiled: --compile-mode;
-      +pieces (13): the decode step compiled in pieces (continuous or paged);
+      +graphs, +compiled (06) and +pieces (13), after continuous or paged: that decode step;
     - static: batches of --slots requests; its config holds n_slots alone.
     The flags name settings of several engines at once (--prefix-cache the paged ones',
     --compile-mode the compiled ones'), so each name sets every field that it decides.
@@ -94,11 +104,8 @@ def engine_config(name: str, args, max_len: int | None = None, budget_for_all: b
     if base == "static":
         return base, EngineConfig(args.n_slots)
     decoder = {"continuous": args.decoder, "graphs": "graphs", "compiled": "compiled"}.get(
-        base, "eager")                                  # paged keeps the eager step
-    if "pieces" in opts:
-        if base not in ("continuous", "paged"):
-            raise ValueError(f"{name}: +pieces compiles the eager step of continuous or paged")
-        decoder = "pieces"
+        base, "eager")                                  # paged: the eager step, or its option's
+    decoder = next((o for o in opts if o in ("graphs", "compiled", "pieces")), decoder)
     chunked = "chunked" in opts or (budget_for_all and args.max_step_tokens is not None)
     budget = (args.max_step_tokens or DEFAULT_STEP_TOKENS) if chunked else None
     named = [o for o in opts if o in ("ngram", "draft")]
@@ -322,6 +329,8 @@ request:
   +ngram      step 11: up to --spec-tokens guesses a request a step, by prompt lookup,
   +draft      or by a draft (the model's first --draft-layers layers), verified in one pass;
               with neither named, every continuous engine speculates as --speculate says
+  +graphs     step 06, after continuous or paged: the graph decoder's step (a paged pool's
+  +compiled   block tables in a static buffer), or that step compiled
   +pieces     step 13, after continuous or paged: each layer's decode compiled in pieces
               around the eager attention (any cache), on first use (seconds)"""
 
@@ -334,6 +343,7 @@ examples:
   python -m tinyllm bench --decode-steps --compile-mode max-autotune --batch-sizes 1,8
   python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
   python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix
+  python -m tinyllm bench --engines paged,paged+compiled --slots 16 --paged-slots 64
   python -m tinyllm bench --model smollm2 --workload chat --slots 1 --requests 4 \
       --engines continuous,continuous+pieces --quant none,float,int8,int4"""
 

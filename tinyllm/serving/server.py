@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing
 
+from tinyllm.compiled import CompiledDecoder
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.piecewise import PiecewiseDecoder
@@ -276,6 +277,8 @@ def engine_process(engine: ContinuousEngine, conn, n_threads: int) -> None:
     conn.send(Ready())
     if isinstance(engine.decoder, PiecewiseDecoder):  # compiled now; the first Adds wait
         engine.decoder.warm_up(engine.config.n_slots)
+    if isinstance(engine.decoder, CompiledDecoder):  # every bucket, before any request
+        engine.decoder.warm_up()
     keys, integrity = Keys(), None
     while True:
         if not engine.has_work():
