@@ -1,5 +1,6 @@
 """Steps 05-06 on a GPU (make gpu-check; deselected elsewhere): the graphed, paged and slot
-engines in bf16 give solo generate()'s tokens, up to near-ties (check.near_tie)."""
+engines in bf16, and graphs over a paged pool, give solo generate()'s tokens, up to near-ties
+(check.near_tie)."""
 
 import pytest
 import torch
@@ -44,8 +45,13 @@ def assert_solo_up_to_ties(model, reqs, results, label):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(), dict(kv="paged", block_size=16), dict(kv="paged", block_size=8, kv_blocks=40)],
-    ids=["slots", "paged", "paged-under-pressure"],
+    [
+        dict(),
+        dict(kv="paged", block_size=16),
+        dict(kv="paged", block_size=8, kv_blocks=40),
+        dict(kv="paged", block_size=8, kv_blocks=40, decoder="graphs"),
+    ],
+    ids=["slots", "paged", "paged-under-pressure", "paged-graphs-under-pressure"],
 )
 def test_engines_on_cuda_match_solo(gpu, kw):
     model, tok = gpu

@@ -165,12 +165,12 @@ class SlotGraphDecoder:
     step the engine planned (`slots.plan_step(the decoding slots, one token each)`; a busy
     slot it does not plan, one whose prompt is still being prefilled, is computed like a free
     one: in a SlotKVCache the prefill that follows overwrites the key it wrote, in a paged
-    pool it writes to the pad block). A replay runs the
-    captured kernels but none of the forward pass's Python, so step() ends the slots' step
-    itself, as the model's forward pass does. capture: record graphs
-    (default: on CUDA); False runs the same bucketed static-buffer step eagerly. Capture writes
-    into the slots, so it happens at construction, while every slot is free. The logits
-    returned by a replay are the graph's static output: use them before the next step.
+    pool it writes to the pad block). A replay runs the captured kernels but none of the
+    forward pass's Python, so step() ends the slots' step itself, as the model's forward pass
+    does. capture: record graphs (default: on CUDA); False runs the same bucketed
+    static-buffer step eagerly. Capture writes into the slots, so it happens at construction,
+    while every slot is free. The logits returned by a replay are the graph's static output:
+    use them before the next step.
     """
 
     def __init__(self, model: Transformer, slots: SlotKVCache | PagedKVCache, buckets=None,
