@@ -173,6 +173,33 @@ def test_logprobs_are_the_models_raw_log_softmax_and_the_prompts_too():
         assert max(abs(a - b) for (_, a), b in zip(tl.top, top.values.tolist())) < 1e-9
 
 
+def test_a_prefill_runs_the_head_only_where_it_samples_unless_a_prompt_wants_logprobs(
+    monkeypatch,
+):
+    """Three prompts prefilled in one step: the head runs at their three last positions; with
+    one of them asking for its prompt's logprobs, at every position of the batch, and that one
+    gets them. The tokens are solo's either way."""
+    shapes = []
+    head = TINY.compute_logits
+    monkeypatch.setattr(TINY, "compute_logits", lambda x: shapes.append(x.shape[:-1]) or head(x))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    for asks in (None, 1):
+        shapes.clear()
+        eng = ContinuousEngine(TINY, 3)
+        reqs = [
+            Request(p, 3, sampling=Sampling(prompt_logprobs=asks if i == 1 else None))
+            for i, p in enumerate(prompts)
+        ]
+        rids = [eng.add_request(r) for r in reqs]
+        eng.step()
+        assert shapes[0] == ((3,) if asks is None else (3, 5)), shapes
+        while eng.has_work():
+            eng.step()
+        results = [eng.results.pop(r) for r in rids]
+        assert [r.tokens for r in results] == [solo(TINY, r).tokens for r in reqs]
+        assert (results[1].prompt_logprobs is None) == (asks is None)
+
+
 def test_select_gives_logprobs_only_to_the_rows_that_ask():
     logits = torch.randn(3, V, dtype=torch.float64)
     rows = [History(Sampling(logprobs=k), [1], []) for k in (None, 0, 2)]

@@ -163,11 +163,12 @@ class ModelRunner:
         return logits
 
     def prefill(self, chunks: list[tuple[Sequence, int]]
-                ) -> tuple[list[int], Tensor | None, Tensor]:
+                ) -> tuple[list[int], Tensor | None, Tensor | None]:
         """Each sequence's next chunk of its context (next_chunk) in one ragged batch. Returns
         the indices of the chunks that end their contexts, their last logits (E, V): only
         those give a token to sample (None when no chunk ends its context), and every
-        position's logits (B, T, V), for the prompts' logprobs."""
+        position's logits (B, T, V) when a sequence still collects its prompt's logprobs, else
+        None: the head then runs at the E sampled positions alone (vLLM's logits indices)."""
         planned = [chunked_prefill.next_chunk(s, n) for s, n in chunks]
         for (seq, n), (toks, _) in zip(chunks, planned):
             if len(toks) != n:
@@ -178,24 +179,35 @@ class ModelRunner:
         idx = torch.tensor([t + [0] * (T - len(t)) for t, _ in planned],
                            device=self.device)                          # (B, T)
         self.cache.plan_step([s.slot for s, _ in chunks], q_lens)
-        with autocast_for(self.device):
-            logits, _ = self.model(idx, cache=self.cache)               # (B, T, V)
         ends = [i for i, (_, done) in enumerate(planned) if done]
-        if not ends:
-            return [], None, logits
-        return ends, logits[torch.tensor(ends, device=self.device),
-                            torch.tensor([q_lens[i] - 1 for i in ends], device=self.device)], \
-            logits
+        rows = torch.tensor(ends, dtype=torch.long, device=self.device)
+        cols = torch.tensor([q_lens[i] - 1 for i in ends], dtype=torch.long, device=self.device)
+        with autocast_for(self.device):
+            x = self.model.hidden_states(idx, cache=self.cache)         # (B, T, d)
+            every = None
+            if any(wants_prompt_logprobs(seq) for seq, _ in chunks):
+                every = self.model.compute_logits(x)                    # (B, T, V)
+                last = every[rows, cols]                                # (E, V)
+            elif ends:
+                last = self.model.compute_logits(x[rows, cols])         # (E, V)
+        return ends, last if ends else None, every
 
 
-def collect_prompt_logprobs(chunks: list[tuple[Sequence, int]], logits: Tensor) -> None:
+def wants_prompt_logprobs(seq: Sequence) -> bool:
+    """Whether the sequence asked for its prompt's logprobs and has not all of them yet."""
+    got = seq.prompt_logprobs
+    return got is not None and len(got) < len(seq.request.prompt)
+
+
+def collect_prompt_logprobs(chunks: list[tuple[Sequence, int]], logits: Tensor | None) -> None:
     """The prompt logprobs a step's chunks give, appended to each sequence that asks for them:
-    logits (B, T, V) of the chunks, each computed from seq.num_computed_tokens on. Position p
+    logits (B, T, V) of the chunks (None when none asks), each computed from
+    seq.num_computed_tokens on. Position p
     predicts prompt token p + 1; the positions already collected (a prompt computed again
     after a preemption) are skipped."""
     for b, (seq, n) in enumerate(chunks):
         got, prompt = seq.prompt_logprobs, seq.request.prompt
-        if got is None or len(got) == len(prompt):
+        if not wants_prompt_logprobs(seq):
             continue
         start = seq.num_computed_tokens
         lo, hi = max(start, len(got) - 1), min(start + n, len(prompt) - 1)

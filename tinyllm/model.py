@@ -252,6 +252,21 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.to(device), persistent=False)   # (max_len, hd)
 
     def forward(self, idx: Tensor, cache=None, targets: Tensor | None = None):
+        logits = self.compute_logits(self.hidden_states(idx, cache))          # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=-100)
+        return logits, loss
+
+    def compute_logits(self, x: Tensor) -> Tensor:
+        """The final norm and the head: hidden states x (..., d) -> logits (..., V)."""
+        return self.lm_head(self.norm(x))
+
+    def hidden_states(self, idx: Tensor, cache=None) -> Tensor:
+        """The forward pass up to the last layer's output: idx (B, T) -> x (B, T, d), before the
+        final norm and the head. A prefill that samples at a few positions only takes those
+        rows to compute_logits (the head is a fifth of a small model's arithmetic)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (batch, time) token ids, got shape {tuple(idx.shape)}")
         B, T = idx.shape
@@ -268,12 +283,7 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache)
         if cache is not None:
             cache.end_step()
-        logits = self.lm_head(self.norm(x))                                   # (B, T, V)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                                   ignore_index=-100)
-        return logits, loss
+        return x                                                              # (B, T, d)
 
     def rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """The rotary embedding's cos and sin at positions pos (B or 1, T), in the weights'
