@@ -99,7 +99,7 @@ def test_paged_engine_matches_solo_generate(requests, n_slots, block_size, slack
 
 
 @settings(
-    max_examples=25,
+    max_examples=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example],
 )
@@ -107,13 +107,17 @@ def test_paged_engine_matches_solo_generate(requests, n_slots, block_size, slack
     requests=requests_st,
     n_slots=st.integers(1, 5),
     block_size=st.sampled_from([1, 3, 8]),
+    decoder=st.sampled_from(["eager", "graphs"]),
+    buckets=st.sampled_from([None, (8, 16, 32, 64), (1, 2, 3, 50)]),
     data=st.data(),
 )
 def test_paged_engine_online_with_preemption_aborts_and_sampling(
-    requests, n_slots, block_size, data
+    requests, n_slots, block_size, decoder, buckets, data
 ):
     """Arrivals between steps, aborts (of running, queued and preempted requests), greedy and
-    seeded sampled requests, a tight pool: every finished request equals solo."""
+    seeded sampled requests, a tight pool, the eager decode step or the graph decoder's (the
+    block tables in a static buffer, every slot computed, 06): every finished request equals
+    solo, the books balance after every step and every block is back at the end."""
     reqs = [
         Request(
             r.prompt,
@@ -124,11 +128,20 @@ def test_paged_engine_online_with_preemption_aborts_and_sampling(
         for i, r in enumerate(requests)
     ]
     n_blocks = max(need_blocks(r, block_size) for r in reqs) + data.draw(st.integers(0, 4))
-    eng = ContinuousEngine(TINY, n_slots, kv="paged", block_size=block_size, kv_blocks=n_blocks)
+    eng = ContinuousEngine(
+        TINY,
+        n_slots,
+        kv="paged",
+        block_size=block_size,
+        kv_blocks=n_blocks,
+        decoder=decoder,
+        buckets=buckets if decoder == "graphs" else None,
+    )
     done, aborted = drive(eng, reqs, data, abort_odds=8)
     assert set(done) | aborted == set(range(len(reqs))), "every request finished or was aborted"
     for i, tokens in done.items():
         assert tokens == solo(reqs[i]), f"request {i}"
+    assert eng.cache.allocator.n_free() == n_blocks
 
 
 def pressure_workload(n: int = 16) -> list[Request]:
@@ -317,48 +330,6 @@ def test_eager_bucketed_decoder_matches_the_plain_decoder(requests, n_slots, buc
     assert [r.tokens for r in graphed] == [r.tokens for r in plain]
     assert_oracle(requests, graphed)
     assert summary["occupancy"] == summary["row_util"], "the graph computes every slot"
-
-
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example],
-)
-@given(
-    requests=requests_st,
-    n_slots=st.integers(1, 5),
-    block_size=st.sampled_from([1, 3, 8]),
-    buckets=st.sampled_from([None, (8, 16, 32, 64), (1, 2, 3, 50)]),
-    data=st.data(),
-)
-def test_graph_decoder_over_a_paged_pool_matches_solo(requests, n_slots, block_size, buckets, data):
-    """The block tables in a static buffer, every slot computed: arrivals between steps, aborts,
-    greedy and seeded requests, a tight pool that preempts: every finished request equals solo,
-    the books balance after every step and every block is back at the end."""
-    reqs = [
-        Request(
-            r.prompt,
-            r.max_new_tokens,
-            r.eos_id,
-            data.draw(st.sampled_from([None, Sampling(0.9, 20, None, seed=i)])),
-        )
-        for i, r in enumerate(requests)
-    ]
-    n_blocks = max(need_blocks(r, block_size) for r in reqs) + data.draw(st.integers(0, 4))
-    eng = ContinuousEngine(
-        TINY,
-        n_slots,
-        kv="paged",
-        block_size=block_size,
-        kv_blocks=n_blocks,
-        decoder="graphs",
-        buckets=buckets,
-    )
-    done, aborted = drive(eng, reqs, data, abort_odds=8)
-    assert set(done) | aborted == set(range(len(reqs))), "every request finished or was aborted"
-    for i, tokens in done.items():
-        assert tokens == solo(reqs[i]), f"request {i}"
-    assert eng.cache.allocator.n_free() == n_blocks
 
 
 def test_rows_that_decode_nothing_write_only_the_pad_block():
