@@ -63,6 +63,12 @@ def compile_settings(mode: str, device: torch.device,
 RECOMPILE_LIMIT = 64
 
 
+def lift_recompile_limit() -> None:
+    """torch.compile's recompile limit raised to RECOMPILE_LIMIT, in this process."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                RECOMPILE_LIMIT)
+
+
 class CompiledStep:
     """A bucket's decode step compiled for its shapes, replayed like a captured graph:
     replay() runs it from the decoder's static buffers and leaves its logits (S, 1, V) in
@@ -114,8 +120,7 @@ class CompiledDecoder(SlotGraphDecoder):
                                                               slots.k[0].dtype)
         super().__init__(model, slots, buckets, capture=False)
         self.mode = mode
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                    RECOMPILE_LIMIT)
+        lift_recompile_limit()
         self.capture = True                             # decode_step replays graphs[W]
         self.graphs = CompiledSteps(self)
         self.compile_s: dict[int, float] = {}
@@ -127,8 +132,7 @@ class CompiledDecoder(SlotGraphDecoder):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                    RECOMPILE_LIMIT)
+        lift_recompile_limit()
         self.graphs = CompiledSteps(self)
 
     @torch.no_grad()

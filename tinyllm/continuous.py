@@ -180,17 +180,18 @@ class ModelRunner:
                            device=self.device)                          # (B, T)
         self.cache.plan_step([s.slot for s, _ in chunks], q_lens)
         ends = [i for i, (_, done) in enumerate(planned) if done]
-        rows = torch.tensor(ends, dtype=torch.long, device=self.device)
-        cols = torch.tensor([q_lens[i] - 1 for i in ends], dtype=torch.long, device=self.device)
         with autocast_for(self.device):
             x = self.model.hidden_states(idx, cache=self.cache)         # (B, T, d)
             every = None
             if any(wants_prompt_logprobs(seq) for seq, _ in chunks):
                 every = self.model.compute_logits(x)                    # (B, T, V)
-                last = every[rows, cols]                                # (E, V)
-            elif ends:
-                last = self.model.compute_logits(x[rows, cols])         # (E, V)
-        return ends, last if ends else None, every
+            if not ends:
+                return [], None, every
+            rows = torch.tensor(ends, device=self.device)
+            cols = torch.tensor([q_lens[i] - 1 for i in ends], device=self.device)
+            last = every[rows, cols] if every is not None else \
+                self.model.compute_logits(x[rows, cols])                # (E, V)
+        return ends, last, every
 
 
 def wants_prompt_logprobs(seq: Sequence) -> bool:
@@ -202,9 +203,8 @@ def wants_prompt_logprobs(seq: Sequence) -> bool:
 def collect_prompt_logprobs(chunks: list[tuple[Sequence, int]], logits: Tensor | None) -> None:
     """The prompt logprobs a step's chunks give, appended to each sequence that asks for them:
     logits (B, T, V) of the chunks (None when none asks), each computed from
-    seq.num_computed_tokens on. Position p
-    predicts prompt token p + 1; the positions already collected (a prompt computed again
-    after a preemption) are skipped."""
+    seq.num_computed_tokens on. Position p predicts prompt token p + 1; the positions already
+    collected (a prompt computed again after a preemption) are skipped."""
     for b, (seq, n) in enumerate(chunks):
         got, prompt = seq.prompt_logprobs, seq.request.prompt
         if not wants_prompt_logprobs(seq):

@@ -230,12 +230,9 @@ class SlotGraphDecoder:
         table reads). Nothing to do for a SlotKVCache."""
         if self.tables is None:
             return
-        pad, n = self.slots.pad, self.tables.size(1)
-        host = [[pad] * n for _ in range(self.slots.n_slots)]
-        for s in rows:
-            table = self.slots.tables[s]
-            host[s][:len(table)] = table
-        self.tables.copy_(torch.tensor(host, dtype=torch.long))
+        rows, pool = set(rows), self.slots
+        tables = [t if s in rows else [] for s, t in enumerate(pool.tables)]
+        self.tables.copy_(paged_kv.table_tensor(tables, "cpu", pool.pad, self.tables.size(1)))
 
     def run_eager(self, W: int) -> Tensor:
         """The decode step at window W, run eagerly from the static buffers (what a graph of

@@ -156,11 +156,12 @@ def held_counts(tables: list[list[int]], n_blocks: int) -> list[int]:
     return counts
 
 
-def table_tensor(tables: list[list[int]], device) -> Tensor:
-    """Block tables as (B, n_table) long, each padded with block 0 (read only at masked
-    positions)."""
-    n = max(1, max(len(t) for t in tables))
-    return torch.tensor([t + [0] * (n - len(t)) for t in tables], dtype=torch.long, device=device)
+def table_tensor(tables: list[list[int]], device, pad: int = 0, n: int | None = None) -> Tensor:
+    """Block tables as (B, n) long, n the longest table's length unless given, each padded
+    with block pad (read only at masked positions; a graph's idle rows also write there)."""
+    n = n or max(1, max(len(t) for t in tables))
+    return torch.tensor([t + [pad] * (n - len(t)) for t in tables], dtype=torch.long,
+                        device=device)
 
 
 def tables_problem(cache: "PagedKVCache") -> str | None:

@@ -53,7 +53,8 @@ DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float16": torch.flo
 ENGINES = ("static", "continuous", "paged", "graphs", "compiled")
 # +chunked (07), +prefix (08), +ngram and +draft (11); a decode step: +graphs, +compiled (06)
 # and +pieces (13)
-OPTIONS = ("chunked", "prefix", "ngram", "draft", "graphs", "compiled", "pieces")
+DECODE_STEPS = ("graphs", "compiled", "pieces")
+OPTIONS = ("chunked", "prefix", "ngram", "draft", *DECODE_STEPS)
 DEFAULT_STEP_TOKENS = 64                                # a +chunked engine's budget by default
 
 
@@ -73,7 +74,7 @@ def engine_name(name: str) -> tuple[str, list[str]]:
         raise ValueError(f"{name}: a prefix cache shares blocks: use paged+prefix")
     if "ngram" in opts and "draft" in opts:
         raise ValueError(f"{name}: one proposer at a time: +ngram or +draft")
-    steps = [o for o in opts if o in ("graphs", "compiled", "pieces")]
+    steps = [o for o in opts if o in DECODE_STEPS]
     if steps and base not in ("continuous", "paged"):
         raise ValueError(f"{name}: +{steps[0]} is a decode step of continuous or paged")
     if len(steps) > 1:
@@ -105,7 +106,7 @@ def engine_config(name: str, args, max_len: int | None = None, budget_for_all: b
         return base, EngineConfig(args.n_slots)
     decoder = {"continuous": args.decoder, "graphs": "graphs", "compiled": "compiled"}.get(
         base, "eager")                                  # paged: the eager step, or its option's
-    decoder = next((o for o in opts if o in ("graphs", "compiled", "pieces")), decoder)
+    decoder = next((o for o in opts if o in DECODE_STEPS), decoder)
     chunked = "chunked" in opts or (budget_for_all and args.max_step_tokens is not None)
     budget = (args.max_step_tokens or DEFAULT_STEP_TOKENS) if chunked else None
     named = [o for o in opts if o in ("ngram", "draft")]
