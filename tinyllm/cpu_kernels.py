@@ -12,7 +12,8 @@ integers, as llama.cpp's products do:
 
 - `float_gemv`: y = x @ W^T in float32, one weight row at a time (a CPU streams one row
   fastest), each weight vector multiplied with up to 4 rows of x; with several rows the
-  weight passes through the cache a tile at a time, so it comes from memory once.
+  weight passes through the cache a tile at a time, so it comes from memory once, and the
+  next tile is asked for (prefetched) while this one is multiplied.
 - `int8_gemv`: y[m, n] = (xq[m] . q[n]) * (sx[m] * scale[n]), each row of x quantized to int8
   by its largest magnitude (quant.int8_matmul's product): 16 weights widened to int16 and
   multiplied in pairs into int32 (`_mm256_madd_epi16`), two accumulators. The integer sum is
@@ -201,12 +202,19 @@ static void rows_f32(int R, const float *x, const float *w, float *y, int64_t n0
     }
 }
 
+/* asks for a weight row (K floats) to be brought into the cache, without waiting for it */
+static void prefetch_row(const float *w, int64_t K) {
+    for (int64_t k = 0; k < K; k += 16) __builtin_prefetch(w + k, 0, 2);
+}
+
 /* y (M, N) = x (M, K) @ W^T for the W float32 weights w[w] (Ns[w], K) stacked (N = their Ns'
    sum). Every output is one row of x . one row of w, summed in one order whatever the tile
    (dot_f32_R's), one weight row at a time: a CPU streams one row fastest. With several rows
-   of x, the weight is read a tile of rows at a time, about 64 KB, into the cache (a plain
-   pass over it, which keeps the memory busier than the multiply-adds would), then every 4
-   rows of x (then 2, 1) pass over the tile there */
+   of x, the weight is read a tile of rows at a time, about 64 KB, so that every 4 rows of x
+   (then 2, 1) pass over it in the cache. While the first rows of x pass over a tile, each
+   weight row computed asks for the same row of the next tile (a prefetch): the memory
+   fetches the next tile while the multiply-adds run on this one, where otherwise the two
+   would take turns */
 void float_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float *x,
                 const float **w, float *y, int threads) {
     int64_t N = 0;
@@ -214,18 +222,23 @@ void float_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float 
     for (int64_t i = 0, first = 0; i < W; first += Ns[i++]) {
         const float *wi = w[i];
         int64_t Ni = Ns[i], tile = M > 1 ? 1 + 64 * 1024 / (4 * K) : (Ni + threads - 1) / threads;
+        int R = M >= 4 ? 4 : 2;                      /* the rows of x that pass first */
+        for (int64_t n = 0; M > 1 && n < tile && n < Ni; n++) prefetch_row(wi + n * K, K);
         #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int64_t n0 = 0; n0 < Ni; n0 += tile) {
             int64_t n1 = n0 + tile < Ni ? n0 + tile : Ni, m = 0;
-            if (M > 1) {                                    /* the tile, read into the cache */
-                float touched = 0;
-                for (const float *p = wi + n0 * K; p < wi + n1 * K; p += 16) touched += *p;
-                volatile float unused = touched;          /* so that the reads are kept */
-                (void)unused;
+            if (M == 1) {
+                rows_f32(1, x, wi, y + first, n0, n1, K, N);
+                continue;
             }
-            for (; m + 4 <= M; m += 4) rows_f32(4, x + m * K, wi, y + m * N + first, n0, n1, K, N);
-            for (; m + 2 <= M; m += 2) rows_f32(2, x + m * K, wi, y + m * N + first, n0, n1, K, N);
-            for (; m < M; m++) rows_f32(1, x + m * K, wi, y + m * N + first, n0, n1, K, N);
+            for (int64_t n = n0; n < n1; n++) {
+                if (n + tile < Ni) prefetch_row(wi + (n + tile) * K, K);
+                rows_f32(R, x, wi, y + first, n, n + 1, K, N);
+            }
+            float *ym = y + first;
+            for (m = R; m + 4 <= M; m += 4) rows_f32(4, x + m * K, wi, ym + m * N, n0, n1, K, N);
+            for (; m + 2 <= M; m += 2) rows_f32(2, x + m * K, wi, ym + m * N, n0, n1, K, N);
+            for (; m < M; m++) rows_f32(1, x + m * K, wi, ym + m * N, n0, n1, K, N);
         }
     }
 }
