@@ -18,6 +18,7 @@ metadata as a `tokenizers` byte-level BPE that cuts text as the file's `tokenize
 """
 
 import os
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -56,8 +57,9 @@ LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}             # Llama 3.1's and 3.2's
 
 
+@lru_cache(maxsize=1)
 def reader_class():
-    """gguf.GGUFReader, parsing from a plain view of its map of the file.
+    """gguf.GGUFReader, parsing from a plain view of its map of the file (one class a process).
 
     The reader parses every metadata value as a slice of that map: SmolLM2's vocabulary and
     merges alone are some 200,000 slices. A slice of numpy's np.memmap runs Python code of that
@@ -78,16 +80,26 @@ def reader_class():
 
 
 def open_reader(path: Path):
-    """A GGUF reader over the file (it maps the file; tensors are read when touched)."""
+    """A GGUF reader over the file (it maps the file; tensors are read when touched). The
+    reader's parse of the metadata (a vocabulary of 49,152 strings: about a second) is kept
+    for the last few files, by path, size and modification time: a second load of the same
+    file parses nothing."""
     try:
         Reader = reader_class()
     except ImportError:
         raise CheckpointError(f"{path}: reading a GGUF file needs the gguf package "
                               "(pip install gguf)") from None
     try:
-        return Reader(path)
+        stat = os.stat(path)
+        return parsed(Reader, str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
     except Exception as e:  # the reader raises ValueError, struct or numpy errors on a bad file
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+@lru_cache(maxsize=4)
+def parsed(Reader, path: str, size: int, mtime_ns: int):
+    """Reader(path), once for a file of this size and modification time."""
+    return Reader(path)
 
 
 def field_value(field):
@@ -196,14 +208,20 @@ def to_hf_name(name: str, where: Path) -> str:
 
 def dequantize(tensor, where: Path) -> torch.Tensor:
     """One reader tensor -> float32 (rows, cols) in PyTorch's layout. GGUF lists dims innermost
-    first (ne0 = the input features), so the shape reads backwards."""
+    first (ne0 = the input features), so the shape reads backwards. Q8_0, Q4_0 and Q4_1 blocks
+    are read back by quant.from_gguf's layer (the same floats as gguf's own, in PyTorch, a few
+    times faster); the other types by the gguf package."""
     from gguf import quants
     kind = tensor.tensor_type.name
     if kind not in READABLE:
         raise CheckpointError(f"{where}: tensor {tensor.name!r} has type {kind}, which tinyllm "
                               f"does not de-quantise (it reads {', '.join(READABLE)})")
-    values = quants.dequantize(tensor.data, tensor.tensor_type)        # float32, blocks undone
     shape = tuple(int(n) for n in reversed(tensor.shape))
+    if kind in GGUF_BLOCKS:
+        rows = shape[0] if len(shape) > 1 else 1
+        blocks = torch.from_numpy(np.array(tensor.data)).reshape(rows, -1)     # (N, bytes)
+        return from_gguf(kind, blocks).dequantized(torch.float32).reshape(shape)
+    values = quants.dequantize(tensor.data, tensor.tensor_type)        # float32, blocks undone
     return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(shape)
 
 
