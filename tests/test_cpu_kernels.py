@@ -42,6 +42,23 @@ def weights(seed: int, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     return w, torch.randn(4, K, generator=g) * 3
 
 
+@pytest.mark.parametrize("K", [576, 1000])
+def test_float_gemv_over_many_tiles_is_the_float_product_and_each_row_its_own(K):
+    """A weight of several tiles (about 64 KB of rows each: 29 rows of 576, 17 of 1000), with
+    its last tile short and the next tile asked for while each is multiplied: for 1 to 16
+    rows of x, and two weights side by side, every row equals F.linear up to rounding and,
+    bit for bit, the row computed alone."""
+    g = torch.Generator().manual_seed(K)
+    ws = [torch.randn(N, K, generator=g) * 0.1 for N in (100, 37)]
+    x = torch.randn(16, K, generator=g)
+    alone = torch.cat([cpu_kernels.float_gemv(x[i : i + 1].contiguous(), ws) for i in range(16)])
+    want = F.linear(x.double(), torch.cat(ws).double())
+    torch.testing.assert_close(alone.double(), want, rtol=1e-5, atol=1e-5)
+    for M in range(1, 17):
+        got = cpu_kernels.float_gemv(x[:M].contiguous(), ws)
+        assert torch.equal(got, alone[:M]), f"{M} rows: a row depends on the rows beside it"
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
