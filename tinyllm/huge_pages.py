@@ -41,8 +41,9 @@ def mode() -> str:
 def block(nbytes: int) -> tuple[mmap.mmap, int]:
     """Fresh memory for nbytes whose 2 MB-aligned pages asked for huge pages, where the system
     has them -> (an anonymous map one huge page larger, the offset of its first aligned byte:
-    the nbytes from there are the block). The map is private (a shared one is file memory,
-    which gets no huge pages). Nothing is written: each page is chosen when first touched."""
+    the nbytes from there are the block). The map is private: a shared one is shared memory,
+    whose huge pages follow another setting (shmem_enabled, usually "never"). Nothing is
+    written: each page is chosen when first touched."""
     private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     memory = mmap.mmap(-1, nbytes + HUGE_PAGE, **({"flags": private} if private else {}))
     start = -torch.frombuffer(memory, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
@@ -54,8 +55,7 @@ def block(nbytes: int) -> tuple[mmap.mmap, int]:
 
 def empty(numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """An uninitialised tensor (numel,) in a block of its own (block)."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    memory, start = block(numel * size)
+    memory, start = block(numel * dtype.itemsize)
     return torch.frombuffer(memory, dtype=dtype, count=numel, offset=start)
 
 
