@@ -84,6 +84,12 @@ def padded(t: Tensor, B: int) -> Tensor:
     return padded_rows(t) if t.size(0) == B else t
 
 
+def unpadded(attend, B: int):
+    """attend(block, q, k, v) on the first B rows of q, k and v (the batch's, the rest padding
+    to a power of two), its output y padded back to as many rows."""
+    return lambda block, q, k, v: padded_rows(attend(block, q[:B], k[:B], v[:B]))
+
+
 def tensors(module: nn.Module) -> list[Tensor]:
     """A module's parameters and buffers, in named order, as plain tensors: what a program
     takes for the module."""
@@ -154,6 +160,7 @@ class PiecewiseDecoder:
                                  f"or layout: the pieces compile one program for all layers")
         self.held = {"before": held[0], "last": held[-1] + tensors(m.norm) + tensors(m.lm_head),
                      "between": [a + b for a, b in zip(held, held[1:])]}
+        self.layers = list(m.layers)        # a list: a ModuleList's [i] costs microseconds
         self._ready = True
 
     def _run(self, piece, modules: list[nn.Module], held: list[Tensor], *args: Tensor):
@@ -184,14 +191,15 @@ class PiecewiseDecoder:
         attend(block, q, k, v) -> y on the B rows between them."""
         if not self._ready:
             self._prepare()
-        m, B, held = self.model, x.size(0), self.held
-        layers, cos, sin = m.layers, padded(cos, B), padded(sin, B)
-        x = padded(x, B)
+        m, B, held, layers = self.model, x.size(0), self.held, self.layers
+        x, cos, sin = padded(x, B), padded(cos, B), padded(sin, B)
+        if x.size(0) > B:                                 # the padding rows skip attention
+            attend = unpadded(attend, B)
         q, k, v = self._run(before, [layers[0]], held["before"], x, cos, sin)
         for i, pair in enumerate(held["between"]):
-            y = padded(attend(layers[i], q[:B], k[:B], v[:B]), B)
+            y = attend(layers[i], q, k, v)
             x, q, k, v = self._run(between, [layers[i], layers[i + 1]], pair, x, y, cos, sin)
-        y = padded(attend(layers[-1], q[:B], k[:B], v[:B]), B)
+        y = attend(layers[-1], q, k, v)
         logits = self._run(last, [layers[-1], m.norm, m.lm_head], held["last"], x, y)
         return logits[:B]
 
