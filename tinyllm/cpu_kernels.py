@@ -896,7 +896,7 @@ def int8_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], ops=None) -> Tens
     x, in one call, with each row of x quantized to int8 once; each one quant.int8_matmul's
     result, bit for bit. CPU tensors, the weights contiguous; ops: a build() of the kernels
     (None: library())."""
-    return (ops or library()).int8_gemv.default(x, q, scale)
+    return (ops or library()).int8_gemv(x, q, scale)
 
 
 def int4_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], zero: list[Tensor],
@@ -906,7 +906,7 @@ def int4_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], zero: list[Tensor
     zero[i] (N_i, G) float16), each group of x quantized to int8 once:
     F.linear(quant.rounded_activations(x, 2 h), W_i) up to the order of additions.
     CPU tensors, the weights contiguous; ops: a build() of the kernels (None: library())."""
-    return (ops or library()).int4_gemv.default(x, q, scale, zero)
+    return (ops or library()).int4_gemv(x, q, scale, zero)
 
 
 def int8g_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], ops=None) -> Tensor:
@@ -915,7 +915,7 @@ def int8g_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], ops=None) -> Ten
     per group of K / G, each group of x quantized to int8 once:
     F.linear(quant.rounded_activations(x, K / G), W_i) up to the order of additions.
     CPU tensors, the weights contiguous; ops: a build() of the kernels (None: library())."""
-    return (ops or library()).int8g_gemv.default(x, q, scale)
+    return (ops or library()).int8g_gemv(x, q, scale)
 
 
 def float_gemv(x: Tensor, w: list[Tensor], ops=None) -> Tensor:
@@ -923,7 +923,7 @@ def float_gemv(x: Tensor, w: list[Tensor], ops=None) -> Tensor:
     weights W_i (N_i, K): F.linear's product up to the order of additions, the same order for
     any M. CPU tensors, the weights contiguous; ops: a build() of the kernels (None:
     library())."""
-    return (ops or library()).float_gemv.default(x, w)
+    return (ops or library()).float_gemv(x, w)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
@@ -936,8 +936,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tens
     additive mask (B, W) (-inf: hidden) -> y (B, n_kv, g, hd): scaled_dot_product_attention's
     result up to the order of additions, each row's the same in any batch. float32 or float64,
     on the CPU; an index outside the cache raises IndexError and writes nothing."""
-    return (ops or library()).decode_attention.default(q, k, v, keys, values, write, read,
-                                                       head_stride, mask)
+    return (ops or library()).decode_attention(q, k, v, keys, values, write, read, head_stride,
+                                               mask)
 
 
 def _fake(name: str):

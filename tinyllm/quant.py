@@ -305,7 +305,7 @@ def c_product(kernel: str, x2: Tensor, layers: list[nn.Module]) -> list[Tensor]:
         lists = [[m.q for m in layers], [m.scale for m in layers], [m.zero for m in layers]]
     else:
         lists = [[m.q for m in layers], [m.scale for m in layers]]
-    y = getattr(torch.ops.tinyllm, kernel).default(x2, *lists)   # a strided x2: copied there
+    y = getattr(torch.ops.tinyllm, kernel)(x2, *lists)           # a strided x2: copied there
     ys = y.split([m.out_features for m in layers], dim=-1)
     return [y if m.bias is None else y + m.bias for y, m in zip(ys, layers)]
 
