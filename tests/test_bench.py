@@ -155,8 +155,8 @@ def test_paged_engines_get_their_slots_pool_and_prefix_cache():
 
 def test_decoders_and_the_compile_mode_by_name_and_flag():
     """--decoder is the continuous engines' decode step, graphs and compiled name their own,
-    paged keeps the eager step unless an option names one (+graphs, +compiled, +pieces);
-    --compile-mode is the compiled decoder's alone."""
+    paged keeps the eager step unless an option names one (+graphs, +compiled, +pieces,
+    +fused); --compile-mode is the compiled decoder's alone."""
     step = lambda name, *argv: (lambda c: (c.decoder, c.compile_mode))(
         bench.engine_config(name, flags(*argv), 100)[1]
     )
@@ -173,10 +173,16 @@ def test_decoders_and_the_compile_mode_by_name_and_flag():
     assert step("paged+compiled", *autotune) == ("compiled", "max-autotune")
     assert step("paged+prefix+compiled") == ("compiled", "default")
     assert step("continuous+pieces", "--decoder", "compiled") == ("pieces", "default")
+    assert (
+        step("paged+prefix+fused")
+        == step("continuous", "--decoder", "fused")
+        == ("fused", "default")
+    )
     for bad, why in [
         ("static+graphs", "static batching has no token budget, no prefix cache and no decode"),
         ("compiled+pieces", "a decode step of continuous or paged"),
         ("paged+graphs+pieces", "one decode step at a time"),
+        ("static+fused", "static batching has no token budget"),
     ]:
         with pytest.raises(ValueError, match=why):
             bench.engine_config(bad, flags())

@@ -1,9 +1,9 @@
 """Step 13 - the C kernels: the float32 one gives F.linear's product up to rounding, the int8
 one torch._int_mm's bit for bit, the grouped ones the library's product of the rounded
-activations, on the machine's vector path and on the portable one; a row's result is the same
-in any batch and with any number of threads; the layers pick them on a CPU in float32; and
-every engine on a float or quantized model still gives each request its solo tokens in
-float32, where they run."""
+activations, on the machine's vector path (and AVX2's beside AVX-512's) and on the portable
+one; a row's result is the same in any batch and with any number of threads; the layers pick
+them on a CPU in float32; and every engine on a float or quantized model still gives each
+request its solo tokens in float32, where they run."""
 
 import pytest
 import torch
@@ -33,6 +33,13 @@ pytestmark = pytest.mark.skipif(
     cpu_kernels.library() is None, reason="no C compiler: the kernels cannot be built"
 )
 PORTABLE = cpu_kernels.build(["-O3"], "tinyllm_portable")  # no -march: the plain C loops
+# Where the machine's own build has AVX-512's 16-float vectors, AVX2's 8-float ones too
+AVX2 = (
+    cpu_kernels.build(["-O3", "-mavx2", "-mfma", "-mf16c"], "tinyllm_avx2")
+    if torch.backends.cpu.get_cpu_capability() == "AVX512"
+    else None
+)
+BUILDS = (None, PORTABLE) + ((AVX2,) if AVX2 is not None else ())  # None: the machine's own
 
 
 def weights(seed: int, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +84,7 @@ def test_float_gemv_is_the_float_product_and_each_row_its_own(seed, N, K, M, thr
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for ops in (None, PORTABLE):
+        for ops in BUILDS:
             got = cpu_kernels.float_gemv(x, [w], ops)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
             if ops is None:
@@ -102,7 +109,7 @@ def test_int8_gemv_is_int_mm_bit_for_bit(seed, N, K, M, threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for ops in (None, PORTABLE):
+        for ops in BUILDS:
             got = cpu_kernels.int8_gemv(x, [q], [scale], ops)
             assert torch.equal(got, want), f"{N}x{K}, {M} rows, ops {ops}"
     finally:
@@ -142,7 +149,7 @@ def test_grouped_kernels_are_the_product_of_the_rounded_activations(
     rounded = rounded_activations(x, group_size).double()  # rounded in float32, as the kernel does
     want = F.linear(rounded, dequantize(bits, q, scale, zero, K, torch.float64))
     rows = torch.cat([kernel(x[i : i + 1].contiguous()) for i in range(M)])
-    for ops in (None, PORTABLE):
+    for ops in BUILDS:
         got = kernel(x, ops)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
         if ops is None:
@@ -239,7 +246,7 @@ def test_decode_attention_is_sdpa_over_the_rows_it_reads_and_each_row_its_own(
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for ops in (None, PORTABLE):
+        for ops in BUILDS:
             ck, cv = keys.clone(), values.clone()
             got = cpu_kernels.decode_attention(q, k, v, ck, cv, write, read, hs, mask, ops)
             assert torch.equal(ck, want_k) and torch.equal(cv, want_v), "the new rows"

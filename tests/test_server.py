@@ -494,6 +494,20 @@ def test_a_compiled_decoder_over_a_paged_pool_is_served(bundled64):
         srv.stop()
 
 
+def test_a_model_served_fused_streams_its_solo_text(bundled64):
+    """serve --decoder fused: the decoder goes to the engine's process as its model, finds the
+    layers' weights there, and a stream carries solo's text."""
+    model, tok = bundled64
+    srv = Running(ContinuousEngine(model, 4, kv="paged", decoder="fused"), tok)
+    try:
+        cl = srv.client()
+        for prompt in PROMPTS[:2]:
+            assert streamed_text(cl, prompt, 24) == solo_text(srv, prompt, 24)
+        srv.wait_idle()
+    finally:
+        srv.stop()
+
+
 def test_a_quantized_model_served_in_pieces_streams_its_solo_text(bundled64):
     """serve --quant int8 --decoder pieces: the model and its decoder go to the engine's
     process (the pieces compile there), and a stream carries solo's text on that model."""

@@ -17,7 +17,7 @@ from tinyllm.sampling import Sampling
 
 DEFAULT_KV_MIB = 512     # the KV cache's memory when none is given (vLLM's CPU default: 4 GiB)
 KV_KINDS = ("slots", "paged")
-DECODERS = ("eager", "graphs", "compiled", "pieces")
+DECODERS = ("eager", "graphs", "compiled", "pieces", "fused")
 COMPILE_MODES = ("default", "max-autotune")
 PROPOSERS = ("ngram", "draft")
 
@@ -45,7 +45,8 @@ class EngineConfig:
     kv: str = "slots"                       # the KV cache: "slots" (04) or "paged" (05)
     block_size: int = 16                    # positions per block of the paged pool (05)
     kv_blocks: int | None = None            # the paged pool (None: the slots' memory)
-    decoder: str = "eager"                  # decode step: eager, graphs, compiled (06), pieces (13)
+    decoder: str = "eager"                  # decode step: eager, graphs, compiled (06), pieces
+                                            # or fused (13)
     compile_mode: str = "default"           # the compiled step's torch.compile mode (06)
     buckets: tuple[int, ...] | None = None  # the bucketed decoders' windows (None: powers of two)
     max_step_tokens: int | None = None      # tokens computed per step at most (07; None: no budget)
@@ -153,7 +154,8 @@ class EngineConfig:
         g.add_argument("--decoder", choices=DECODERS, default="eager",
                        help="the decode step: eager, CUDA graphs (their eager bucketed twin on "
                             "a CPU) or compiled by torch.compile (step 06), or each layer "
-                            "compiled in pieces around attention (step 13) (default: eager)")
+                            "compiled in pieces around attention, or each layer in one C call "
+                            "on a CPU (step 13) (default: eager)")
         g.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
                        help="the compiled step's mode: max-autotune generates GEMM kernels for "
                             "the step's batch, a faster step for a longer compilation "
@@ -183,7 +185,7 @@ def check_speculation(config: EngineConfig) -> None:
                          f"prompt_lookup_max {config.prompt_lookup_max}")
     if config.speculate is not None and config.decoder in ("graphs", "compiled"):
         raise ValueError(f"speculation verifies its guesses in a ragged eager pass: use "
-                         f"decoder='eager' or 'pieces' (got {config.decoder!r})")
+                         f"decoder='eager', 'pieces' or 'fused' (got {config.decoder!r})")
 
 
 def add_speculation_arguments(g) -> None:

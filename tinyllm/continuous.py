@@ -12,9 +12,10 @@ straight into their slots), 4) retire what finished. Each forward pass is one ra
 cache (slot_cache.py). With kv="paged" (05) the memory is a pool of blocks, and requests may be
 preempted; with decoder="graphs" (06) the decode step is a replayed CUDA graph, with
 decoder="compiled" a step compiled by torch.compile (any device), with decoder="pieces" (13)
-each of its layers compiled in pieces around attention (any cache); with max_step_tokens (07)
-contexts are prefilled a chunk at a time; with prefix_cache (08) requests share the blocks of
-a common prefix.
+each of its layers compiled in pieces around attention (any cache), with decoder="fused" (13)
+each layer one C call (float weights on a CPU); with max_step_tokens (07) contexts are
+prefilled a chunk at a time; with prefix_cache (08) requests share the blocks of a common
+prefix.
 """
 
 import dataclasses
@@ -27,6 +28,7 @@ from tinyllm import chunked_prefill, token_stage
 from tinyllm.compiled import CompiledDecoder
 from tinyllm.config import EngineConfig
 from tinyllm.cuda_graph import SlotGraphDecoder
+from tinyllm.fused_layer import FusedDecoder
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer, gpu_dtype
 from tinyllm.paged_kv import PagedKVCache
@@ -93,6 +95,8 @@ def _cache_and_decoder(model: Transformer, config: EngineConfig, max_len: int,
         cache = make_cache(model, config, max_len, n_blocks, device)
         if config.decoder == "pieces":                  # the decode step in pieces (13)
             return cache, PiecewiseDecoder(model)
+        if config.decoder == "fused":                   # each layer in one C call (13)
+            return cache, FusedDecoder(model)
         if config.decoder == "compiled":
             return cache, CompiledDecoder(model, cache, config.buckets, config.compile_mode)
         if config.decoder == "graphs":
@@ -135,7 +139,7 @@ class ModelRunner:
         last = [s.tokens[-1] if s.tokens else s.request.prompt[-1] for s in seqs]
         t0 = time.perf_counter()
         self.cache.plan_step(rows, [1] * len(rows))
-        if not isinstance(self.decoder, SlotGraphDecoder):   # the model, or in pieces (13)
+        if not isinstance(self.decoder, SlotGraphDecoder):   # the model, in pieces or fused (13)
             idx = torch.tensor(last, device=self.device)[:, None]       # (B, 1)
             with autocast_for(self.device):
                 forward = self.model if self.decoder is None else self.decoder

@@ -6,9 +6,10 @@ products (`torch._int_mm`, the weight-only `_weight_int8pack_mm`, fbgemm's dynam
 the loops torch.compile writes reach about 8 GB/s on one thread of a CPU that streams 16-22:
 one accumulator a row, each addition waiting for the one before. The math library's float32
 product of a few rows reads its weights at 6-10 GB/s there. llama.cpp keeps up with
-hand-written loops, and so do these four, in C with AVX2 (and in plain C, which the compiler
-vectorizes, anywhere else). The quantized ones quantize the activations too and multiply
-integers, as llama.cpp's products do:
+hand-written loops, and so do these, in C with AVX2 (the float32 ones with AVX-512's 16-float
+vectors where the compiler targets it: their loads stream a weight about a tenth faster) and
+in plain C, which the compiler vectorizes, anywhere else. The quantized ones quantize the
+activations too and multiply integers, as llama.cpp's products do:
 
 - `float_gemv`: y = x @ W^T in float32, one weight row at a time (a CPU streams one row
   fastest), each weight vector multiplied with up to 4 rows of x; with several rows the
@@ -31,6 +32,10 @@ integers, as llama.cpp's products do:
   weighted values with the output in registers. One call a layer replaces the update's writes
   and gathers and scaled_dot_product_attention: at batch 1 and a short context, about 20
   microseconds a layer against 60; float64 too, in plain C, so the float64 oracle tests run it.
+- `decode_layer`: a whole decoder layer's decode step in one call (fused_layer.py): the norms,
+  the q, k and v product, RoPE, decode_attention, the output product, the SwiGLU MLP and the
+  residuals, with float_gemv's loops (float32) or plain C's (float64), so a step of SmolLM2
+  makes 30 calls instead of about 300.
 
 Each product takes a list of weights that read the same x (q, k and v; gate and up:
 quant.projections), their outputs side by side: x is read (and quantized) once, and the
@@ -160,29 +165,47 @@ static float finish_f32(float s, const float *x, const float *w, int64_t k, int6
 }
 
 #ifdef AVX2
+/* The float32 products' vectors: 16 floats where the compiler targets AVX-512 (its loads
+   stream a weight faster on CPUs that have it), else 8. A build adds in one order for every
+   float32 product, whatever the rows or the tile. */
+#ifdef __AVX512F__
+typedef __m512 vf;
+#define VL 16
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+static float vsum(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+#else
+typedef __m256 vf;
+#define VL 8
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+static float vsum(__m256 a, __m256 b) { return hsum(_mm256_add_ps(a, b)); }
+#endif
+
 /* y[r * ldy] = x's row r . w (K floats) for R rows of x, each weight vector loaded once for
-   the R rows: two vectors of 8 partial sums a row (alternate 8s of K, so that two chains of
-   multiply-adds overlap), then their sum, then K's last K % 8 terms (finish_f32) */
+   the R rows: two vectors of partial sums a row (alternate VL floats of K, so that two chains
+   of multiply-adds overlap), then their sum, then K's last K % VL terms (finish_f32) */
 #define ROWS_F32(R)                                                                         \
 static void dot_f32_##R(const float *x, const float *w, float *y, int64_t K, int64_t ldy) { \
-    __m256 a[R], b[R];                                                                      \
-    for (int r = 0; r < R; r++) a[r] = b[r] = _mm256_setzero_ps();                          \
+    vf a[R], b[R];                                                                          \
+    for (int r = 0; r < R; r++) a[r] = b[r] = vzero();                                      \
     int64_t k = 0;                                                                          \
-    for (; k + 16 <= K; k += 16) {                                                          \
-        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);               \
+    for (; k + 2 * VL <= K; k += 2 * VL) {                                                  \
+        vf w0 = vload(w + k), w1 = vload(w + k + VL);                                       \
         for (int r = 0; r < R; r++) {                                                       \
-            a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), a[r]);               \
-            b[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), b[r]);           \
+            a[r] = vfma(w0, vload(x + r * K + k), a[r]);                                    \
+            b[r] = vfma(w1, vload(x + r * K + k + VL), b[r]);                               \
         }                                                                                   \
     }                                                                                       \
-    if (k + 8 <= K) {                                                                       \
-        __m256 w0 = _mm256_loadu_ps(w + k);                                                 \
-        for (int r = 0; r < R; r++)                                                         \
-            a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), a[r]);               \
-        k += 8;                                                                             \
+    if (k + VL <= K) {                                                                      \
+        vf w0 = vload(w + k);                                                               \
+        for (int r = 0; r < R; r++) a[r] = vfma(w0, vload(x + r * K + k), a[r]);            \
+        k += VL;                                                                            \
     }                                                                                       \
     for (int r = 0; r < R; r++)                                                             \
-        y[r * ldy] = finish_f32(hsum(_mm256_add_ps(a[r], b[r])), x + r * K, w, k, K);       \
+        y[r * ldy] = finish_f32(vsum(a[r], b[r]), x + r * K, w, k, K);                      \
 }
 ROWS_F32(1) ROWS_F32(2) ROWS_F32(4)
 #endif
@@ -436,22 +459,22 @@ void int8g_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t g, c
    (dot_f32_1's order; four keys at a time), -inf where the mask hides the key -> the top */
 #ifdef AVX2
 static void dot4_f32(const float *q, const float *k[4], float *s, int64_t hd) {
-    __m256 a[4], b[4];
-    for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
+    vf a[4], b[4];
+    for (int r = 0; r < 4; r++) a[r] = b[r] = vzero();
     int64_t d = 0;
-    for (; d + 16 <= hd; d += 16) {
-        __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);
+    for (; d + 2 * VL <= hd; d += 2 * VL) {
+        vf q0 = vload(q + d), q1 = vload(q + d + VL);
         for (int r = 0; r < 4; r++) {
-            a[r] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k[r] + d), a[r]);
-            b[r] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k[r] + d + 8), b[r]);
+            a[r] = vfma(q0, vload(k[r] + d), a[r]);
+            b[r] = vfma(q1, vload(k[r] + d + VL), b[r]);
         }
     }
-    if (d + 8 <= hd) {
-        __m256 q0 = _mm256_loadu_ps(q + d);
-        for (int r = 0; r < 4; r++) a[r] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k[r] + d), a[r]);
-        d += 8;
+    if (d + VL <= hd) {
+        vf q0 = vload(q + d);
+        for (int r = 0; r < 4; r++) a[r] = vfma(q0, vload(k[r] + d), a[r]);
+        d += VL;
     }
-    for (int r = 0; r < 4; r++) s[r] = finish_f32(hsum(_mm256_add_ps(a[r], b[r])), q, k[r], d, hd);
+    for (int r = 0; r < 4; r++) s[r] = finish_f32(vsum(a[r], b[r]), q, k[r], d, hd);
 }
 #endif
 
@@ -613,6 +636,91 @@ int NAME(int64_t B, int64_t n_kv, int64_t g, int64_t hd, int64_t W, int64_t rows
 DECODE_ATTENTION(decode_attention_f32, float, f32)
 DECODE_ATTENTION(decode_attention_f64, double, f64)
 
+/* y (M, N) = x (M, K) @ W^T in float64 for the W weights w[i] (Ns[i], K) stacked, in plain C:
+   each output summed in the order of k (the float64 twin of float_gemv, for the oracle) */
+static void double_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const double *x,
+                        const double **w, double *y, int threads) {
+    int64_t N = 0;
+    (void)threads;
+    for (int64_t i = 0; i < W; i++) N += Ns[i];
+    for (int64_t i = 0, first = 0; i < W; first += Ns[i++])
+        for (int64_t n = 0; n < Ns[i]; n++)
+            for (int64_t m = 0; m < M; m++) {
+                double s = 0;
+                for (int64_t k = 0; k < K; k++) s += x[m * K + k] * w[i][n * K + k];
+                y[m * N + first + n] = s;
+            }
+}
+
+/* A decoder layer's decode step, one new token a row, for M rows of the residual stream x
+   (M, d), updated in place: the layer as the model computes it, each step one loop here.
+     h = rms_norm(x) ln1;  q, k, v = h Wq^T, h Wk^T, h Wv^T (one product);  RoPE on q and k;
+     y = decode_attention(q, k, v) in the cache;  x += y Wo^T;
+     h = rms_norm(x) ln2;  g, u = h Wg^T, h Wu^T (one product);  x += (silu(g) u) Wd^T.
+   w: ln1, Wq (H hd, d), Wk, Wv (n_kv hd, d), Wo (d, H hd), ln2, Wg, Wu (ff, d), Wd (d, ff).
+   cos, sin: (rope_rows, hd), a row for each row of x or one for all. The cache's arguments
+   are decode_attention's. Returns 0, or 1 (nothing written, x as it was) where an index of
+   the cache lies outside its rows. */
+#define DECODE_LAYER(NAME, T, S, GEMV, SQRT, EXP)                                              \
+static void rms_norm_##S(const T *x, const T *w, int64_t M, int64_t d, double eps, T *h) {    \
+    for (int64_t m = 0; m < M; m++) {                                                         \
+        const T *xm = x + m * d;                                                              \
+        T ss = 0;                                                                             \
+        for (int64_t i = 0; i < d; i++) ss += xm[i] * xm[i];                                  \
+        T r = 1 / SQRT(ss / (T)d + (T)eps);                                                   \
+        for (int64_t i = 0; i < d; i++) h[m * d + i] = w[i] * (xm[i] * r);                    \
+    }                                                                                         \
+}                                                                                             \
+static void rope_##S(T *x, int64_t heads, int64_t hd, const T *c, const T *s) {               \
+    int64_t h2 = hd / 2;                                                                      \
+    for (int64_t j = 0; j < heads; j++, x += hd)                                              \
+        for (int64_t i = 0; i < h2; i++) {                                                    \
+            T a = x[i], b = x[i + h2];                                                        \
+            x[i] = a * c[i] - b * s[i];                                                       \
+            x[i + h2] = b * c[i + h2] + a * s[i + h2];                                        \
+        }                                                                                     \
+}                                                                                             \
+int NAME(int64_t M, int64_t d, int64_t H, int64_t n_kv, int64_t hd, int64_t ff, T *x,         \
+         const T **w, const T *cos, const T *sin, int64_t rope_rows, T *kc, T *vc,            \
+         int64_t rows, int64_t hs, const int64_t *write, const int64_t *read, const T *mask,  \
+         int64_t W, double eps, int threads) {                                                \
+    int64_t nq = H * hd, nk = n_kv * hd, nqkv = nq + 2 * nk;                                  \
+    T *h = malloc(M * (d + nqkv + nq + 2 * nk + nq + d + 3 * ff) * sizeof(T));                \
+    T *qkv = h + M * d, *q = qkv + M * nqkv, *k = q + M * nq, *v = k + M * nk;                \
+    T *y = v + M * nk, *o = y + M * nq, *gu = o + M * d, *act = gu + 2 * M * ff;              \
+    int64_t Nqkv[3] = {nq, nk, nk}, Nd[1] = {d}, Ngu[2] = {ff, ff};                           \
+    rms_norm_##S(x, w[0], M, d, eps, h);                                                      \
+    GEMV(M, 3, Nqkv, d, h, w + 1, qkv, threads);                                              \
+    for (int64_t m = 0; m < M; m++) {                                                         \
+        const T *c = cos + (rope_rows > 1 ? m : 0) * hd, *s = sin + (rope_rows > 1 ? m : 0) * hd; \
+        memcpy(q + m * nq, qkv + m * nqkv, nq * sizeof(T));                                   \
+        memcpy(k + m * nk, qkv + m * nqkv + nq, nk * sizeof(T));                              \
+        memcpy(v + m * nk, qkv + m * nqkv + nq + nk, nk * sizeof(T));                         \
+        rope_##S(q + m * nq, H, hd, c, s);                                                    \
+        rope_##S(k + m * nk, n_kv, hd, c, s);                                                 \
+    }                                                                                         \
+    if (decode_attention_##S(M, n_kv, H / n_kv, hd, W, rows, hs, q, k, v, kc, vc, write,      \
+                             read, mask, pow((double)hd, -0.5), y, threads)) {                \
+        free(h);                                                                              \
+        return 1;                                                                             \
+    }                                                                                         \
+    GEMV(M, 1, Nd, nq, y, w + 4, o, threads);                                                 \
+    for (int64_t i = 0; i < M * d; i++) x[i] += o[i];                                         \
+    rms_norm_##S(x, w[5], M, d, eps, h);                                                      \
+    GEMV(M, 2, Ngu, d, h, w + 6, gu, threads);                                                \
+    for (int64_t m = 0; m < M; m++)                                                           \
+        for (int64_t i = 0; i < ff; i++) {                                                    \
+            T g = gu[m * 2 * ff + i];                                                         \
+            act[m * ff + i] = g / (1 + EXP(-g)) * gu[m * 2 * ff + ff + i];                    \
+        }                                                                                     \
+    GEMV(M, 1, Nd, ff, act, w + 8, o, threads);                                               \
+    for (int64_t i = 0; i < M * d; i++) x[i] += o[i];                                         \
+    free(h);                                                                                  \
+    return 0;                                                                                 \
+}
+DECODE_LAYER(decode_layer_f32, float, f32, float_gemv, sqrtf, expf)
+DECODE_LAYER(decode_layer_f64, double, f64, double_gemv, sqrt, exp)
+
 """
 
 
@@ -643,6 +751,13 @@ int decode_attention_f32(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, i
 int decode_attention_f64(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                          const double *, const double *, const double *, double *, double *,
                          const int64_t *, const int64_t *, const double *, double, double *, int);
+int decode_layer_f32(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float *, const float **,
+                     const float *, const float *, int64_t, float *, float *, int64_t, int64_t,
+                     const int64_t *, const int64_t *, const float *, int64_t, double, int);
+int decode_layer_f64(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double *,
+                     const double **, const double *, const double *, int64_t, double *,
+                     double *, int64_t, int64_t, const int64_t *, const int64_t *,
+                     const double *, int64_t, double, int);
 }
 
 /* x (M, K) float32 on the CPU, contiguous (a copy where it is not) */
@@ -781,6 +896,68 @@ static at::Tensor decode_attention_op(const at::Tensor &q_, const at::Tensor &k_
     return y;
 }
 
+static at::Tensor decode_layer_op(const at::Tensor &x_, at::TensorList w, const at::Tensor &cos_,
+                                  const at::Tensor &sin_, at::Tensor &keys, at::Tensor &values,
+                                  const at::Tensor &write_, const at::Tensor &read_,
+                                  int64_t head_stride, const at::Tensor &mask_, int64_t n_heads,
+                                  double eps) {
+    at::ScalarType dtype = x_.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+                "decode_layer runs in float32 or float64, not ", dtype);
+    TORCH_CHECK(x_.dim() == 2 && x_.device().is_cpu(), "x must be (M, d) on the CPU, got ",
+                x_.sizes());
+    TORCH_CHECK(w.size() == 9, "w must hold the layer's 9 weights (ln1, q, k, v, o, ln2, gate, "
+                "up, down), got ", w.size());
+    TORCH_CHECK(write_.scalar_type() == at::kLong && write_.dim() == 2 &&
+                write_.size(0) == x_.size(0), "write must be (M, n_kv) int64");
+    TORCH_CHECK(read_.scalar_type() == at::kLong && read_.dim() == 2 &&
+                read_.size(0) == x_.size(0) && mask_.sizes() == read_.sizes(),
+                "read and mask must be (M, W), read int64");
+    int64_t M = x_.size(0), d = x_.size(1), n_kv = write_.size(1), hd = cos_.size(-1);
+    int64_t ff = w[6].dim() == 2 ? w[6].size(0) : 0, H = n_heads;
+    TORCH_CHECK(H > 0 && n_kv > 0 && H % n_kv == 0 && hd > 0 && hd % 2 == 0,
+                "n_heads must be a multiple of n_kv and head_dim even");
+    const std::vector<std::vector<int64_t>> shapes = {{d}, {H * hd, d}, {n_kv * hd, d},
+        {n_kv * hd, d}, {d, H * hd}, {d}, {ff, d}, {ff, d}, {d, ff}};
+    std::vector<const void *> wd;
+    for (size_t i = 0; i < 9; i++) {
+        TORCH_CHECK(w[i].scalar_type() == dtype && w[i].device().is_cpu() &&
+                    w[i].is_contiguous() && w[i].sizes() == at::IntArrayRef(shapes[i]),
+                    "w[", i, "] must be a contiguous CPU tensor of x's dtype, shaped ",
+                    at::IntArrayRef(shapes[i]), ", got ", w[i].scalar_type(), " ", w[i].sizes());
+        wd.push_back(w[i].data_ptr());
+    }
+    for (const at::Tensor *t : std::initializer_list<const at::Tensor *>{&cos_, &sin_, &keys,
+                                                                       &values, &mask_})
+        TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(),
+                    "cos, sin, the cache and the mask must be CPU tensors of x's dtype");
+    at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous();
+    int64_t rope_rows = cos.numel() / hd;
+    TORCH_CHECK(sin.sizes() == cos.sizes() && (rope_rows == 1 || rope_rows == M),
+                "cos and sin must hold one row of head_dim for every row of x, or one for all");
+    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() &&
+                keys.numel() == values.numel() && keys.numel() % hd == 0,
+                "keys and values must be contiguous rows of ", hd, " values");
+    at::Tensor x = x_.contiguous().clone(), read = read_.contiguous(), mask = mask_.contiguous();
+    at::Tensor write = write_.contiguous();
+    int64_t W = read.size(1), cached = keys.numel() / hd, threads = at::get_num_threads();
+    int outside = dtype == at::kFloat
+        ? decode_layer_f32(M, d, H, n_kv, hd, ff, x.data_ptr<float>(), (const float **)wd.data(),
+                           cos.data_ptr<float>(), sin.data_ptr<float>(), rope_rows,
+                           keys.data_ptr<float>(), values.data_ptr<float>(), cached,
+                           head_stride, write.data_ptr<int64_t>(), read.data_ptr<int64_t>(),
+                           mask.data_ptr<float>(), W, eps, threads)
+        : decode_layer_f64(M, d, H, n_kv, hd, ff, x.data_ptr<double>(),
+                           (const double **)wd.data(), cos.data_ptr<double>(),
+                           sin.data_ptr<double>(), rope_rows, keys.data_ptr<double>(),
+                           values.data_ptr<double>(), cached, head_stride,
+                           write.data_ptr<int64_t>(), read.data_ptr<int64_t>(),
+                           mask.data_ptr<double>(), W, eps, threads);
+    TORCH_CHECK_INDEX(!outside, "decode_layer: a row to write or read lies outside the cache's ",
+                      cached, " rows");
+    return x;
+}
+
 #define DEFINE(ns) TORCH_LIBRARY(ns, m)      /* TINYLLM_NS expanded first */
 #define IMPLEMENT(ns) TORCH_LIBRARY_IMPL(ns, CPU, m)
 DEFINE(TINYLLM_NS) {
@@ -790,6 +967,9 @@ DEFINE(TINYLLM_NS) {
     m.def("int8g_gemv(Tensor x, Tensor[] q, Tensor[] scale) -> Tensor");
     m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, "
           "Tensor write, Tensor read, int head_stride, Tensor mask) -> Tensor");
+    m.def("decode_layer(Tensor x, Tensor[] w, Tensor cos, Tensor sin, Tensor(a!) keys, "
+          "Tensor(b!) values, Tensor write, Tensor read, int head_stride, Tensor mask, "
+          "int n_heads, float eps) -> Tensor");
 }
 IMPLEMENT(TINYLLM_NS) {
     m.impl("float_gemv", float_gemv_op);
@@ -797,6 +977,7 @@ IMPLEMENT(TINYLLM_NS) {
     m.impl("int4_gemv", int4_gemv_op);
     m.impl("int8g_gemv", int8g_gemv_op);
     m.impl("decode_attention", decode_attention_op);
+    m.impl("decode_layer", decode_layer_op);
 }
 """
 
@@ -940,12 +1121,27 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tens
                                                mask)
 
 
+def decode_layer(x: Tensor, w: list[Tensor], cos: Tensor, sin: Tensor, keys: Tensor,
+                 values: Tensor, write: Tensor, read: Tensor, head_stride: int, mask: Tensor,
+                 n_heads: int, eps: float, ops=None) -> Tensor:
+    """A decoder layer's decode step in one call: the residual stream x (M, d) of M rows, one
+    new token each -> the layer's output (M, d), what Block computes (its norms, q, k and v,
+    RoPE by cos and sin (M or 1 rows of hd), decode_attention on the cache as there, the output
+    projection, the SwiGLU MLP, both residuals) up to the order of additions. w: the layer's
+    weights, [input norm, q, k, v, o, post-attention norm, gate, up, down], contiguous, in x's
+    dtype (float32 or float64, on the CPU); the cache's arguments are decode_attention's. An
+    index outside the cache raises IndexError and writes nothing."""
+    return (ops or library()).decode_layer(x, w, cos, sin, keys, values, write, read,
+                                           head_stride, mask, n_heads, eps)
+
+
 def _fake(name: str):
     """What an operator returns, for torch.compile and make_fx to trace: (M, N_1 + N_2 + ...)
-    for a product, q's shape for attention."""
-    if name == "decode_attention":
-        return lambda q, *rest: torch.empty_like(q)
+    for a product, q's shape for attention, x's for a layer."""
+    if name in ("decode_attention", "decode_layer"):
+        return lambda x, *rest: torch.empty_like(x)
     return lambda x, q, *rest: x.new_empty((x.size(0), sum(t.size(0) for t in q)))
 
 
-OPS = ("float_gemv", "int8_gemv", "int4_gemv", "int8g_gemv", "decode_attention")
+OPS = ("float_gemv", "int8_gemv", "int4_gemv", "int8g_gemv", "decode_attention",
+       "decode_layer")

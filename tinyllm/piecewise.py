@@ -27,7 +27,8 @@ an int8 step of SmolLM2. The decoder knows its shapes already: it picks the prog
 and rows.
 
 The pieces compute what the layer computes, up to the order of additions in the fused loops:
-in float64 the tokens are the eager step's.
+in float64 the tokens are the eager step's. They serve any weights (float, int8, int4); for
+float weights on a CPU, fused_layer.py goes further and makes each layer one C call.
 """
 
 import time

@@ -52,8 +52,8 @@ DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float16": torch.flo
           "float64": torch.float64}
 ENGINES = ("static", "continuous", "paged", "graphs", "compiled")
 # +chunked (07), +prefix (08), +ngram and +draft (11); a decode step: +graphs, +compiled (06)
-# and +pieces (13)
-DECODE_STEPS = ("graphs", "compiled", "pieces")
+# and +pieces, +fused (13)
+DECODE_STEPS = ("graphs", "compiled", "pieces", "fused")
 OPTIONS = ("chunked", "prefix", "ngram", "draft", *DECODE_STEPS)
 DEFAULT_STEP_TOKENS = 64                                # a +chunked engine's budget by default
 
@@ -65,8 +65,8 @@ def engine_name(name: str) -> tuple[str, list[str]]:
     if base not in ENGINES or any(o not in OPTIONS for o in opts):
         raise ValueError(f"unknown engine {name!r}: {', '.join(ENGINES)}, the continuous "
                          f"ones with +chunked, (paged) +prefix, +ngram or +draft (a proposer) "
-                         f"and (continuous or paged) +graphs, +compiled or +pieces (a decode "
-                         f"step), e.g. paged+prefix")
+                         f"and (continuous or paged) +graphs, +compiled, +pieces or +fused (a "
+                         f"decode step), e.g. paged+prefix")
     if opts and base == "static":
         raise ValueError(f"{name}: static batching has no token budget, no prefix cache and "
                          f"no decode step to choose")
@@ -78,7 +78,8 @@ def engine_name(name: str) -> tuple[str, list[str]]:
     if steps and base not in ("continuous", "paged"):
         raise ValueError(f"{name}: +{steps[0]} is a decode step of continuous or paged")
     if len(steps) > 1:
-        raise ValueError(f"{name}: one decode step at a time: +graphs, +compiled or +pieces")
+        raise ValueError(f"{name}: one decode step at a time: +graphs, +compiled, +pieces or "
+                         f"+fused")
     return base, opts
 
 
@@ -96,7 +97,8 @@ def engine_config(name: str, args, max_len: int | None = None, budget_for_all: b
     - +ngram, +draft: that proposer (11); with no proposer named by any engine, --speculate is
       every continuous engine's;
     - graphs and compiled: that decoder; continuous: --decoder; compiled: --compile-mode;
-      +graphs, +compiled (06) and +pieces (13), after continuous or paged: that decode step;
+      +graphs, +compiled (06), +pieces and +fused (13), after continuous or paged: that decode
+      step;
     - static: batches of --slots requests; its config holds n_slots alone.
     The flags name settings of several engines at once (--prefix-cache the paged ones',
     --compile-mode the compiled ones'), so each name sets every field that it decides.
@@ -333,7 +335,9 @@ request:
   +graphs     step 06, after continuous or paged: the graph decoder's step (a paged pool's
   +compiled   block tables in a static buffer), or that step compiled
   +pieces     step 13, after continuous or paged: each layer's decode compiled in pieces
-              around the eager attention (any cache), on first use (seconds)"""
+              around the eager attention (any cache), on first use (seconds)
+  +fused      step 13, after continuous or paged: each layer's decode in one C call (float
+              weights on a CPU), nothing compiled"""
 
 EPILOG = """\
 examples:
@@ -346,7 +350,9 @@ examples:
   python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix
   python -m tinyllm bench --engines paged,paged+compiled --slots 16 --paged-slots 64
   python -m tinyllm bench --model smollm2 --workload chat --slots 1 --requests 4 \
-      --engines continuous,continuous+pieces --quant none,float,int8,int4"""
+      --engines continuous,continuous+pieces --quant none,float,int8,int4
+  python -m tinyllm bench --model smollm2 --workload chat --slots 1 --requests 4 \
+      --engines continuous+pieces,continuous+fused --quant float"""
 
 
 def batch_sizes(text: str) -> list[int]:

@@ -1,0 +1,250 @@
+"""Step 13 - the fused decoder: a layer's decode step in one C call (decode_layer) computes
+what the model's layer computes, on slots and on a paged pool (float64: up to the order of
+additions), and each row's result is its own in any batch (float32, bit for bit); every engine
+with decoder="fused" gives each request its solo tokens on random workloads, nothing leaked; an
+index outside the cache raises and writes nothing; a model it cannot compute is refused by name.
+"""
+
+import copy
+import pickle
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import make_tiny
+from tinyllm import cpu_kernels
+from tinyllm.continuous import ContinuousEngine
+from tinyllm.fused_layer import FusedDecoder, layer_weights
+from tinyllm.generate import solo
+from tinyllm.paged_kv import PagedKVCache
+from tinyllm.quant import quantize
+from tinyllm.requests import Request
+from tinyllm.sampling import Sampling
+from tinyllm.slot_cache import SlotKVCache
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.library() is None, reason="no C compiler: the kernels cannot be built"
+)
+MAX_LEN = 40
+
+
+def make_cache(kind: str, model, n_slots: int):
+    cfg, dtype = model.cfg, model.embed_tokens.weight.dtype
+    shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim)
+    if kind == "paged":  # blocks of 4, enough for every slot, handed out in no particular order
+        return PagedKVCache(*shape, n_slots * MAX_LEN // 4 + 1, 4, MAX_LEN, dtype)
+    return SlotKVCache(*shape, MAX_LEN, dtype)
+
+
+def decode_step(model, decoder, kind: str, prompts: list[list[int]], rows: list[int]):
+    """Prefill the prompts (one slot each) through the model, then one decode step of the
+    slots `rows` through decoder(idx, cache) -> (its logits (len(rows), V), the cache)."""
+    cache = make_cache(kind, model, len(prompts))
+    lens = [len(p) for p in prompts]
+    for s, n in enumerate(lens):
+        cache.admit(s, n)
+    cache.plan_step(list(range(len(prompts))), lens)
+    padded = torch.tensor([p + [0] * (max(lens) - len(p)) for p in prompts])
+    with torch.no_grad():
+        model(padded, cache=cache)
+        for s in rows:
+            assert cache.reserve(s, 1)
+        cache.plan_step(rows, [1] * len(rows))
+        logits, _ = decoder(torch.tensor([[7 + 3 * s] for s in rows]), cache)
+    assert cache.check_integrity() is None
+    return logits[:, 0], cache
+
+
+shapes_st = st.fixed_dictionaries(
+    dict(
+        n_kv_heads=st.integers(1, 3),
+        group=st.integers(1, 3),  # query heads per KV head
+        head_dim=st.sampled_from([2, 6, 8, 16, 18, 40]),  # the 16-float vectors' leftovers too
+        d_model=st.integers(4, 48),
+        d_ff=st.integers(1, 70),
+        n_layers=st.integers(1, 2),
+        tie_embeddings=st.booleans(),
+    )
+)
+prompts_st = st.lists(st.lists(st.integers(1, 96), min_size=1, max_size=20), min_size=1, max_size=5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shape=shapes_st, prompts=prompts_st, kind=st.sampled_from(["slots", "paged"]), data=st.data()
+)
+def test_a_fused_step_is_the_models_step(shape, prompts, kind, data):
+    """From the same cache state, a decode step of some of the slots gives the model's logits
+    and writes the model's keys and values, float64 (only the order of additions differs)."""
+    group = shape.pop("group")
+    model = make_tiny(seed=len(prompts), n_heads=group * shape["n_kv_heads"], **shape)
+    rows = data.draw(st.lists(st.sampled_from(range(len(prompts))), min_size=1, unique=True))
+    want, cache = decode_step(model, lambda idx, c: model(idx, cache=c), kind, prompts, rows)
+    got, fused = decode_step(model, FusedDecoder(model), kind, prompts, rows)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert fused.lens == cache.lens
+    for a, b in zip(fused.k + fused.v, cache.k + cache.v):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["slots", "paged"])
+def test_in_float32_each_row_is_its_own_and_close_to_the_model(kind):
+    """float32, the C loops of the machine's vector path: a row's logits are the same bit for
+    bit in a step of 1, 3 or 5 rows (the head is GemvLinear's, as bench --quant float runs it),
+    and close to the model's."""
+    model = quantize(
+        make_tiny(seed=5, head_dim=40, n_heads=6, n_kv_heads=2, d_model=72).float(), "float"
+    )
+    prompts = [[1 + i, 5, 9, 2 + i][: 1 + i % 4] * (1 + i) for i in range(5)]
+    fused = FusedDecoder(model)
+    batch, _ = decode_step(model, fused, kind, prompts, [0, 1, 2, 3, 4])
+    want, _ = decode_step(model, lambda idx, c: model(idx, cache=c), kind, prompts, [0, 1, 2, 3, 4])
+    torch.testing.assert_close(batch, want, rtol=1e-4, atol=1e-4)
+    three, _ = decode_step(model, fused, kind, prompts, [4, 0, 2])
+    for i, s in enumerate([4, 0, 2]):
+        alone, _ = decode_step(model, fused, kind, prompts, [s])
+        assert torch.equal(alone[0], batch[s]) and torch.equal(three[i], batch[s]), f"row {s}"
+
+
+REQS = [
+    Request([1, 2, 3, 4], 12, eos_id=0),
+    Request([5, 6], 9, eos_id=0, sampling=Sampling(temperature=1.0, seed=3)),
+    Request([7, 8, 9, 7, 8, 9, 7, 8], 14, eos_id=0),
+    Request([10], 6, eos_id=0),
+    Request([11, 12, 13], 10, eos_id=0, sampling=Sampling(temperature=0.8, seed=5)),
+]
+MODEL = make_tiny(seed=21)
+ENGINES = {
+    "slots": dict(kv="slots"),
+    "paged-tight": dict(kv="paged", block_size=4, kv_blocks=7),  # preemptions
+    "paged-prefix-chunked": dict(kv="paged", block_size=4, prefix_cache=True, max_step_tokens=5),
+    "speculative": dict(kv="paged", block_size=4, speculate="ngram", spec_tokens=3),
+}
+
+
+def serve(model, reqs, n_slots=2, **kw) -> tuple[list[list[int]], ContinuousEngine]:
+    eng = ContinuousEngine(model, n_slots, decoder="fused", **kw)
+    rids = [eng.add_request(r) for r in reqs]
+    while eng.has_work():
+        eng.step()
+        assert eng.cache.check_integrity() is None
+    assert eng.cache.check_integrity(idle=True) is None and not eng._seqs
+    assert eng.cache.used_tokens() == 0 and eng.holders() == [None] * n_slots
+    return [eng.results.pop(rid).tokens for rid in rids], eng
+
+
+@pytest.mark.parametrize("kw", ENGINES.values(), ids=ENGINES.keys())
+def test_the_fused_engines_give_the_solo_tokens(kw):
+    reqs = [r for r in REQS if r.sampling is None] if "speculate" in kw else REQS
+    want = [solo(MODEL, r).tokens for r in reqs]
+    got, eng = serve(MODEL, reqs, **kw)
+    assert got == want, kw
+    assert isinstance(eng.decoder, FusedDecoder)
+    assert "kv_blocks" not in kw or eng.stats.preemptions > 0, "the tight pool preempts"
+    assert "speculate" not in kw or eng.stats.spec_proposed > 0
+
+
+requests_st = st.lists(
+    st.builds(
+        Request,
+        prompt=st.lists(st.integers(0, 96), min_size=1, max_size=20),
+        max_new_tokens=st.integers(1, 16),
+        eos_id=st.sampled_from([None, 3, 11, (3, 40)]),
+        sampling=st.one_of(
+            st.none(), st.builds(Sampling, temperature=st.just(0.9), seed=st.integers(0, 99))
+        ),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=requests_st, n_slots=st.integers(1, 4), kind=st.sampled_from(list(ENGINES)[:3]))
+def test_random_workloads_through_the_fused_engines_are_solo(requests, n_slots, kind):
+    want = [solo(MODEL, r).tokens for r in requests]
+    got, _ = serve(MODEL, requests, n_slots, **ENGINES[kind])
+    assert got == want
+
+
+def test_an_index_outside_the_cache_raises_and_writes_nothing():
+    model = make_tiny(seed=3)
+    cache = make_cache("slots", model, 2)
+    cache.admit(0, 3)
+    cache.plan_step([0], [3])
+    with torch.no_grad():
+        model(torch.tensor([[4, 5, 6]]), cache=cache)
+    cache.plan_step([0], [1])
+    cos, sin = model.rope(cache.begin_step(1))
+    keys, values, write, read, stride, mask = cache.decode_layout(0, 1)
+    before = [t.clone() for t in (keys, values)]
+    x = torch.randn(1, model.cfg.d_model, dtype=torch.float64)
+    x0 = x.clone()
+    for bad_write, bad_read in [(keys.numel() // keys.size(-1), None), (None, -1)]:
+        w, r = write.clone(), read.clone()
+        if bad_write is not None:
+            w[0, -1] = bad_write
+        if bad_read is not None:
+            r[0, 0] = bad_read
+        with pytest.raises(IndexError, match="outside the cache"):
+            cpu_kernels.decode_layer(
+                x,
+                layer_weights(model.layers[0]),
+                cos,
+                sin,
+                keys,
+                values,
+                w,
+                r,
+                stride,
+                mask,
+                model.cfg.n_heads,
+                model.cfg.norm_eps,
+            )
+        assert torch.equal(x, x0) and all(map(torch.equal, (keys, values), before))
+
+
+def test_bad_weights_are_named():
+    model = make_tiny(seed=4)
+    w = layer_weights(model.layers[0])
+    cache = make_cache("slots", model, 1)
+    cache.admit(0, 1)
+    cache.plan_step([0], [1])
+    cos, sin = model.rope(cache.begin_step(1))
+    layout = cache.decode_layout(0, 1)
+    x = torch.zeros(1, model.cfg.d_model, dtype=torch.float64)
+    run = lambda x, w: cpu_kernels.decode_layer(x, w, cos, sin, *layout, 4, 1e-5)
+    with pytest.raises(RuntimeError, match="9 weights"):
+        run(x, w[:8])
+    with pytest.raises(RuntimeError, match=r"w\[2\] must be a contiguous CPU tensor"):
+        run(x, w[:2] + [w[2].t().contiguous().t()] + w[3:])
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        run(x.half(), w)
+
+
+def test_models_it_cannot_compute_are_refused_by_name():
+    cases = [
+        (quantize(make_tiny(seed=6).float(), "int8"), "its layers are quantized"),
+        (
+            make_tiny(seed=6, dtype=torch.bfloat16),
+            "its weights are torch.bfloat16 on cpu, not float32",
+        ),
+        (make_tiny(seed=6, qkv_bias=True), "its layers have biases"),  # Qwen2's
+    ]
+    for model, why in cases:
+        with pytest.raises(ValueError, match=f"decoder='fused' cannot run this model: {why}"):
+            FusedDecoder(model)
+        with pytest.raises(ValueError, match=why):
+            ContinuousEngine(model, 2, decoder="fused")
+
+
+def test_a_fused_decoder_sent_to_another_process_finds_its_weights_again():
+    decoder = FusedDecoder(MODEL)
+    copied = pickle.loads(pickle.dumps(decoder))
+    assert copied.model is not MODEL
+    mine = [w.data_ptr() for w in layer_weights(copied.model.layers[1])]
+    assert [w.data_ptr() for w in copied.weights[1]] == mine
+    assert all(map(torch.equal, copied.weights[1], decoder.weights[1]))
+    assert copy.deepcopy(decoder).weights[0][1].data_ptr() != decoder.weights[0][1].data_ptr()
