@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_tiny
-from tinyllm import cpu_kernels
+from tinyllm import cpu_kernels, fused_layer
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.fused_layer import FusedDecoder, layer_weights
 from tinyllm.generate import solo
@@ -161,12 +161,43 @@ requests_st = st.lists(
 )
 
 
+RANDOM_ENGINES = {
+    "slots": dict(kv="slots"),
+    "paged-tight": dict(kv="paged", block_size=4, kv_blocks=10),  # 40 tokens: the longest fits
+    "paged-prefix-chunked": ENGINES["paged-prefix-chunked"],
+}
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=requests_st, n_slots=st.integers(1, 4), kind=st.sampled_from(list(ENGINES)[:3]))
+@given(requests=requests_st, n_slots=st.integers(1, 4), kind=st.sampled_from(list(RANDOM_ENGINES)))
 def test_random_workloads_through_the_fused_engines_are_solo(requests, n_slots, kind):
+    """Greedy and seeded sampled requests of random lengths, on slots, a tight paged pool
+    (preemptions) and a prefix cache with a token budget: each request's solo tokens."""
     want = [solo(MODEL, r).tokens for r in requests]
-    got, _ = serve(MODEL, requests, n_slots, **ENGINES[kind])
+    got, _ = serve(MODEL, requests, n_slots, **RANDOM_ENGINES[kind])
     assert got == want
+
+
+def test_a_step_of_more_rows_than_the_c_loops_take_runs_the_model(monkeypatch):
+    """18 slots decoding at once: the steps of 17 and 18 rows are the model's own (the
+    library's products), the smaller ones decode_layer's; every request still gets its solo
+    tokens."""
+    calls, real = [], cpu_kernels.library()
+
+    class Spy:  # the kernels, counting the rows of each decode_layer call
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_layer(self, x, *rest):
+            calls.append(len(x))
+            return real.decode_layer(x, *rest)
+
+    monkeypatch.setattr(cpu_kernels, "library", Spy)
+    reqs = [Request([1 + i, 2, 3], 3 + i % 4, eos_id=None) for i in range(18)]
+    want = [solo(MODEL, r).tokens for r in reqs]
+    got, _ = serve(MODEL, reqs, 18)
+    assert got == want
+    assert calls and max(calls) <= 16, calls
 
 
 def test_an_index_outside_the_cache_raises_and_writes_nothing():

@@ -93,7 +93,8 @@ def test_a_decode_step_in_pieces_equals_the_models():
 
 def test_settings_that_cannot_go_with_the_pieces_are_named():
     EngineConfig(2, kv="paged", decoder="pieces", speculate="ngram")  # both fine
-    with pytest.raises(ValueError, match="use decoder='eager' or 'pieces'"):
+    EngineConfig(2, kv="paged", decoder="fused", speculate="ngram")
+    with pytest.raises(ValueError, match="use decoder='eager', 'pieces' or 'fused'"):
         EngineConfig(2, decoder="compiled", speculate="ngram")
 
 

@@ -9,8 +9,11 @@ kernels, run from C. `FusedDecoder(model)` does the same for each layer: one cal
 `cpu_kernels.decode_layer` computes the whole layer for the step's rows (norm, the q, k and v
 product, RoPE, the attention in the cache, the output product, norm, the SwiGLU MLP, the two
 residuals), the same loops as the kernels' own (float_gemv, decode_attention), so a step is the
-embedding, 30 calls and the head. Nothing is compiled at run time and no batch is padded: the C
-loops take any number of rows, and each row's result depends on that row alone.
+embedding, 30 calls and the head. Nothing is compiled at run time and no batch is padded. The C
+loops multiply a weight vector with 4 rows at a time, and each row's result depends on that
+row alone. From a few dozen rows on, a step is arithmetic more than reading, and the math
+library's blocked products do more of it a cycle, so a step of more than FUSED_ROWS (16) rows
+runs the model as it is, as GemvLinear hands such products to the library.
 
 It serves a model of float weights (float32, or float64 for the oracle tests) without biases on
 a CPU, with a cache that says where its keys lie (`decode_layout`: slots, a paged pool, a prefix
@@ -24,7 +27,7 @@ from torch import Tensor, nn
 
 from tinyllm import cpu_kernels
 from tinyllm.model import Transformer
-from tinyllm.quant import QuantLinear
+from tinyllm.quant import FUSED_ROWS, QuantLinear
 
 
 def layer_weights(block) -> list[Tensor]:
@@ -76,8 +79,8 @@ class FusedDecoder:
     @torch.no_grad()
     def __call__(self, idx: Tensor, cache) -> tuple[Tensor, None]:
         m, (B, T) = self.model, idx.shape
-        if T != 1 or not hasattr(cache, "decode_layout"):
-            return m(idx, cache=cache)
+        if T != 1 or B > FUSED_ROWS or not hasattr(cache, "decode_layout"):
+            return m(idx, cache=cache)                                  # the library's GEMMs
         cos, sin = m.rope(cache.begin_step(1))                          # (B or 1, 1, 1, hd)
         x = m.embed_tokens(idx)                                         # (B, 1, d)
         layout = cache.decode_layout(0, B)
