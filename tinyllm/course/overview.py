@@ -11,7 +11,7 @@ guessed tokens in that one pass, keeps a run of them in the token stage, and rol
 back past the guesses that fell. Structured output (12) masks a constrained request's logits in
 the token stage with its grammar's matcher, which moves on with every token kept. Quantized
 weights (13) are read from the checkpoint as small integers, and the decode step compiled in
-pieces around attention.
+pieces around attention, or each of its layers one call of C.
 """
 
 import matplotlib.pyplot as plt
@@ -31,7 +31,8 @@ PARTS = {
               "blocks of a pool (05),\nshared prefix blocks (08);\nrolled back (11)",
               {"01", "04", "05", "08", "11"}),
     "model": (4.9, 0.8, 3.0, 1.5, "model (00): one forward pass\na ragged step: prefill (02),\n"
-              "chunks (07), decode, guesses (11);\nreplayed, compiled (06, 13)",
+              "chunks (07), decode, guesses (11);\nreplayed, compiled (06, 13),\n"
+              "fused into C calls (13)",
               {"00", "02", "03", "06", "07", "11", "13"}),
     "tokens": (1.6, 0.8, 2.6, 1.5, "token stage (01)\nlogits, a grammar's mask (12)\n"
                "-> the next token, or the\nguesses that stand (11);\nstop at EOS",
