@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_tiny
-from tinyllm import cpu_kernels, fused_layer
+from tinyllm import cpu_kernels
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.fused_layer import FusedDecoder, layer_weights
 from tinyllm.generate import solo
