@@ -7,6 +7,8 @@ import torch
 
 import tinyllm
 from tinyllm.model import ModelConfig, Transformer
+from tinyllm.requests import Request
+from tinyllm.sampling import Sampling
 
 
 def pytest_addoption(parser):
@@ -36,6 +38,17 @@ def make_tiny(seed: int = 0, dtype=torch.float64, **overrides) -> Transformer:
     torch.manual_seed(seed)
     cfg = ModelConfig(**{**TINY.to_dict(), **overrides})
     return Transformer(cfg).to(dtype).eval()
+
+
+# Greedy and seeded sampled requests of 1 to 8 prompt tokens, each ending at token 0 or its
+# length: what the step-13 decoders serve in their engine tests
+MIXED_REQUESTS = [
+    Request([1, 2, 3, 4], 12, eos_id=0),
+    Request([5, 6], 9, eos_id=0, sampling=Sampling(temperature=1.0, seed=3)),
+    Request([7, 8, 9, 7, 8, 9, 7, 8], 14, eos_id=0),
+    Request([10], 6, eos_id=0),
+    Request([11, 12, 13], 10, eos_id=0, sampling=Sampling(temperature=0.8, seed=5)),
+]
 
 
 SMALL_CFG = dict(  # a 6-token model: a chi-square over its outputs needs few samples

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import make_tiny
+from tests.conftest import MIXED_REQUESTS, make_tiny
 from tinyllm import cpu_kernels
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import solo
@@ -26,8 +26,6 @@ from tinyllm.quant import (
     quantize_int8,
     rounded_activations,
 )
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.library() is None, reason="no C compiler: the kernels cannot be built"
@@ -376,12 +374,7 @@ def _linear(w: torch.Tensor) -> torch.nn.Linear:
     return linear
 
 
-REQS = [
-    Request([1, 2, 3, 4], 12, eos_id=0),
-    Request([5, 6], 9, eos_id=0, sampling=Sampling(temperature=1.0, seed=3)),
-    Request([7, 8, 9, 7, 8, 9, 7, 8], 14, eos_id=0),
-    Request([10], 6, eos_id=0),
-]
+REQS = MIXED_REQUESTS[:4]
 
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4", "q8_0"])

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import MIXED_REQUESTS as REQS
 from tests.conftest import make_tiny
 from tinyllm import cpu_kernels
 from tinyllm.continuous import ContinuousEngine
@@ -108,13 +109,6 @@ def test_in_float32_each_row_is_its_own_and_close_to_the_model(kind):
         assert torch.equal(alone[0], batch[s]) and torch.equal(three[i], batch[s]), f"row {s}"
 
 
-REQS = [
-    Request([1, 2, 3, 4], 12, eos_id=0),
-    Request([5, 6], 9, eos_id=0, sampling=Sampling(temperature=1.0, seed=3)),
-    Request([7, 8, 9, 7, 8, 9, 7, 8], 14, eos_id=0),
-    Request([10], 6, eos_id=0),
-    Request([11, 12, 13], 10, eos_id=0, sampling=Sampling(temperature=0.8, seed=5)),
-]
 MODEL = make_tiny(seed=21)
 ENGINES = {
     "slots": dict(kv="slots"),

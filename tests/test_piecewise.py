@@ -7,6 +7,7 @@ import pickle
 import pytest
 import torch
 
+from tests.conftest import MIXED_REQUESTS as REQS
 from tests.conftest import make_tiny
 from tinyllm import piecewise
 from tinyllm.config import EngineConfig
@@ -14,8 +15,6 @@ from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import solo
 from tinyllm.piecewise import PiecewiseDecoder
 from tinyllm.quant import quantize
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
 from tinyllm.slot_cache import SlotKVCache
 
 MODELS = {
@@ -23,13 +22,6 @@ MODELS = {
     "int8": quantize(make_tiny(seed=21), "int8"),
     "int4": quantize(make_tiny(seed=21), "int4"),
 }
-REQS = [
-    Request([1, 2, 3, 4], 12, eos_id=0),
-    Request([5, 6], 9, eos_id=0, sampling=Sampling(temperature=1.0, seed=3)),
-    Request([7, 8, 9, 7, 8, 9, 7, 8], 14, eos_id=0),
-    Request([10], 6, eos_id=0),
-    Request([11, 12, 13], 10, eos_id=0, sampling=Sampling(temperature=0.8, seed=5)),
-]
 
 
 def serve(model, reqs, **kw) -> tuple[list[list[int]], ContinuousEngine]:

@@ -494,26 +494,15 @@ def test_a_compiled_decoder_over_a_paged_pool_is_served(bundled64):
         srv.stop()
 
 
-def test_a_model_served_fused_streams_its_solo_text(bundled64):
-    """serve --decoder fused: the decoder goes to the engine's process as its model, finds the
-    layers' weights there, and a stream carries solo's text."""
+@pytest.mark.parametrize("quant, decoder", [("int8", "pieces"), (None, "fused")])
+def test_a_model_served_with_its_decoder_streams_its_solo_text(bundled64, quant, decoder):
+    """serve --quant int8 --decoder pieces, serve --decoder fused: the model and its decoder go
+    to the engine's process (the pieces compile there, the fused decoder finds the layers'
+    weights again), and a stream carries solo's text on that model."""
     model, tok = bundled64
-    srv = Running(ContinuousEngine(model, 4, kv="paged", decoder="fused"), tok)
-    try:
-        cl = srv.client()
-        for prompt in PROMPTS[:2]:
-            assert streamed_text(cl, prompt, 24) == solo_text(srv, prompt, 24)
-        srv.wait_idle()
-    finally:
-        srv.stop()
-
-
-def test_a_quantized_model_served_in_pieces_streams_its_solo_text(bundled64):
-    """serve --quant int8 --decoder pieces: the model and its decoder go to the engine's
-    process (the pieces compile there), and a stream carries solo's text on that model."""
-    model, tok = bundled64
-    q8 = quantize(copy.deepcopy(model), "int8")
-    srv = Running(ContinuousEngine(q8, 4, kv="paged", decoder="pieces"), tok)
+    if quant is not None:
+        model = quantize(copy.deepcopy(model), quant)
+    srv = Running(ContinuousEngine(model, 4, kv="paged", decoder=decoder), tok)
     try:
         cl = srv.client()
         for prompt in PROMPTS[:2]:
