@@ -659,8 +659,8 @@ static void double_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, cons
      h = rms_norm(x) ln2;  g, u = h Wg^T, h Wu^T (one product);  x += (silu(g) u) Wd^T.
    w: ln1, Wq (H hd, d), Wk, Wv (n_kv hd, d), Wo (d, H hd), ln2, Wg, Wu (ff, d), Wd (d, ff).
    cos, sin: (rope_rows, hd), a row for each row of x or one for all. The cache's arguments
-   are decode_attention's. Returns 0, or 1 (nothing written, x as it was) where an index of
-   the cache lies outside its rows. */
+   are decode_attention's. Returns 0, or (nothing written, x as it was) 1 where an index of
+   the cache lies outside its rows, 2 where its scratch memory cannot be had. */
 #define DECODE_LAYER(NAME, T, S, GEMV, SQRT, EXP)                                              \
 static void rms_norm_##S(const T *x, const T *w, int64_t M, int64_t d, double eps, T *h) {    \
     for (int64_t m = 0; m < M; m++) {                                                         \
@@ -686,6 +686,7 @@ int NAME(int64_t M, int64_t d, int64_t H, int64_t n_kv, int64_t hd, int64_t ff, 
          int64_t W, double eps, int threads) {                                                \
     int64_t nq = H * hd, nk = n_kv * hd, nqkv = nq + 2 * nk;                                  \
     T *h = malloc(M * (d + nqkv + nq + 2 * nk + nq + d + 3 * ff) * sizeof(T));                \
+    if (h == NULL) return 2;                                                                  \
     T *qkv = h + M * d, *q = qkv + M * nqkv, *k = q + M * nq, *v = k + M * nk;                \
     T *y = v + M * nk, *o = y + M * nq, *gu = o + M * d, *act = gu + 2 * M * ff;              \
     int64_t Nqkv[3] = {nq, nk, nk}, Nd[1] = {d}, Ngu[2] = {ff, ff};                           \
@@ -953,6 +954,7 @@ static at::Tensor decode_layer_op(const at::Tensor &x_, at::TensorList w, const 
                            values.data_ptr<double>(), cached, head_stride,
                            write.data_ptr<int64_t>(), read.data_ptr<int64_t>(),
                            mask.data_ptr<double>(), W, eps, threads);
+    TORCH_CHECK(outside != 2, "decode_layer: no memory for the step's ", M, " rows");
     TORCH_CHECK_INDEX(!outside, "decode_layer: a row to write or read lies outside the cache's ",
                       cached, " rows");
     return x;
