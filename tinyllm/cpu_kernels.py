@@ -854,6 +854,20 @@ static at::Tensor int8g_gemv_op(const at::Tensor &x_, at::TensorList q, at::Tens
     return y;
 }
 
+/* The cache's arguments of a decode step of B rows, n_kv KV heads of hd values each, as
+   decode_attention and decode_layer take them (their dtype checked by each op) */
+static void check_cache(const at::Tensor &keys, const at::Tensor &values, const at::Tensor &write,
+                        const at::Tensor &read, const at::Tensor &mask, int64_t B, int64_t n_kv,
+                        int64_t hd) {
+    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && hd > 0 &&
+                keys.numel() == values.numel() && keys.numel() % hd == 0,
+                "keys and values must be contiguous rows of ", hd, " values");
+    TORCH_CHECK(write.scalar_type() == at::kLong && write.numel() == B * n_kv,
+                "write must be (B, n_kv) int64");
+    TORCH_CHECK(read.scalar_type() == at::kLong && read.dim() == 2 && read.size(0) == B &&
+                mask.sizes() == read.sizes(), "read and mask must be (B, W), read int64");
+}
+
 static at::Tensor decode_attention_op(const at::Tensor &q_, const at::Tensor &k_,
                                       const at::Tensor &v_, at::Tensor &keys, at::Tensor &values,
                                       const at::Tensor &write_, const at::Tensor &read_,
@@ -867,15 +881,9 @@ static at::Tensor decode_attention_op(const at::Tensor &q_, const at::Tensor &k_
                                                                        &values, &mask_})
         TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(),
                     "q, k, v, the cache and the mask must be CPU tensors of one dtype");
-    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && hd > 0 &&
-                keys.numel() == values.numel() && keys.numel() % hd == 0,
-                "keys and values must be contiguous rows of ", hd, " values");
+    check_cache(keys, values, write_, read_, mask_, B, n_kv, hd);
     TORCH_CHECK(k_.numel() == B * n_kv * hd && v_.numel() == B * n_kv * hd,
                 "k and v must be (B, n_kv, 1, hd) = (", B, ", ", n_kv, ", 1, ", hd, ")");
-    TORCH_CHECK(write_.scalar_type() == at::kLong && write_.numel() == B * n_kv,
-                "write must be (B, n_kv) int64");
-    TORCH_CHECK(read_.scalar_type() == at::kLong && read_.dim() == 2 && read_.size(0) == B &&
-                mask_.sizes() == read_.sizes(), "read and mask must be (B, W), read int64");
     at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
     at::Tensor write = write_.contiguous(), read = read_.contiguous(), mask = mask_.contiguous();
     at::Tensor y = at::empty(q.sizes(), q.options());
@@ -909,12 +917,8 @@ static at::Tensor decode_layer_op(const at::Tensor &x_, at::TensorList w, const 
                 x_.sizes());
     TORCH_CHECK(w.size() == 9, "w must hold the layer's 9 weights (ln1, q, k, v, o, ln2, gate, "
                 "up, down), got ", w.size());
-    TORCH_CHECK(write_.scalar_type() == at::kLong && write_.dim() == 2 &&
-                write_.size(0) == x_.size(0), "write must be (M, n_kv) int64");
-    TORCH_CHECK(read_.scalar_type() == at::kLong && read_.dim() == 2 &&
-                read_.size(0) == x_.size(0) && mask_.sizes() == read_.sizes(),
-                "read and mask must be (M, W), read int64");
-    int64_t M = x_.size(0), d = x_.size(1), n_kv = write_.size(1), hd = cos_.size(-1);
+    int64_t M = x_.size(0), d = x_.size(1), hd = cos_.size(-1);
+    int64_t n_kv = w[2].dim() == 2 && hd > 0 ? w[2].size(0) / hd : 0;
     int64_t ff = w[6].dim() == 2 ? w[6].size(0) : 0, H = n_heads;
     TORCH_CHECK(H > 0 && n_kv > 0 && H % n_kv == 0 && hd > 0 && hd % 2 == 0,
                 "n_heads must be a multiple of n_kv and head_dim even");
@@ -936,9 +940,7 @@ static at::Tensor decode_layer_op(const at::Tensor &x_, at::TensorList w, const 
     int64_t rope_rows = cos.numel() / hd;
     TORCH_CHECK(sin.sizes() == cos.sizes() && (rope_rows == 1 || rope_rows == M),
                 "cos and sin must hold one row of head_dim for every row of x, or one for all");
-    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() &&
-                keys.numel() == values.numel() && keys.numel() % hd == 0,
-                "keys and values must be contiguous rows of ", hd, " values");
+    check_cache(keys, values, write_, read_, mask_, M, n_kv, hd);
     at::Tensor x = x_.contiguous().clone(), read = read_.contiguous(), mask = mask_.contiguous();
     at::Tensor write = write_.contiguous();
     int64_t W = read.size(1), cached = keys.numel() / hd, threads = at::get_num_threads();
