@@ -261,6 +261,38 @@ def test_decode_attention_is_sdpa_over_the_rows_it_reads_and_each_row_its_own(
         torch.set_num_threads(old)
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    B=st.integers(1, 6),
+    n_kv=st.integers(1, 2),
+    g=st.integers(1, 3),
+    hd=st.sampled_from([8, 18, 40, 64]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_decode_layer_is_the_same_layer_on_every_build(seed, B, n_kv, g, hd, dtype):
+    """decode_layer on the portable loops (and AVX2's) computes the machine build's layer up to
+    rounding: the layer's output, and the keys and values it writes into the cache."""
+    keys, values, _, _, _, write, read, hs, mask = attention_case(seed, B, n_kv, g, hd, 9, dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    d, ff, H = 24, 40, n_kv * g
+    shapes = [(d,), (H * hd, d), (n_kv * hd, d), (n_kv * hd, d), (d, H * hd), (d,), (ff, d),
+              (ff, d), (d, ff)]  # fmt: skip
+    w = [torch.randn(s, generator=gen, dtype=dtype) * 0.3 for s in shapes]
+    x = torch.randn(B, d, generator=gen, dtype=dtype)
+    angle = torch.rand(B, hd // 2, generator=gen, dtype=dtype) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)  # (B, hd)
+    out = []
+    for ops in BUILDS:
+        ck, cv = keys.clone(), values.clone()
+        y = cpu_kernels.decode_layer(x, w, cos, sin, ck, cv, write, read, hs, mask, H, 1e-5, ops)
+        out.append((y, ck, cv))
+    tol = 1e-4 if dtype == torch.float32 else 1e-12
+    for got in out[1:]:
+        for a, b in zip(got, out[0]):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("where", ["write", "read"])
 def test_decode_attention_refuses_a_row_outside_the_cache_and_writes_nothing(where):
     keys, values, q, k, v, write, read, hs, mask = attention_case(5, 2, 2, 3, 64, 9, torch.float32)
