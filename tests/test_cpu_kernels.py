@@ -26,6 +26,7 @@ from tinyllm.quant import (
     quantize_int8,
     rounded_activations,
 )
+from tinyllm.requests import Request
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.library() is None, reason="no C compiler: the kernels cannot be built"
@@ -346,25 +347,28 @@ def test_a_machine_where_the_kernels_do_not_compile_is_told_why(tmp_path, monkey
 @pytest.mark.parametrize("kv", ["slots", "paged"])
 def test_every_decode_step_attends_in_the_c_kernel_on_slot_and_paged_caches(kv, monkeypatch):
     """On a CPU in float32 and float64, the engine's decode steps go through decode_attention,
-    a call a layer (prefills do not); its tokens are the solo ones (the oracle tests, in
-    float64, run the kernel on every workload)."""
+    a call a layer, and so does a packed step (prompts of different lengths: a query row per
+    new token); prompts of one length, whole rows with no padding, do not. Its tokens are the
+    solo ones (the oracle tests, in float64, run the kernel on every workload)."""
     calls = []
     kernel = cpu_kernels.decode_attention
     monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    same = [Request([1, 2, 3], 5, eos_id=0), Request([4, 5, 6], 7, eos_id=0)]
     for dtype in (torch.float32, torch.float64):
         model = make_tiny(seed=4, dtype=dtype)
         kw = dict(kv=kv, block_size=4) if kv == "paged" else dict(kv=kv)
-        eng = ContinuousEngine(model, 2, **kw)
-        rids = [eng.add_request(r) for r in REQS[:2]]
-        steps = 0
-        while eng.has_work():
-            eng.step()
-            steps += 1
-        got = [eng.results.pop(r).tokens for r in rids]
-        assert got == [solo(model, r).tokens for r in REQS[:2]]
-        decodes = steps - 1  # both prompts in the first step, then one token a row a step
-        assert len(calls) == decodes * model.cfg.n_layers, f"{dtype}: {len(calls)} calls"
-        calls.clear()
+        for reqs, packed in ((REQS[:2], True), (same, False)):
+            eng = ContinuousEngine(model, 2, **kw)
+            rids = [eng.add_request(r) for r in reqs]
+            steps = 0
+            while eng.has_work():
+                eng.step()
+                steps += 1
+            got = [eng.results.pop(r).tokens for r in rids]
+            assert got == [solo(model, r).tokens for r in reqs]
+            kernel_steps = steps if packed else steps - 1  # both prompts in the first step
+            assert len(calls) == kernel_steps * model.cfg.n_layers, f"{dtype}: {len(calls)} calls"
+            calls.clear()
 
 
 def test_the_layers_pick_the_kernels_in_float32_and_agree_across_row_counts():

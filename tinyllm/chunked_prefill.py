@@ -13,9 +13,10 @@ computes its next chunk of the context (`next_chunk`), and only the chunk that r
 of the context gives logits to sample from. A decode is the same move with one token left, so
 one rule covers prefill, chunks, decode, and the recompute of a preempted request.
 
-The decode rows and the chunk rows run as two forward passes of one step: our model takes
-rectangular (B, T) batches, and padding every decode row to a chunk's width would cost more
-than a second pass. (vLLM packs all of a step's tokens into one flat row instead.)
+The decode rows and the chunk rows run in one forward pass. The cache packs it: the model's
+products run on the step's new tokens alone (hidden_states), not on a (B, T) batch padded to
+the widest chunk, as vLLM packs a step's tokens into one flat row; on a CPU each new token is
+then a query row of its own in the attention kernel.
 
 Seams: `plan_step` and `next_chunk` (exercise 07).
 """

@@ -7,9 +7,12 @@ run is the same loop with every request arriving at 0.
 
 One step of `ContinuousEngine` reads as its four calls: 1) reserve (room for every running
 request's next token; scheduler.py), 2) admit the newcomers and plan the step (a token for
-every decoding request, the newcomers' contexts), 3) decode, then prefill (the contexts go
-straight into their slots), 4) retire what finished. Each forward pass is one ragged step of the
-cache (slot_cache.py). With kv="paged" (05) the memory is a pool of blocks, and requests may be
+every decoding request, the newcomers' contexts), 3) one forward pass for both (the contexts go
+straight into their slots), 4) retire what finished. The pass is one ragged step of the cache
+(slot_cache.py), packed: its products run on the step's new tokens alone, so a decode row
+costs one token beside a long prompt (Orca's iteration-level batching, vLLM's one batch a
+step). A decode step of its own is the bucketed decoder's (06) or speculation's (11).
+With kv="paged" (05) the memory is a pool of blocks, and requests may be
 preempted; with decoder="graphs" (06) the decode step is a replayed CUDA graph, with
 decoder="compiled" a step compiled by torch.compile (any device), with decoder="pieces" (13)
 each of its layers compiled in pieces around attention (any cache), with decoder="fused" (13)
@@ -125,9 +128,10 @@ def cache_sizes(cache: SlotCache) -> list:
 
 
 class ModelRunner:
-    """A step's forward passes on the engine's cache: the decode rows (one token each, through
-    the model or its bucketed decoder, 06) and the prefill chunks (a ragged batch). Each
-    returns the logits to sample from; the time inside the model is added to stats.forward_s."""
+    """A step's forward passes on the engine's cache: the decode rows alone (one token each,
+    through the model or a decoder: 06, 13), or the prefill chunks (a ragged batch) with the
+    decode rows in the same pass. Each returns the logits to sample from; the time inside the
+    model of a pass with decode rows is added to stats.forward_s."""
 
     def __init__(self, model: Transformer, cache: SlotCache, decoder, stats: Stats, device):
         self.model, self.cache, self.decoder, self.stats, self.device = \
@@ -136,7 +140,7 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> Tensor:
         """Each sequence's last token (or, after its prefill, its prompt's) -> logits (B, V)."""
         rows = [s.slot for s in seqs]
-        last = [s.tokens[-1] if s.tokens else s.request.prompt[-1] for s in seqs]
+        last = [last_token(s) for s in seqs]
         t0 = time.perf_counter()
         self.cache.plan_step(rows, [1] * len(rows))
         if not isinstance(self.decoder, SlotGraphDecoder):   # the model, in pieces or fused (13)
@@ -166,36 +170,61 @@ class ModelRunner:
         self.stats.forward_s += time.perf_counter() - t0
         return logits
 
-    def prefill(self, chunks: list[tuple[Sequence, int]]
-                ) -> tuple[list[int], Tensor | None, Tensor | None]:
-        """Each sequence's next chunk of its context (next_chunk) in one ragged batch. Returns
-        the indices of the chunks that end their contexts, their last logits (E, V): only
-        those give a token to sample (None when no chunk ends its context), and every
-        position's logits (B, T, V) when a sequence still collects its prompt's logprobs, else
-        None: the head then runs at the E sampled positions alone (vLLM's logits indices)."""
+    def prefill(self, chunks: list[tuple[Sequence, int]], decodes: list[Sequence] = ()
+                ) -> tuple[Tensor | None, list[int], Tensor | None, Tensor | None]:
+        """Each sequence's next chunk of its context (next_chunk) in one ragged batch, and
+        after them, in the same pass, one token of each decoding sequence in `decodes` (a
+        mixed step). The cache packs the ragged batch: the products run on its new tokens
+        alone (model.hidden_states). Returns the decode rows' logits (D, V) (None without
+        them); the indices of the chunks that end their contexts, their last logits (E, V):
+        only those give a token to sample (None when no chunk ends its context); and every
+        chunk position's logits (C, T, V) when a sequence still collects its prompt's
+        logprobs, else None: the head then runs at the sampled positions alone (vLLM's logits
+        indices)."""
         planned = [chunked_prefill.next_chunk(s, n) for s, n in chunks]
         for (seq, n), (toks, _) in zip(chunks, planned):
             if len(toks) != n:
                 raise ValueError(f"next_chunk gave {len(toks)} token{'s' * (len(toks) != 1)} "
                                  f"for request {seq.rid}'s chunk of {n}")
-        q_lens = [n for _, n in chunks]
-        T = max(q_lens)
-        idx = torch.tensor([t + [0] * (T - len(t)) for t, _ in planned],
-                           device=self.device)                          # (B, T)
-        self.cache.plan_step([s.slot for s, _ in chunks], q_lens)
+        inputs = [t for t, _ in planned] + [[last_token(s)] for s in decodes]
+        q_lens = [len(t) for t in inputs]
+        T, C = max(q_lens), len(chunks)
+        idx = torch.tensor([t + [0] * (T - len(t)) for t in inputs], device=self.device)  # (B, T)
+        t0 = time.perf_counter()
+        self.cache.plan_step([s.slot for s, _ in chunks] + [s.slot for s in decodes], q_lens)
         ends = [i for i, (_, done) in enumerate(planned) if done]
         with autocast_for(self.device):
             x = self.model.hidden_states(idx, cache=self.cache)         # (B, T, d)
             every = None
             if any(wants_prompt_logprobs(seq) for seq, _ in chunks):
-                every = self.model.compute_logits(x)                    # (B, T, V)
-            if not ends:
-                return [], None, every
-            rows = torch.tensor(ends, device=self.device)
-            cols = torch.tensor([q_lens[i] - 1 for i in ends], device=self.device)
-            last = every[rows, cols] if every is not None else \
-                self.model.compute_logits(x[rows, cols])                # (E, V)
-        return ends, last, every
+                every = self.model.compute_logits(x[:C])                # (C, T, V)
+            # the sampled positions: each ending chunk's last token, then each decode row's
+            picks = ends if every is not None else ends + list(range(C, len(inputs)))
+            rows = torch.tensor(picks, dtype=torch.long, device=self.device)
+            cols = torch.tensor([q_lens[i] - 1 for i in picks], dtype=torch.long,
+                                device=self.device)
+            sampled = self.model.compute_logits(x[rows, cols]) if picks else None   # (P, V)
+            if every is not None:
+                sampled = torch.cat([every[rows, cols]] + (
+                    [self.model.compute_logits(x[C:, 0])] if decodes else []))  # (E + D, V)
+        if decodes:
+            sync_device(self.device)
+            self.stats.forward_s += time.perf_counter() - t0
+        E = len(ends)
+        return (sampled[E:] if decodes else None), ends, (sampled[:E] if ends else None), every
+
+
+def last_token(seq: Sequence) -> int:
+    """The token a decoding sequence brings to its next step: its last, or its prompt's last
+    (the first step after a prefill whose last token's logits were not kept)."""
+    return seq.tokens[-1] if seq.tokens else seq.request.prompt[-1]
+
+
+def mixes(speculator, decoder) -> bool:
+    """Whether a step's decode rows join its prefill chunks' pass (Orca's iteration-level
+    batching: one pass a step), as they do unless they have a pass of their own: a speculating
+    step's guesses (11), or a graph decoder's replay of every slot (06)."""
+    return speculator is None and not isinstance(decoder, SlotGraphDecoder)
 
 
 def wants_prompt_logprobs(seq: Sequence) -> bool:
@@ -248,6 +277,14 @@ def mark_computed(seqs: list[Sequence], n: list[int], cache: SlotCache, config: 
             scheduler.release(seq)
 
 
+def computed_chunks(chunks: list[tuple[Sequence, int]], every: Tensor | None, cache: SlotCache,
+                    config: EngineConfig, scheduler: Scheduler) -> None:
+    """A step's prefill chunks are computed: their prompt logprobs collected from every (C, T,
+    V) (None when none asks), their tokens counted (mark_computed)."""
+    collect_prompt_logprobs(chunks, every)
+    mark_computed([s for s, _ in chunks], [n for _, n in chunks], cache, config, scheduler)
+
+
 def leftover(budget: int | None, decodes: list[Sequence], chunks: list[tuple[Sequence, int]]
              ) -> int | None:
     """The tokens a step's plan leaves of its budget (None: no budget)."""
@@ -260,6 +297,16 @@ def record_decode_step(stats: Stats, cache: SlotCache, n_rows: int, ragged: bool
     used = cache.used_tokens()
     stats.record_step(n_rows if ragged else cache.n_slots, n_rows, cache.n_slots,
                       used / cache.reserved_tokens(), used / max(1, cache.allocated_tokens()))
+
+
+def fitting(req: Request, cache: SlotCache) -> Request:
+    """A checked request, if its prompt and new tokens can fit the cache alone; else a
+    ValueError saying why not."""
+    n = len(req.prompt) + req.max_new_tokens
+    if (why := cache.never_fits(n)) is not None:
+        raise ValueError(f"prompt of {len(req.prompt)} tokens + {req.max_new_tokens} new "
+                         f"tokens {why}")
+    return req
 
 
 def record_trace(trace: Trace, cache: SlotCache, holders: list[int | None],
@@ -276,13 +323,12 @@ def record_trace(trace: Trace, cache: SlotCache, holders: list[int | None],
 class ContinuousEngine:
     """Continuous batching over a SlotCache, one step() at a time.
 
-    `ContinuousEngine(model, EngineConfig(...))`, or the settings as keywords:
-    `ContinuousEngine(model, n_slots, kv="paged", ...)`. add_request() queues a request at any
-    time; step() runs one step and returns the new tokens as Events; a finished request's
-    Result waits in `results` (pop it). Times are on the engine clock; TTFT and latency count
-    from the request's arrival. One generator is shared by every request without a seed of its
-    own. A built decoder passed as `decoder` lends its cache and steps (06); `draft` is a model
-    that proposes (11), `grammars` the grammar backend (12); a Trace records every step."""
+    `ContinuousEngine(model, EngineConfig(...))` or `ContinuousEngine(model, n_slots, kv="paged",
+    ...)`. add_request() queues a request at any time; step() runs one step and returns the new
+    tokens as Events; a finished request's Result waits in `results` (pop it). Times are on the
+    engine clock, TTFT and latency from the request's arrival. `generator` serves every request
+    without a seed; a built `decoder` lends its cache and steps (06); `draft` proposes (11),
+    `grammars` constrain (12); a Trace records every step."""
 
     def __init__(self, model: Transformer, config: EngineConfig | int, *, generator=None,
                  trace: Trace | None = None, draft=None, grammars=None, **settings):
@@ -305,8 +351,7 @@ class ContinuousEngine:
                                           self.runner, self.stats)
         self.results: dict[int, Result] = {}
         self._seqs: dict[int, Sequence] = {}            # unfinished requests, by id
-        self._next_id = 0
-        self._t0 = time.perf_counter()
+        self._next_id, self._t0 = 0, time.perf_counter()
         self._start: float | None = None                # the first arrival
 
     # ---- the public surface ----------------------------------------------------------------
@@ -316,11 +361,8 @@ class ContinuousEngine:
     def add_request(self, req: Request) -> int:
         """Queue a request; returns its id. Raises at once (and changes nothing) if it is
         malformed or can never fit the cache."""
-        req = check_request(req, self.model.cfg.vocab_size, self.max_len, self.sampling)
-        n = len(req.prompt) + req.max_new_tokens
-        if (why := self.cache.never_fits(n)) is not None:
-            raise ValueError(f"prompt of {len(req.prompt)} tokens + {req.max_new_tokens} "
-                             f"new tokens {why}")
+        req = fitting(check_request(req, self.model.cfg.vocab_size, self.max_len, self.sampling),
+                      self.cache)
         choices, now, first = req.sampling.choices(), self.now(), None
         matchers = new_matchers(self.grammars, choices)    # a constraint's, or None (12)
         for s, matcher in zip(choices, matchers):       # n > 1: rids rid, rid + 1, ...
@@ -329,8 +371,7 @@ class ContinuousEngine:
             self._seqs[seq.rid] = seq
             self.scheduler.add(seq, first if self.config.prefix_cache else None)
             first = first or seq
-        if self._start is None:
-            self._start = now
+        self._start = now if self._start is None else self._start
         return first.rid
 
     def has_work(self) -> bool:
@@ -361,20 +402,27 @@ class ContinuousEngine:
 
     @torch.no_grad()
     def step(self) -> list[Event]:
-        """1) reserve, 2) admit and plan, 3) decode, then prefill, 4) retire: the new tokens."""
+        """1) reserve, 2) admit and plan, 3) the forward pass (decodes and prefill chunks in one,
+        unless the decodes have their own), 4) retire: the new tokens."""
         if not self.scheduler.has_work():
             return []
         self.stats.preemptions += len(self.scheduler.reserve())
         decodes, chunks = self.scheduler.plan(self.config.max_step_tokens)
         if self.trace is not None:
             record_trace(self.trace, self.cache, self.holders(), decodes, chunks)
-        room = leftover(self.config.max_step_tokens, decodes, chunks)   # for guesses (11)
-        events = self._decode(decodes, room) if decodes else []
+        room, t_step = leftover(self.config.max_step_tokens, decodes, chunks), time.perf_counter()
+        if decodes:
+            record_decode_step(self.stats, self.cache, len(decodes),
+                               not isinstance(self.decoder, SlotGraphDecoder))
+        if decodes and chunks and mixes(self.speculator, self.decoder):   # one pass for both
+            logits, *prefilled = self.runner.prefill(chunks, decodes)
+            events = self._decode(decodes, room, t_step, logits)
+        else:
+            events = self._decode(decodes, room, t_step) if decodes else []
+            prefilled = self.runner.prefill(chunks)[1:] if chunks else None
         if chunks:
-            ends, logits, every = self.runner.prefill(chunks)
-            collect_prompt_logprobs(chunks, every)
-            mark_computed([s for s, _ in chunks], [n for _, n in chunks], self.cache,
-                          self.config, self.scheduler)
+            ends, logits, every = prefilled
+            computed_chunks(chunks, every, self.cache, self.config, self.scheduler)
             if ends:
                 seqs = [chunks[i][0] for i in ends]
                 events += self._retire(seqs, *sample(seqs, logits, self.generator))
@@ -385,11 +433,13 @@ class ContinuousEngine:
         return events
 
     # ---- 3) decode: one token for every sequence that has one left ---------------------------
-    def _decode(self, seqs: list[Sequence], room: int | None) -> list[Event]:
-        t_step = time.perf_counter()
-        record_decode_step(self.stats, self.cache, len(seqs),
-                           not isinstance(self.decoder, SlotGraphDecoder))
-        if self.speculator is None:
+    def _decode(self, seqs: list[Sequence], room: int | None, t_step: float,
+                logits: Tensor | None = None) -> list[Event]:
+        """A token for each, the step begun at t_step: from logits (B, V) of a mixed pass, else
+        from a decode pass of their own (or a speculating step's verified guesses, 11)."""
+        if logits is not None:
+            tokens, logprobs = sample(seqs, logits, self.generator)
+        elif self.speculator is None:
             tokens, logprobs = sample(seqs, self.runner.decode(seqs), self.generator)
         else:                                           # guesses, verified in one pass (11)
             verdicts = self.speculator.decode(seqs, room, self.generator)
@@ -399,7 +449,6 @@ class ContinuousEngine:
         events = self._retire(seqs, tokens, logprobs)
         self.stats.decode_s += time.perf_counter() - t_step
         return events
-
 
     # ---- 4) retire: sample, record, free the slots of the finished -------------------------
     def _retire(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list]
@@ -411,13 +460,12 @@ class ContinuousEngine:
             for tok, lp in zip(toks, lps):
                 prompt = seq.prompt_logprobs if not seq.tokens else None
                 done = seq.append(tok, now, lp)
-                reason = None
                 if done:
-                    self.results[seq.rid] = result = seq.result(now)
-                    reason = result.finish_reason
+                    self.results[seq.rid] = seq.result(now)
                     self.stats.record_finished(seq)
                     self.scheduler.finish(seq)
                     del self._seqs[seq.rid]
+                reason = self.results[seq.rid].finish_reason if done else None
                 events.append(Event(seq.rid, tok, done, reason, lp, prompt))
                 if done:
                     break

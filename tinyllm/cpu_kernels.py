@@ -604,8 +604,9 @@ static void values_f64(const double *s, const double *vc, const int64_t *at, int
    and value (k, v (B, n_kv, hd)) go to row write[b, h]; then each of h's g query heads
    (q (B, n_kv, g, hd)) attends to the W keys at rows read[b, j] + h * hs:
    y[b, h, i] = sum_j p_j vc[read[b, j] + h hs], p = softmax(q . kc[...] * scale + mask[b, j]),
-   the keys whose mask is -inf left out. Returns 0, or 1 (nothing written) where an index lies
-   outside the cache's rows. */
+   the keys whose mask is -inf left out: a row's keys end at its last visible one (a shorter
+   context than the batch's longest, a prompt's early token), and none after it is read.
+   Returns 0, or 1 (nothing written) where an index lies outside the cache's rows. */
 #define DECODE_ATTENTION(NAME, T, S)                                                           \
 int NAME(int64_t B, int64_t n_kv, int64_t g, int64_t hd, int64_t W, int64_t rows, int64_t hs, \
          const T *q, const T *k, const T *v, T *kc, T *vc, const int64_t *write,              \
@@ -620,13 +621,14 @@ int NAME(int64_t B, int64_t n_kv, int64_t g, int64_t hd, int64_t W, int64_t rows
     }                                                                                         \
     _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")        \
     for (int64_t bh = 0; bh < B * n_kv; bh++) {                                               \
-        int64_t b = bh / n_kv, off = bh % n_kv * hs;                                          \
+        int64_t b = bh / n_kv, off = bh % n_kv * hs, n = W;                                   \
+        while (n > 1 && mask[b * W + n - 1] == -INFINITY) n--;   /* the keys it may see end */ \
         T *s = malloc((W + 8) * sizeof(T));                                                   \
         for (int64_t i = bh * g; i < (bh + 1) * g; i++) {                                     \
-            T top = scores_##S(q + i * hd, kc, read + b * W, off, mask + b * W, W, hd,        \
+            T top = scores_##S(q + i * hd, kc, read + b * W, off, mask + b * W, n, hd,        \
                                (T)scale, s);                                                  \
-            T sum = weights_##S(s, W, top);                                                   \
-            values_##S(s, vc, read + b * W, off, W, hd, y + i * hd);                          \
+            T sum = weights_##S(s, n, top);                                                   \
+            values_##S(s, vc, read + b * W, off, n, hd, y + i * hd);                          \
             for (int64_t d = 0; d < hd; d++) y[i * hd + d] /= sum;                            \
         }                                                                                     \
         free(s);                                                                              \

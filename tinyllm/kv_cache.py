@@ -18,7 +18,10 @@ from torch import Tensor
 class Cache(Protocol):
     """What the model asks of a KV cache, once per forward pass: `begin_step`, then `update`
     in every layer, then `end_step`. KVCache (01), SlotKVCache (04), PagedKVCache (05) and the
-    graph decoder's window (06) implement it; the model never knows which one it holds."""
+    graph decoder's window (06) implement it; the model never knows which one it holds. A
+    cache of ragged steps (04) may also pack one: after begin_step, `packing` holds the new
+    tokens' places among the step's (B * T) columns when some columns are padding (else None
+    or no such attribute), and update then takes the N new tokens as (1, n_kv, N, hd)."""
 
     def begin_step(self, T: int) -> Tensor:
         """Start a forward pass of T token columns: returns their RoPE positions, (B, T) or

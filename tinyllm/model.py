@@ -8,9 +8,11 @@ so a checkpoint's tensor names map one to one (see `checkpoint.py`).
 The model never knows which KV cache it is given: a forward pass begins a step of the cache
 (which answers the positions of the new tokens), hands it each layer's new keys and values, and
 ends the step (`kv_cache.Cache`). With no cache it is plain causal attention over the whole
-input: the slow reference every fast path is checked against. A decode step on a CPU, with a
-slot or paged cache, attends in one C call a layer where the cache keeps its keys
-(`Attention.decode`, step 13).
+input: the slow reference every fast path is checked against. A ragged step with padding
+(slot_cache.py) is packed: the layers compute its new tokens alone, as one row of N tokens, and
+attention puts them back in their sequences (`Attention.packed`). A decode step or a packed
+step on a CPU, with a slot or paged cache, attends in one C call a layer where the cache keeps
+its keys (`Attention.decode`, step 13).
 """
 
 import math
@@ -137,8 +139,12 @@ class Attention(nn.Module):
         return 2 * self.n_kv_heads * self.head_dim * elem_bytes
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache=None) -> Tensor:
+        """x (B, T, d) -> (B, T, d). In a packed step (cache.packing, see hidden_states) x is
+        (1, N, d), the step's N new tokens; attention alone sees them in their rows."""
         B, T, _ = x.shape
         hd = self.head_dim
+        if getattr(cache, "packing", None) is not None:
+            return self.o_proj(self.packed(x, cos, sin, cache))               # (1, N, d)
         q = self.q_proj(x).view(B, T, self.n_heads, hd).transpose(1, 2)       # (B, H, T, hd)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, hd).transpose(1, 2)    # (B, n_kv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, hd).transpose(1, 2)    # (B, n_kv, T, hd)
@@ -155,6 +161,35 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, H * hd)
         return self.o_proj(y)
+
+    def packed(self, x: Tensor, cos: Tensor, sin: Tensor, cache) -> Tensor:
+        """Attention of a packed step: x (1, N, d), the N new tokens of the step's B rows in
+        row order, cos and sin at their positions (1, 1, N, hd) -> (1, N, H * hd). The
+        products and RoPE run on the N tokens. On a CPU (kernel_layout) each new token is a
+        query row of its own in one decode_attention call: its sequence's keys, its causal
+        mask, so a decode row costs what it costs in a decode step. Elsewhere the queries go
+        back into the step's (B, T) columns for scaled_dot_product_attention, the cache's mask
+        (B, 1, T, W) hiding what each may not see, and only the N real columns come out."""
+        N, hd, where = x.size(1), self.head_dim, cache.packing      # where: (N,) of B * T
+        q = self.q_proj(x).view(1, N, self.n_heads, hd).transpose(1, 2)       # (1, H, N, hd)
+        k = self.k_proj(x).view(1, N, self.n_kv_heads, hd).transpose(1, 2)    # (1, n_kv, N, hd)
+        v = self.v_proj(x).view(1, N, self.n_kv_heads, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        tokens = lambda t: t[0].transpose(0, 1)          # (1, h, N, hd) -> (N, h, hd)
+        layout = kernel_layout(cache, self.layer, tokens(v)[:, :, None])
+        if layout is not None:                          # (N, n_kv, g, hd) queries, one call
+            y = cpu_kernels.decode_attention(tokens(q).reshape(N, self.n_kv_heads, -1, hd),
+                                             tokens(k)[:, :, None], tokens(v)[:, :, None],
+                                             *layout)
+            return y.view(1, N, self.n_heads * hd)                            # (1, N, H * hd)
+        k, v, mask = cache.update(self.layer, k, v)    # (B, n_kv, W, hd), mask (B, 1, T, W)
+        B, T = mask.size(0), mask.size(2)
+        rows = q.new_zeros(B * T, self.n_heads, hd).index_copy_(0, where, tokens(q))
+        q = rows.view(B, T, self.n_heads, hd).transpose(1, 2)                  # (B, H, T, hd)
+        k, v = repeat_kv(k, self.n_heads), repeat_kv(v, self.n_heads)         # (B, H, W, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)           # (B, H, T, hd)
+        y = y.transpose(1, 2).reshape(B * T, self.n_heads * hd)               # (B * T, H * hd)
+        return y.index_select(0, where)[None]                                 # (1, N, H * hd)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, cache) -> Tensor:
         """Attention for one new token a row: q (B, H, 1, hd), k and v (B, n_kv, 1, hd) -> y
@@ -266,7 +301,9 @@ class Transformer(nn.Module):
     def hidden_states(self, idx: Tensor, cache=None) -> Tensor:
         """The forward pass up to the last layer's output: idx (B, T) -> x (B, T, d), before the
         final norm and the head. A prefill that samples at a few positions only takes those
-        rows to compute_logits (the head is a fifth of a small model's arithmetic)."""
+        rows to compute_logits (the head is a fifth of a small model's arithmetic). When the
+        cache packs the step (cache.packing: the N new tokens among the B * T columns), the
+        layers run on x (1, N, d) and the padding columns of the result are zeros."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (batch, time) token ids, got shape {tuple(idx.shape)}")
         B, T = idx.shape
@@ -277,12 +314,17 @@ class Transformer(nn.Module):
             pos = torch.arange(T, device=idx.device)[None]                    # (1, T)
         else:
             pos = cache.begin_step(T).to(idx.device)                          # (B or 1, T)
+        where = getattr(cache, "packing", None)       # (N,): the new tokens of a ragged step
+        if where is not None:                         # computed alone, padding left out
+            idx, pos = idx.reshape(-1)[where][None], pos.reshape(-1)[where][None]  # (1, N)
         cos, sin = self.rope(pos)                                             # (B or 1, 1, T, hd)
         x = self.embed_tokens(idx)                                            # (B, T, d)
         for block in self.layers:
             x = block(x, cos, sin, cache)
         if cache is not None:
             cache.end_step()
+        if where is not None:                         # (1, N, d) -> (B, T, d), zero padding
+            x = x.new_zeros(B * T, x.size(-1)).index_copy_(0, where, x[0]).view(B, T, -1)
         return x                                                              # (B, T, d)
 
     def rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:

@@ -16,9 +16,11 @@ up front.
 One step, in three moves: the engine plans it (`plan_step(rows, q_lens)`: which slots, how many
 new tokens each), the model's forward pass begins it (`begin_step`: positions, mask, where to
 write and what to read, built once for every layer), calls `update` in each layer, and ends it
-(`end_step`: each row's length grows by its new tokens). A decode step on a CPU asks
-`decode_layout` instead of calling `update`: where the keys lie, so that one C call (13) writes
-and attends in place.
+(`end_step`: each row's length grows by its new tokens). A step whose rows bring different
+numbers of tokens is **packed** (`packing`: the new tokens' places among the (B, T) columns):
+the model computes those N tokens alone, and only attention sees them in their rows. A decode
+step or a packed step on a CPU asks `decode_layout` instead of calling `update`: where the keys
+lie, so that one C call (13) writes and attends in place, a query row per new token.
 """
 
 import torch
@@ -51,6 +53,23 @@ def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     -inf where a key is hidden. SDPA turns a bool mask into this on every call, so a step
     makes it once for all its layers."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
+
+
+def query_rows(write: Tensor, read: Tensor, stride: int, mask: Tensor, packing: Tensor | None
+               ) -> tuple[Tensor, Tensor, int, Tensor]:
+    """decode_layout's rows of a step of B rows and T columns: write (N, n_kv), each new
+    token's rows; read (B, W), each row's keys; the additive mask (B, 1, T, W); packing, the
+    new tokens among the B * T columns (None: every column is one). A decode step's rows are
+    its query rows. In a packed step each new token is a query row of its own, with its row's
+    keys and its own column of the mask: causal, so a chunk's token sees the chunk up to
+    itself, which the kernel writes before it attends. -> (write, read (N, W), stride, mask
+    (N, W))."""
+    B, _, T, W = mask.shape
+    mask = mask.view(B * T, W)                                          # (B * T, W)
+    if packing is not None:                                             # a row per new token
+        read = read.index_select(0, torch.div(packing, T, rounding_mode="floor"))
+        mask = mask.index_select(0, packing)
+    return write, read, stride, mask
 
 
 def check_slot(cache: "SlotCache", slot) -> None:
@@ -119,6 +138,7 @@ class SlotCache:
         self.active = [False] * n_slots
         self.lens = [0] * n_slots                     # tokens stored per slot
         self._plan: tuple[list[int], list[int]] | None = None
+        self.packing: Tensor | None = None            # a step's new tokens among its columns
 
     # ---- slots ----------------------------------------------------------------------------
     def free_slots(self) -> list[int]:
@@ -209,46 +229,47 @@ class SlotCache:
         lens = [self.lens[s] for s in rows]
         positions, mask = ragged_mask(lens, q_lens, self.device)       # (B, T), (B, 1, T, W)
         self._mask = additive(mask, self.k[0].dtype)                    # once, not per layer
-        # the new tokens' places in the (B * T) columns of the batch: all, or the unpadded ones
-        self._new = None if min(q_lens) == T else torch.tensor(
+        # the new tokens' places in the (B * T) columns of the batch, when some are padding
+        self.packing = None if min(q_lens) == T else torch.tensor(
             [b * T + i for b, q in enumerate(q_lens) for i in range(q)], device=self.device)
-        self._B, self._layout = len(rows), None
+        self._B, self._n, self._layout = len(rows), sum(q_lens), None
         self._index(rows, positions)
         return positions
 
     def decode_layout(self, layer: int, B: int) -> tuple | None:
-        """Where a decode step of B rows finds its keys, for cpu_kernels.decode_attention to
-        write and read them in place: (the layer's keys and values, rows of hd; write (B, n_kv):
-        the new tokens' rows; read (B, W): the rows of KV head 0's keys each row may see, head
-        h's + h * stride; stride; the mask (B, W)). None for more than one token a row."""
-        if self._mask.size(2) != 1:
+        """Where a step's B query rows find their keys, for cpu_kernels.decode_attention to
+        write and read them in place: a decode step's rows, or a packed step's N new tokens
+        (query_rows). (The layer's keys and values, rows of hd; write (B, n_kv): the new
+        tokens' rows; read (B, W): the rows of KV head 0's keys each query may see, head h's +
+        h * stride; stride; the mask (B, W)). None for a step of whole rows of several tokens."""
+        if self._mask.size(2) != 1 and self.packing is None:
             return None
-        self._check_rows(B)
-        self._layout = self._layout or (*self._kernel_rows(), self._mask.view(B, -1))
+        self._layout = self._layout or query_rows(*self._kernel_rows(), self._mask, self.packing)
+        if B != self._layout[0].size(0):
+            raise ValueError(f"the step was planned for {self._layout[0].size(0)} query rows, "
+                             f"the batch has {B}")
         return (self.k[layer], self.v[layer], *self._layout)
 
-    def _check_rows(self, B: int) -> None:
-        if B != self._B:
-            raise ValueError(f"the step was planned for {self._B} rows, the batch has {B}")
-
     def new_tokens(self, x: Tensor) -> Tensor:
-        """The step's new keys (or values) x (B, n_kv, T, hd), padding left out: (N, n_kv, hd)."""
+        """The step's new keys (or values) as rows (N, n_kv, hd): x (B, n_kv, T, hd) of a step
+        without padding, or (1, n_kv, N, hd), a packed step's N new tokens (packing)."""
         B, n_kv, T, hd = x.shape
-        self._check_rows(B)
-        flat = x.transpose(1, 2).reshape(B * T, n_kv, hd)                # (B * T, n_kv, hd)
-        return flat if self._new is None else flat.index_select(0, self._new)
+        if B * T != self._n or B != (self._B if self.packing is None else 1):
+            raise ValueError(f"the step was planned for {self._B} rows and {self._n} new "
+                             f"tokens, the batch has {B} rows of {T}")
+        return x.transpose(1, 2).reshape(B * T, n_kv, hd)                # (N, n_kv, hd)
 
     def new_columns(self, x: Tensor) -> Tensor:
         """A value per column of the batch, x (B, T) (a position, a slot, a pool row), for the
         step's new tokens only, padding left out: (N,)."""
         flat = x.reshape(-1)
-        return flat if self._new is None else flat.index_select(0, self._new)
+        return flat if self.packing is None else flat.index_select(0, self.packing)
 
     def end_step(self) -> None:
         rows, q_lens = self._planned()
         for s, q in zip(rows, q_lens):
             self.lens[s] += q
-        self._plan = None
+        self._plan, self.packing = None, None
 
     def _index(self, rows: list[int], positions: Tensor) -> None:
         raise NotImplementedError
@@ -282,10 +303,10 @@ class SlotKVCache(SlotCache):
                        + self.new_columns(positions)[:, None]).view(-1)  # (N * n_kv,)
 
     def _kernel_rows(self) -> tuple[Tensor, Tensor, int]:
-        B, W = self._B, self._mask.size(-1)                # a row per slot, head h max_len on
-        first = self._rows[:, None] * (self.k[0].size(1) * self.max_len)           # (B, 1)
+        W, n_kv = self._mask.size(-1), self.k[0].size(1)   # a row per slot, head h max_len on
+        first = self._rows[:, None] * (n_kv * self.max_len)                          # (B, 1)
         read = first + torch.arange(W, device=self.device)                           # (B, W)
-        return self._write.view(B, -1), read, self.max_len
+        return self._write.view(-1, n_kv), read, self.max_len                        # (N, n_kv)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         ck, cv = self.k[layer], self.v[layer]

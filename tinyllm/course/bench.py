@@ -148,24 +148,33 @@ def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed:
         if any(arrivals):
             raise ValueError(f"static batching is offline: it cannot take the {workload_name} "
                              f"workload, whose requests arrive over time")
-        return run_static(model, reqs, config.n_slots, progress=progress)[1]
+        return cpu_timed(lambda: run_static(model, reqs, config.n_slots, progress=progress))
     if config.max_len is None:
         config = replace(config, max_len=longest(reqs))
     grammars = None
     if any(r.sampling is not None and r.sampling.constraint is not None for r in reqs):
         grammars = LLGuidance(tok, model.cfg.vocab_size)                # the json workload (12)
+    serve = lambda **decoder: cpu_timed(lambda: run_continuous(
+        model, reqs, config, arrivals, progress=progress, draft=draft, grammars=grammars,
+        **decoder))
     if config.decoder == "pieces":                  # every bucket compiled before the clock
         compile_s = PiecewiseDecoder(model).warm_up(config.n_slots)
-        summary = run_continuous(model, reqs, config, arrivals, progress=progress, draft=draft,
-                                 grammars=grammars)[1]
-        return {**summary, "compile_s": compile_s}
+        return {**serve(), "compile_s": compile_s}
     if config.decoder != "compiled":
-        return run_continuous(model, reqs, config, arrivals, progress=progress, draft=draft,
-                              grammars=grammars)[1]
+        return serve()
     decoder = compiled_decoder(model, config)
-    summary = run_continuous(model, reqs, config, arrivals, progress=progress, decoder=decoder,
-                             grammars=grammars)[1]
-    return {**summary, "compile_s": sum(decoder.compile_s.values())}
+    return {**serve(decoder=decoder), "compile_s": sum(decoder.compile_s.values())}
+
+
+def cpu_timed(serve) -> dict:
+    """serve() -> (results, summary), run once: its summary, with the CPU seconds this
+    process spent in it (cpu_s, every thread's) and tok_per_cpu_s, its tokens over them. On a
+    shared machine the CPU time hardly moves when other jobs take turns on the cores; the wall
+    clock does."""
+    t0 = time.process_time()
+    summary = serve()[1]
+    cpu_s = time.process_time() - t0
+    return {**summary, "cpu_s": cpu_s, "tok_per_cpu_s": summary["useful_tokens"] / cpu_s}
 
 
 def _median_step_ms(step, slots: SlotKVCache, iters: int, sync) -> float:
@@ -363,6 +372,13 @@ def batch_sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"numbers separated by commas, got {text!r}") from None
 
 
+def positive_int(text: str) -> int:
+    """--rounds' value: a whole number of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1, got {text!r}")
+    return int(text)
+
+
 def parser() -> argparse.ArgumentParser:
     """The command's parser: the benchmark's flags, then the engine's (EngineConfig's, as
     `serve` has them, but --kv: the engine names pick the cache). Flags are named in full:
@@ -393,6 +409,9 @@ def parser() -> argparse.ArgumentParser:
                          "(avx512_bf16, AMX) and matches float32 up to near-ties")
     ap.add_argument("--requests", type=int, default=64, metavar="N",
                     help="how many requests" + default)
+    ap.add_argument("--rounds", type=positive_int, default=1, metavar="N",
+                    help="run every engine N times, in turn, and show each engine's median "
+                         "round by tokens per CPU-second" + default)
     ap.add_argument("--seed", type=int, default=0, metavar="N",
                     help="the workload's seed" + default)
     ap.add_argument("--model", default="default", metavar="DIR",
@@ -466,6 +485,12 @@ def time_decode_steps(args, model, quant: str = "none") -> None:
           "the compiled step must save it")
 
 
+def median_run(summaries: list[dict]) -> dict:
+    """Of one engine's rounds, the one whose tok_per_cpu_s is the median (the lower of the
+    middle two for an even number): every figure of the row comes from one real run."""
+    return sorted(summaries, key=lambda s: s["tok_per_cpu_s"])[(len(summaries) - 1) // 2]
+
+
 def compare_engines(ap, args, models: dict, tok) -> None:
     """--engines: each engine, its config parsed from its name and the flags, on the same
     requests, on each model of --quant (named "engine int8" when there are several); their
@@ -475,16 +500,21 @@ def compare_engines(ap, args, models: dict, tok) -> None:
         engines = engine_configs(args.engines.split(","), args, max_len=longest(reqs))
     except ValueError as e:
         ap.error(str(e))
-    runs = {}
+    rounds: dict[str, list[dict]] = {}
     for quant, model in models.items():
         warm_up(model)
-        for name, (base, config) in engines.items():
-            key = name if len(models) == 1 else f"{name} {quant}"
-            bar = _bar(args.requests, key, quiet=args.json)
-            runs[key] = run(model, tok, args.workload, config, args.requests, args.seed, bar,
-                            static=base == "static", draft=args.draft_model)
-            if bar is not None:
-                bar.close()
+    for r in range(args.rounds):                    # each round runs every engine once
+        for quant, model in models.items():
+            for name, (base, config) in engines.items():
+                key = name if len(models) == 1 else f"{name} {quant}"
+                bar = _bar(args.requests, key if args.rounds == 1 else f"{key} ({r + 1})",
+                           quiet=args.json)
+                rounds.setdefault(key, []).append(run(
+                    model, tok, args.workload, config, args.requests, args.seed, bar,
+                    static=base == "static", draft=args.draft_model))
+                if bar is not None:
+                    bar.close()
+    runs = {key: median_run(summaries) for key, summaries in rounds.items()}
     device = next(model.parameters()).device
     if args.json:
         print(json.dumps({"workload": args.workload, "slots": args.n_slots,
@@ -492,7 +522,9 @@ def compare_engines(ap, args, models: dict, tok) -> None:
                           "torch_threads": torch.get_num_threads(), "runs": runs}, indent=2))
         return
     print(f"workload {args.workload}: {args.requests} requests, batch/slots {args.n_slots}, "
-          f"{device} ({torch.get_num_threads()} threads)\n")
+          f"{device} ({torch.get_num_threads()} threads)"
+          + (f"; each engine's median round of {args.rounds} by tok_per_cpu_s"
+             if args.rounds > 1 else "") + "\n")
     print(table(runs))
     print("\ndecode_overhead: the share of a decode step spent outside the model's forward pass")
 
