@@ -52,6 +52,29 @@ def test_bench_json_compares_engines_on_the_same_work(bundled, capsys, monkeypat
         assert summary["requests"] == 6 and 0 <= summary["decode_overhead"] < 1
 
 
+def test_rounds_run_every_engine_in_turn_and_keep_each_ones_median(bundled, capsys, monkeypatch):
+    """--rounds 3 runs static, continuous, static, continuous, ...; each engine's row is its
+    round of median tokens per CPU-second (cpu_s: the process's CPU seconds in the run)."""
+    model, tok = bundled
+    monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
+    order, run = [], bench.run
+    monkeypatch.setattr(bench, "run", lambda *a, **k: order.append(k["static"]) or run(*a, **k))
+    argv = ["--requests", "4", "--slots", "2", "--rounds", "3", "--json"]
+    bench.main(argv)
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert order == [True, False] * 3, "rounds interleave the engines"
+    for summary in runs.values():
+        assert summary["cpu_s"] > 0
+        assert summary["tok_per_cpu_s"] == pytest.approx(
+            summary["useful_tokens"] / summary["cpu_s"]
+        )
+    rounds = [{"tok_per_cpu_s": r, "round": i} for i, r in enumerate([5.0, 1.0, 3.0, 9.0])]
+    assert bench.median_run(rounds[:3])["round"] == 2 and bench.median_run(rounds)["round"] == 2
+    with pytest.raises(SystemExit):
+        bench.parser().parse_args(["--rounds", "0"])
+    assert "at least 1" in capsys.readouterr().err
+
+
 def test_bench_table_and_bad_names(bundled, capsys, monkeypatch):
     """The table prints; a static run refuses arrivals; a bad engine name, or a name whose
     settings do not hold together, is refused before any run."""

@@ -346,10 +346,11 @@ def test_a_machine_where_the_kernels_do_not_compile_is_told_why(tmp_path, monkey
 
 @pytest.mark.parametrize("kv", ["slots", "paged"])
 def test_every_decode_step_attends_in_the_c_kernel_on_slot_and_paged_caches(kv, monkeypatch):
-    """On a CPU in float32 and float64, the engine's decode steps go through decode_attention,
-    a call a layer, and so does a packed step (prompts of different lengths: a query row per
-    new token); prompts of one length, whole rows with no padding, do not. Its tokens are the
-    solo ones (the oracle tests, in float64, run the kernel on every workload)."""
+    """On a CPU in float32 and float64, the engine's steps attend in decode_attention, a call
+    a layer: its decodes, and a packed step (prompts of different lengths, or a newcomer's
+    prompt beside the decodes, in one pass: a query row per new token); prompts of one length,
+    whole rows with no padding, go to the library. Its tokens are the solo ones (the oracle
+    tests, in float64, run the kernel on every workload)."""
     calls = []
     kernel = cpu_kernels.decode_attention
     monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
@@ -357,8 +358,15 @@ def test_every_decode_step_attends_in_the_c_kernel_on_slot_and_paged_caches(kv, 
     for dtype in (torch.float32, torch.float64):
         model = make_tiny(seed=4, dtype=dtype)
         kw = dict(kv=kv, block_size=4) if kv == "paged" else dict(kv=kv)
-        for reqs, packed in ((REQS[:2], True), (same, False)):
+        for reqs, whole in ((REQS[:3], 0), (same, 1)):  # REQS[2] joins beside a decode
             eng = ContinuousEngine(model, 2, **kw)
+            mixed, prefill = [], eng.runner.prefill
+
+            def counted(chunks, decodes=(), prefill=prefill, mixed=mixed):
+                mixed.append(bool(decodes))
+                return prefill(chunks, decodes)
+
+            eng.runner.prefill = counted
             rids = [eng.add_request(r) for r in reqs]
             steps = 0
             while eng.has_work():
@@ -366,8 +374,8 @@ def test_every_decode_step_attends_in_the_c_kernel_on_slot_and_paged_caches(kv, 
                 steps += 1
             got = [eng.results.pop(r).tokens for r in rids]
             assert got == [solo(model, r).tokens for r in reqs]
-            kernel_steps = steps if packed else steps - 1  # both prompts in the first step
-            assert len(calls) == kernel_steps * model.cfg.n_layers, f"{dtype}: {len(calls)} calls"
+            assert mixed == [False, True][: len(reqs) - 1], "a newcomer joins beside a decode"
+            assert len(calls) == (steps - whole) * model.cfg.n_layers, f"{dtype}: {len(calls)}"
             calls.clear()
 
 

@@ -210,6 +210,15 @@ class Attention(nn.Module):
         return y.reshape(B, self.n_heads, 1, hd)
 
 
+def unpacked(x: Tensor, where: Tensor | None, B: int, T: int) -> Tensor:
+    """A packed step's values x (1, N, ...) back in its (B, T, ...) columns, zeros in the
+    padding (where: the N tokens' places among the B * T); x itself when where is None."""
+    if where is None:
+        return x
+    out = x.new_zeros((B * T,) + x.shape[2:]).index_copy_(0, where, x[0])
+    return out.view(B, T, *x.shape[2:])
+
+
 def kernel_layout(cache, layer: int, v: Tensor) -> tuple | None:
     """The cache's decode_layout(layer) where cpu_kernels.decode_attention can run this step:
     a cache that has one, the new values v (B, n_kv, 1, hd) on a CPU, in float32 or float64,
@@ -287,7 +296,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.to(device), persistent=False)   # (max_len, hd)
 
     def forward(self, idx: Tensor, cache=None, targets: Tensor | None = None):
-        logits = self.compute_logits(self.hidden_states(idx, cache))          # (B, T, V)
+        x, where = self.layers_pass(idx, cache)               # (B, T, d), or (1, N, d) packed
+        logits = unpacked(self.compute_logits(x), where, *idx.shape)          # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
@@ -301,9 +311,15 @@ class Transformer(nn.Module):
     def hidden_states(self, idx: Tensor, cache=None) -> Tensor:
         """The forward pass up to the last layer's output: idx (B, T) -> x (B, T, d), before the
         final norm and the head. A prefill that samples at a few positions only takes those
-        rows to compute_logits (the head is a fifth of a small model's arithmetic). When the
-        cache packs the step (cache.packing: the N new tokens among the B * T columns), the
-        layers run on x (1, N, d) and the padding columns of the result are zeros."""
+        rows to compute_logits (the head is a fifth of a small model's arithmetic). In a packed
+        step the padding columns of the result are zeros."""
+        x, where = self.layers_pass(idx, cache)
+        return unpacked(x, where, *idx.shape)                                 # (B, T, d)
+
+    def layers_pass(self, idx: Tensor, cache=None) -> tuple[Tensor, Tensor | None]:
+        """The embedding and the layers, one step of the cache: idx (B, T) -> (x (B, T, d),
+        None); or, when the cache packs the step (cache.packing, 04: its N new tokens among the
+        B * T columns), the layers run on those tokens alone: (x (1, N, d), their places (N,))."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (batch, time) token ids, got shape {tuple(idx.shape)}")
         B, T = idx.shape
@@ -314,8 +330,8 @@ class Transformer(nn.Module):
             pos = torch.arange(T, device=idx.device)[None]                    # (1, T)
         else:
             pos = cache.begin_step(T).to(idx.device)                          # (B or 1, T)
-        where = getattr(cache, "packing", None)       # (N,): the new tokens of a ragged step
-        if where is not None:                         # computed alone, padding left out
+        where = getattr(cache, "packing", None)                               # (N,) of B * T
+        if where is not None:
             idx, pos = idx.reshape(-1)[where][None], pos.reshape(-1)[where][None]  # (1, N)
         cos, sin = self.rope(pos)                                             # (B or 1, 1, T, hd)
         x = self.embed_tokens(idx)                                            # (B, T, d)
@@ -323,9 +339,7 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache)
         if cache is not None:
             cache.end_step()
-        if where is not None:                         # (1, N, d) -> (B, T, d), zero padding
-            x = x.new_zeros(B * T, x.size(-1)).index_copy_(0, where, x[0]).view(B, T, -1)
-        return x                                                              # (B, T, d)
+        return x, where
 
     def rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """The rotary embedding's cos and sin at positions pos (B or 1, T), in the weights'

@@ -21,7 +21,10 @@ tokens a step), +prefix (08, paged: a prefix cache) and +ngram or +draft (11: sp
 decoding, guesses by prompt lookup or by a draft model).
 Timing lives here and in the notebooks, never in a test. Besides the summary keys of every
 engine it reports where a decode step's time goes: the model's forward pass against the
-engine's own bookkeeping (admission, sampling, slot moves, Python).
+engine's own bookkeeping (admission, sampling, slot moves, Python), and the CPU seconds of the
+run (cpu_s) with its tokens per CPU-second (tok_per_cpu_s), the figure that holds still on a
+shared machine. --rounds N runs every engine N times in turn and shows each engine's median
+round.
 """
 
 import argparse
@@ -352,6 +355,8 @@ EPILOG = """\
 examples:
   python -m tinyllm bench --workload eos --engines static,continuous --slots 8 --requests 32
   python -m tinyllm bench --engines continuous,paged --slots 16 --paged-slots 64
+  python -m tinyllm bench --requests 256 --paged-slots 64 --rounds 3 \
+      --engines static,continuous,paged
   python -m tinyllm bench --decode-steps
   python -m tinyllm bench --decoder compiled --dtype bf16
   python -m tinyllm bench --decode-steps --compile-mode max-autotune --batch-sizes 1,8
