@@ -136,21 +136,23 @@ seqs_st = st.lists(
     kind=st.sampled_from(KINDS),
     n_slots=st.integers(1, 4),
     k=st.integers(1, 6),
-    attention=st.sampled_from(["kernel", "library"]),
+    attention=st.sampled_from(["kernel", "split", "library"]),
     data=st.data(),
 )
 def test_ragged_steps_match_solo_generate(seqs, kind, n_slots, k, attention, data):
     """Random rows, each bringing 1..k tokens per step (prompts in random chunks, then one token
     at a time), in random slots and random row order: every real column's logits equal the
     full forward pass, every greedy token equals solo generate(), the books balance. A step
-    with padding is packed (its products on the new tokens alone); its attention is the C
-    kernel's, a query row per new token, or (where the kernel does not run: a GPU) the
-    library's over the padded rows."""
-    with (
-        mock.patch("tinyllm.model.kernel_layout", return_value=None)
-        if attention == "library"
-        else contextlib.nullcontext()
-    ):
+    with padding is packed (its products on the new tokens alone). Its attention: every row's
+    tokens in the C kernel, a query row each (rows of at most QUERY_ROWS tokens); or split,
+    the rows of one token in the kernel and the longer ones in the library (QUERY_ROWS 1); or
+    every row in the library, over the padded rows (where the kernel does not run: a GPU)."""
+    patch = {
+        "kernel": contextlib.nullcontext(),
+        "split": mock.patch("tinyllm.slot_cache.QUERY_ROWS", 1),
+        "library": mock.patch("tinyllm.model.kernel_layout", return_value=None),
+    }[attention]
+    with patch:
         ragged_steps(seqs, kind, n_slots, k, data)
 
 

@@ -165,31 +165,34 @@ class Attention(nn.Module):
     def packed(self, x: Tensor, cos: Tensor, sin: Tensor, cache) -> Tensor:
         """Attention of a packed step: x (1, N, d), the N new tokens of the step's B rows in
         row order, cos and sin at their positions (1, 1, N, hd) -> (1, N, H * hd). The
-        products and RoPE run on the N tokens. On a CPU (kernel_layout) each new token is a
-        query row of its own in one decode_attention call: its sequence's keys, its causal
-        mask, so a decode row costs what it costs in a decode step. Elsewhere the queries go
-        back into the step's (B, T) columns for scaled_dot_product_attention, the cache's mask
-        (B, 1, T, W) hiding what each may not see, and only the N real columns come out."""
-        N, hd, where = x.size(1), self.head_dim, cache.packing      # where: (N,) of B * T
+        products and RoPE run on the N tokens. On a CPU (kernel_layout) the tokens of the rows
+        of few tokens (a decode, a short prompt: cache.packing.decodes) attend in one
+        decode_attention call, a query row each, as in a decode step. The longer rows go back
+        into their (rows, T) columns for scaled_dot_product_attention, the cache's mask hiding
+        what each may not see; where the kernel does not run, the rows of one token go there
+        too, as a group of their own, so that no decode is padded to a prompt's width."""
+        N, hd, packing = x.size(1), self.head_dim, cache.packing
         q = self.q_proj(x).view(1, N, self.n_heads, hd).transpose(1, 2)       # (1, H, N, hd)
         k = self.k_proj(x).view(1, N, self.n_kv_heads, hd).transpose(1, 2)    # (1, n_kv, N, hd)
         v = self.v_proj(x).view(1, N, self.n_kv_heads, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        tokens = lambda t: t[0].transpose(0, 1)          # (1, h, N, hd) -> (N, h, hd)
-        layout = kernel_layout(cache, self.layer, tokens(v)[:, :, None])
-        if layout is not None:                          # (N, n_kv, g, hd) queries, one call
-            y = cpu_kernels.decode_attention(tokens(q).reshape(N, self.n_kv_heads, -1, hd),
-                                             tokens(k)[:, :, None], tokens(v)[:, :, None],
-                                             *layout)
-            return y.view(1, N, self.n_heads * hd)                            # (1, N, H * hd)
-        k, v, mask = cache.update(self.layer, k, v)    # (B, n_kv, W, hd), mask (B, 1, T, W)
-        B, T = mask.size(0), mask.size(2)
-        rows = q.new_zeros(B * T, self.n_heads, hd).index_copy_(0, where, tokens(q))
-        q = rows.view(B, T, self.n_heads, hd).transpose(1, 2)                  # (B, H, T, hd)
-        k, v = repeat_kv(k, self.n_heads), repeat_kv(v, self.n_heads)         # (B, H, W, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)           # (B, H, T, hd)
-        y = y.transpose(1, 2).reshape(B * T, self.n_heads * hd)               # (B * T, H * hd)
-        return y.index_select(0, where)[None]                                 # (1, N, H * hd)
+        qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))       # (N, h, hd): a token a row
+        y, few = qt.new_empty(N, self.n_heads, hd), packing.decodes
+        layout = kernel_layout(cache, self.layer, vt[few][:, :, None]) if len(few) else None
+        if layout is not None:                          # the short rows' tokens, in C (13)
+            y[few] = cpu_kernels.decode_attention(
+                qt[few].reshape(len(few), self.n_kv_heads, -1, hd), kt[few][:, :, None],
+                vt[few][:, :, None], *layout).view(len(few), self.n_heads, hd)
+        for rows in packing.library_rows(kernel=layout is not None):   # the others, in groups
+            among, cols, T = packing.tokens(rows)       # their tokens: of the N, of (R * T)
+            keys, values, mask = cache.update(self.layer, k[:, :, among], v[:, :, among], rows)
+            R = len(rows)                               # keys (R, n_kv, W, hd), mask (R, 1, _, W)
+            grid = qt.new_zeros(R * T, self.n_heads, hd).index_copy_(0, cols, qt[among])
+            keys, values = repeat_kv(keys, self.n_heads), repeat_kv(values, self.n_heads)
+            out = F.scaled_dot_product_attention(grid.view(R, T, self.n_heads, hd).transpose(1, 2),
+                                                 keys, values, attn_mask=mask[:, :, :T])
+            y[among] = out.transpose(1, 2).reshape(R * T, self.n_heads, hd)[cols]  # (R, H, T, hd)
+        return y.view(1, N, self.n_heads * hd)                                # (1, N, H * hd)
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, cache) -> Tensor:
         """Attention for one new token a row: q (B, H, 1, hd), k and v (B, n_kv, 1, hd) -> y
@@ -330,7 +333,8 @@ class Transformer(nn.Module):
             pos = torch.arange(T, device=idx.device)[None]                    # (1, T)
         else:
             pos = cache.begin_step(T).to(idx.device)                          # (B or 1, T)
-        where = getattr(cache, "packing", None)                               # (N,) of B * T
+        packing = getattr(cache, "packing", None)
+        where = None if packing is None else packing.places                   # (N,) of B * T
         if where is not None:
             idx, pos = idx.reshape(-1)[where][None], pos.reshape(-1)[where][None]  # (1, N)
         cos, sin = self.rope(pos)                                             # (B or 1, 1, T, hd)

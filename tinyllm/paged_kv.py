@@ -191,6 +191,14 @@ def tables_problem(cache: "PagedKVCache") -> str | None:
     return None
 
 
+def gather(pool: Tensor, read: Tensor) -> Tensor:
+    """The keys (or values) at each row's W positions: pool (rows, n_kv, hd) at read (B, W) ->
+    (B, n_kv, W, hd). index_select of the flat indices: the same gather as pool[read], several
+    times faster."""
+    B, W = read.shape
+    return pool.index_select(0, read.reshape(-1)).view(B, W, *pool.shape[1:]).transpose(1, 2)
+
+
 class PagedKVCache(SlotCache):
     """Keys/values of n_slots sequences in a shared pool of n_blocks blocks of block_size.
 
@@ -331,13 +339,13 @@ class PagedKVCache(SlotCache):
         n = self.k[0].size(1)                      # the pool as (rows * n_kv, hd): head h 1 on
         return self._write[:, None] * n + torch.arange(n, device=self.device), self._read * n, 1
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def update(self, layer: int, k: Tensor, v: Tensor, rows: list[int] | None = None
+               ) -> tuple[Tensor, Tensor, Tensor | None]:
         pk, pv = self.k[layer], self.v[layer]
-        pk.index_copy_(0, self._write, self.new_tokens(k).to(pk.dtype))  # (N, n_kv, hd) rows
-        pv.index_copy_(0, self._write, self.new_tokens(v).to(pv.dtype))
-        B, W = self._read.shape
-        shape = (B, W) + k.shape[1:2] + k.shape[3:]                     # (B, W, n_kv, hd)
-        # index_select of the flat indices: the same gather as pool[read], several times faster
-        keys = pk.index_select(0, self._read.view(-1)).view(shape).transpose(1, 2)
-        values = pv.index_select(0, self._read.view(-1)).view(shape).transpose(1, 2)
-        return keys, values, self._mask                                 # (B, n_kv, W, hd)
+        write, read, mask = (self._write, self._read, self._mask) if rows is None else \
+            self.packing.picked(rows, lambda tokens, picked: (     # a packed step's rows
+                self._write.index_select(0, tokens), self._read.index_select(0, picked),
+                self._mask.index_select(0, picked)))
+        pk.index_copy_(0, write, self.new_tokens(k, len(write)).to(pk.dtype))  # (n, n_kv, hd)
+        pv.index_copy_(0, write, self.new_tokens(v, len(write)).to(pv.dtype))
+        return gather(pk, read), gather(pv, read), mask                 # (B, n_kv, W, hd)

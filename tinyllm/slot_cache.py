@@ -17,10 +17,13 @@ One step, in three moves: the engine plans it (`plan_step(rows, q_lens)`: which 
 new tokens each), the model's forward pass begins it (`begin_step`: positions, mask, where to
 write and what to read, built once for every layer), calls `update` in each layer, and ends it
 (`end_step`: each row's length grows by its new tokens). A step whose rows bring different
-numbers of tokens is **packed** (`packing`: the new tokens' places among the (B, T) columns):
-the model computes those N tokens alone, and only attention sees them in their rows. A decode
-step or a packed step on a CPU asks `decode_layout` instead of calling `update`: where the keys
-lie, so that one C call (13) writes and attends in place, a query row per new token.
+numbers of tokens is **packed** (`packing`, a PackedStep: the new tokens' places among the
+(B, T) columns): the model computes those N tokens alone, and only attention sees them in
+their rows. A decode step on a CPU, and a packed step's rows of few tokens, ask `decode_layout`
+instead of calling `update`: where the keys lie, so that one C call (13) writes and attends in
+place, a query row per new token. A packed step's other rows call `update(layer, k, v, rows)`
+with their own new tokens (1, n_kv, n, hd), and attend to the keys and mask it returns for
+those rows.
 """
 
 import torch
@@ -55,20 +58,71 @@ def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
 
 
-def query_rows(write: Tensor, read: Tensor, stride: int, mask: Tensor, packing: Tensor | None
-               ) -> tuple[Tensor, Tensor, int, Tensor]:
-    """decode_layout's rows of a step of B rows and T columns: write (N, n_kv), each new
-    token's rows; read (B, W), each row's keys; the additive mask (B, 1, T, W); packing, the
-    new tokens among the B * T columns (None: every column is one). A decode step's rows are
-    its query rows. In a packed step each new token is a query row of its own, with its row's
-    keys and its own column of the mask: causal, so a chunk's token sees the chunk up to
-    itself, which the kernel writes before it attends. -> (write, read (N, W), stride, mask
-    (N, W))."""
-    B, _, T, W = mask.shape
-    mask = mask.view(B * T, W)                                          # (B * T, W)
-    if packing is not None:                                             # a row per new token
-        read = read.index_select(0, torch.div(packing, T, rounding_mode="floor"))
-        mask = mask.index_select(0, packing)
+QUERY_ROWS = 32     # a packed row of at most this many new tokens attends a query at a time
+
+
+class PackedStep:
+    """A ragged step with padding, packed: its N new tokens in row order (row b's q_lens[b]
+    tokens, then row b + 1's), and where they sit among its (B, T) columns (`places`, (N,)).
+    On a CPU the kernel attends a query at a time, and a row of a few tokens (a decode, a
+    speculation's guesses, a short prompt) is done fastest that way, each token a query row of
+    its own: `decodes`, those rows' tokens among the N. A row of more than QUERY_ROWS tokens (a
+    prefill) goes to the library's attention, which multiplies its queries with its keys as
+    matrices (`chunk_rows`), as vLLM's backends split a step's decodes from its prefills."""
+
+    def __init__(self, q_lens: list[int], device):
+        T, starts = max(q_lens), [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+        self.q_lens, self.T, self._starts, self.device = q_lens, T, starts, device
+        self._picked: dict = {}                         # rows -> a cache's indices (picked)
+        self.places = torch.tensor([b * T + i for b, q in enumerate(q_lens) for i in range(q)],
+                                   device=device)                       # (N,)
+        few = [b for b, q in enumerate(q_lens) if q <= QUERY_ROWS]
+        self.chunk_rows = [b for b, q in enumerate(q_lens) if q > QUERY_ROWS]
+        self.decodes = self.tokens(few)[0] if few else torch.zeros(0, dtype=torch.long,
+                                                                    device=device)   # (D,)
+
+    def library_rows(self, kernel: bool) -> list[list[int]]:
+        """The groups of rows the library's attention takes, each padded to its own longest
+        row: the rows of many tokens when the kernel takes the others; else the rows of one
+        token (a decode is not padded to a prompt's width) and the rest."""
+        groups = [self.chunk_rows] if kernel else [
+            [b for b, q in enumerate(self.q_lens) if q == 1],
+            [b for b, q in enumerate(self.q_lens) if q > 1]]
+        return [rows for rows in groups if rows]
+
+    def picked(self, rows: list[int], pick) -> tuple:
+        """A cache's indices for these rows' update: pick(their new tokens among the N, the
+        rows), made at the step's first layer and kept for the others."""
+        key = tuple(rows)
+        if key not in self._picked:
+            self._picked[key] = pick(self.tokens(rows)[0], torch.tensor(rows, device=self.device))
+        return self._picked[key]
+
+    def tokens(self, rows: list[int]) -> tuple[Tensor, Tensor, int]:
+        """The new tokens of these rows, as places among the N and as places among the rows'
+        own (len(rows), T) columns, T their longest row's tokens: (n,), (n,), T."""
+        q, start = self.q_lens, self._starts
+        T = max(q[b] for b in rows)
+        among = [start[b] + i for b in rows for i in range(q[b])]
+        cols = [r * T + i for r, b in enumerate(rows) for i in range(q[b])]
+        return (torch.tensor(among, device=self.device), torch.tensor(cols, device=self.device),
+                T)
+
+
+def kernel_rows(write: Tensor, read: Tensor, stride: int, mask: Tensor,
+                packing: PackedStep | None) -> tuple[Tensor, Tensor, int, Tensor]:
+    """decode_layout's rows: write (N, n_kv), each new token's rows; read (B, W), each row's
+    keys; the additive mask (B, 1, T, W). A decode step's rows are its query rows; a packed
+    step's are the tokens of its rows of few tokens (packing.decodes), each with its row's
+    keys and its own column of the mask: causal, so a token sees its row's new tokens up to
+    itself, which the kernel writes before it attends. -> (write, read, stride, mask (D, W))."""
+    mask = mask.view(-1, mask.size(-1))                                 # (B * T, W)
+    if packing is not None:
+        cols = packing.places[packing.decodes]                          # (D,) of B * T
+        rows = torch.div(cols, packing.T, rounding_mode="floor")
+        write, read, mask = write[packing.decodes], read[rows], mask[cols]
     return write, read, stride, mask
 
 
@@ -138,7 +192,7 @@ class SlotCache:
         self.active = [False] * n_slots
         self.lens = [0] * n_slots                     # tokens stored per slot
         self._plan: tuple[list[int], list[int]] | None = None
-        self.packing: Tensor | None = None            # a step's new tokens among its columns
+        self.packing: PackedStep | None = None        # a step's new tokens among its columns
 
     # ---- slots ----------------------------------------------------------------------------
     def free_slots(self) -> list[int]:
@@ -229,41 +283,39 @@ class SlotCache:
         lens = [self.lens[s] for s in rows]
         positions, mask = ragged_mask(lens, q_lens, self.device)       # (B, T), (B, 1, T, W)
         self._mask = additive(mask, self.k[0].dtype)                    # once, not per layer
-        # the new tokens' places in the (B * T) columns of the batch, when some are padding
-        self.packing = None if min(q_lens) == T else torch.tensor(
-            [b * T + i for b, q in enumerate(q_lens) for i in range(q)], device=self.device)
+        self.packing = None if min(q_lens) == T else PackedStep(q_lens, self.device)
         self._B, self._n, self._layout = len(rows), sum(q_lens), None
         self._index(rows, positions)
         return positions
 
     def decode_layout(self, layer: int, B: int) -> tuple | None:
         """Where a step's B query rows find their keys, for cpu_kernels.decode_attention to
-        write and read them in place: a decode step's rows, or a packed step's N new tokens
-        (query_rows). (The layer's keys and values, rows of hd; write (B, n_kv): the new
-        tokens' rows; read (B, W): the rows of KV head 0's keys each query may see, head h's +
-        h * stride; stride; the mask (B, W)). None for a step of whole rows of several tokens."""
+        write and read them in place (a decode step's rows, a packed step's short rows' tokens:
+        kernel_rows): the layer's keys and values, rows of hd; write (B, n_kv), the new tokens'
+        rows; read (B, W), KV head 0's keys each may see (head h's + h * stride); stride; the
+        mask (B, W). None for whole rows of several tokens."""
         if self._mask.size(2) != 1 and self.packing is None:
             return None
-        self._layout = self._layout or query_rows(*self._kernel_rows(), self._mask, self.packing)
+        self._layout = self._layout or kernel_rows(*self._kernel_rows(), self._mask, self.packing)
         if B != self._layout[0].size(0):
-            raise ValueError(f"the step was planned for {self._layout[0].size(0)} query rows, "
-                             f"the batch has {B}")
+            raise ValueError(f"the step has {self._layout[0].size(0)} query rows, not {B}")
         return (self.k[layer], self.v[layer], *self._layout)
 
-    def new_tokens(self, x: Tensor) -> Tensor:
+    def new_tokens(self, x: Tensor, n: int | None = None) -> Tensor:
         """The step's new keys (or values) as rows (N, n_kv, hd): x (B, n_kv, T, hd) of a step
-        without padding, or (1, n_kv, N, hd), a packed step's N new tokens (packing)."""
+        without padding, or (1, n_kv, n, hd), n of a packed step's new tokens (n: all N)."""
         B, n_kv, T, hd = x.shape
-        if B * T != self._n or B != (self._B if self.packing is None else 1):
-            raise ValueError(f"the step was planned for {self._B} rows and {self._n} new "
+        if B * T != (n or self._n) or B != (self._B if self.packing is None else 1):
+            raise ValueError(f"the step was planned for {self._B} rows and {n or self._n} new "
                              f"tokens, the batch has {B} rows of {T}")
         return x.transpose(1, 2).reshape(B * T, n_kv, hd)                # (N, n_kv, hd)
+
 
     def new_columns(self, x: Tensor) -> Tensor:
         """A value per column of the batch, x (B, T) (a position, a slot, a pool row), for the
         step's new tokens only, padding left out: (N,)."""
         flat = x.reshape(-1)
-        return flat if self.packing is None else flat.index_select(0, self.packing)
+        return flat if self.packing is None else flat.index_select(0, self.packing.places)
 
     def end_step(self) -> None:
         rows, q_lens = self._planned()
@@ -274,7 +326,9 @@ class SlotCache:
     def _index(self, rows: list[int], positions: Tensor) -> None:
         raise NotImplementedError
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def update(self, layer: int, k: Tensor, v: Tensor, rows: list[int] | None = None
+               ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Cache.update (in a packed step, for `rows`: see the module's docstring)."""
         raise NotImplementedError
 
 
@@ -308,14 +362,19 @@ class SlotKVCache(SlotCache):
         read = first + torch.arange(W, device=self.device)                           # (B, W)
         return self._write.view(-1, n_kv), read, self.max_len                        # (N, n_kv)
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def update(self, layer: int, k: Tensor, v: Tensor, rows: list[int] | None = None
+               ) -> tuple[Tensor, Tensor, Tensor | None]:
         ck, cv = self.k[layer], self.v[layer]
-        hd = ck.size(-1)                 # index_copy_ of rows: twice as fast as an index_put
-        for cache, new in ((ck, k), (cv, v)):
-            rows = self.new_tokens(new).to(cache.dtype).reshape(-1, hd)  # (N * n_kv, hd)
-            cache.view(-1, hd).index_copy_(0, self._write, rows)
+        hd, n_kv = ck.size(-1), ck.size(1)
+        write, slots, mask = (self._write, self._rows, self._mask) if rows is None else \
+            self.packing.picked(rows, lambda tokens, picked: (     # a packed step's rows
+                self._write.view(-1, n_kv).index_select(0, tokens).view(-1),
+                self._rows.index_select(0, picked), self._mask.index_select(0, picked)))
+        for cache, new in ((ck, k), (cv, v)):      # index_copy_ of rows: twice an index_put's speed
+            new = self.new_tokens(new, len(write) // n_kv).to(cache.dtype).reshape(-1, hd)
+            cache.view(-1, hd).index_copy_(0, write, new)
         W = self._mask.size(-1)                                          # keys any row may see
-        if self._prefix:
+        if rows is None and self._prefix:
             return ck[:self._B, :, :W], cv[:self._B, :, :W], self._mask
-        return (ck[:, :, :W].index_select(0, self._rows),                # (B, n_kv, W, hd)
-                cv[:, :, :W].index_select(0, self._rows), self._mask)
+        return (ck[:, :, :W].index_select(0, slots),                     # (B, n_kv, W, hd)
+                cv[:, :, :W].index_select(0, slots), mask)
