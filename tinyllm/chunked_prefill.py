@@ -14,9 +14,9 @@ of the context gives logits to sample from. A decode is the same move with one t
 one rule covers prefill, chunks, decode, and the recompute of a preempted request.
 
 The decode rows and the chunk rows run in one forward pass. The cache packs it: the model's
-products run on the step's new tokens alone (hidden_states), not on a (B, T) batch padded to
-the widest chunk, as vLLM packs a step's tokens into one flat row; on a CPU each new token is
-then a query row of its own in the attention kernel.
+products run on the step's new tokens alone (layers_pass), not on a (B, T) batch padded to
+the widest chunk, as vLLM packs a step's tokens into one flat row; on a CPU the tokens of its
+short rows (the decodes) are then query rows of their own in the attention kernel.
 
 Seams: `plan_step` and `next_chunk` (exercise 07).
 """

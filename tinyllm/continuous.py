@@ -22,6 +22,7 @@ prefix.
 """
 
 import dataclasses
+import itertools
 import time
 
 import torch
@@ -33,7 +34,7 @@ from tinyllm.config import EngineConfig
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.fused_layer import FusedDecoder
 from tinyllm.generate import autocast_for
-from tinyllm.model import Transformer, gpu_dtype
+from tinyllm.model import Transformer, gpu_dtype, unpacked
 from tinyllm.paged_kv import PagedKVCache
 from tinyllm.piecewise import PiecewiseDecoder
 from tinyllm.requests import Event, Request, Result, Sequence, check_request
@@ -175,7 +176,7 @@ class ModelRunner:
         """Each sequence's next chunk of its context (next_chunk) in one ragged batch, and
         after them, in the same pass, one token of each decoding sequence in `decodes` (a
         mixed step). The cache packs the ragged batch: the products run on its new tokens
-        alone (model.hidden_states). Returns the decode rows' logits (D, V) (None without
+        alone (model.layers_pass). Returns the decode rows' logits (D, V) (None without
         them); the indices of the chunks that end their contexts, their last logits (E, V):
         only those give a token to sample (None when no chunk ends its context); and every
         chunk position's logits (C, T, V) when a sequence still collects its prompt's
@@ -194,19 +195,21 @@ class ModelRunner:
         self.cache.plan_step([s.slot for s, _ in chunks] + [s.slot for s in decodes], q_lens)
         ends = [i for i, (_, done) in enumerate(planned) if done]
         with autocast_for(self.device):
-            x = self.model.hidden_states(idx, cache=self.cache)         # (B, T, d)
+            x, where = self.model.layers_pass(idx, cache=self.cache)    # (1, N, d) or (B, T, d)
+            # each row's last new token among x's: packed rows follow each other
+            ends_at = list(itertools.accumulate(q_lens)) if where is not None else \
+                [i * T + n for i, n in enumerate(q_lens)]
+            last = x.reshape(-1, x.size(-1))[[ends_at[i] - 1 for i in range(len(inputs))]]
             every = None
             if any(wants_prompt_logprobs(seq) for seq, _ in chunks):
-                every = self.model.compute_logits(x[:C])                # (C, T, V)
+                every = self.model.compute_logits(unpacked(x, where, len(inputs), T)[:C])
             # the sampled positions: each ending chunk's last token, then each decode row's
-            picks = ends if every is not None else ends + list(range(C, len(inputs)))
-            rows = torch.tensor(picks, dtype=torch.long, device=self.device)
-            cols = torch.tensor([q_lens[i] - 1 for i in picks], dtype=torch.long,
-                                device=self.device)
-            sampled = self.model.compute_logits(x[rows, cols]) if picks else None   # (P, V)
-            if every is not None:
-                sampled = torch.cat([every[rows, cols]] + (
-                    [self.model.compute_logits(x[C:, 0])] if decodes else []))  # (E + D, V)
+            picks = ends + list(range(C, len(inputs)))
+            if every is None:
+                sampled = self.model.compute_logits(last[picks]) if picks else None  # (P, V)
+            else:                                                       # every (C, T, V)
+                sampled = torch.cat([every[ends, [q_lens[i] - 1 for i in ends]]] + (
+                    [self.model.compute_logits(last[C:])] if decodes else []))  # (E + D, V)
         if decodes:
             sync_device(self.device)
             self.stats.forward_s += time.perf_counter() - t0

@@ -10,9 +10,10 @@ The model never knows which KV cache it is given: a forward pass begins a step o
 ends the step (`kv_cache.Cache`). With no cache it is plain causal attention over the whole
 input: the slow reference every fast path is checked against. A ragged step with padding
 (slot_cache.py) is packed: the layers compute its new tokens alone, as one row of N tokens, and
-attention puts them back in their sequences (`Attention.packed`). A decode step or a packed
-step on a CPU, with a slot or paged cache, attends in one C call a layer where the cache keeps
-its keys (`Attention.decode`, step 13).
+attention puts them back in their sequences (`Attention.packed`). On a CPU, with a slot or paged
+cache, a decode step's tokens, and a packed step's tokens of short rows, attend in one C call a
+layer where the cache keeps their keys (`Attention.decode`, step 13); a packed step's long rows
+(prompt chunks) attend through `scaled_dot_product_attention`.
 """
 
 import math
@@ -139,7 +140,7 @@ class Attention(nn.Module):
         return 2 * self.n_kv_heads * self.head_dim * elem_bytes
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache=None) -> Tensor:
-        """x (B, T, d) -> (B, T, d). In a packed step (cache.packing, see hidden_states) x is
+        """x (B, T, d) -> (B, T, d). In a packed step (cache.packing, see layers_pass) x is
         (1, N, d), the step's N new tokens; attention alone sees them in their rows."""
         B, T, _ = x.shape
         hd = self.head_dim
