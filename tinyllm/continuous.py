@@ -196,10 +196,8 @@ class ModelRunner:
         ends = [i for i, (_, done) in enumerate(planned) if done]
         with autocast_for(self.device):
             x, where = self.model.layers_pass(idx, cache=self.cache)    # (1, N, d) or (B, T, d)
-            # each row's last new token among x's: packed rows follow each other
-            ends_at = list(itertools.accumulate(q_lens)) if where is not None else \
-                [i * T + n for i, n in enumerate(q_lens)]
-            last = x.reshape(-1, x.size(-1))[[ends_at[i] - 1 for i in range(len(inputs))]]
+            # each row's last new token: rows follow each other, packed or all of T tokens
+            last = x.reshape(-1, x.size(-1))[[n - 1 for n in itertools.accumulate(q_lens)]]
             every = None
             if any(wants_prompt_logprobs(seq) for seq, _ in chunks):
                 every = self.model.compute_logits(unpacked(x, where, len(inputs), T)[:C])

@@ -312,18 +312,13 @@ class Transformer(nn.Module):
         """The final norm and the head: hidden states x (..., d) -> logits (..., V)."""
         return self.lm_head(self.norm(x))
 
-    def hidden_states(self, idx: Tensor, cache=None) -> Tensor:
-        """The forward pass up to the last layer's output: idx (B, T) -> x (B, T, d), before the
-        final norm and the head. A prefill that samples at a few positions only takes those
-        rows to compute_logits (the head is a fifth of a small model's arithmetic). In a packed
-        step the padding columns of the result are zeros."""
-        x, where = self.layers_pass(idx, cache)
-        return unpacked(x, where, *idx.shape)                                 # (B, T, d)
-
     def layers_pass(self, idx: Tensor, cache=None) -> tuple[Tensor, Tensor | None]:
         """The embedding and the layers, one step of the cache: idx (B, T) -> (x (B, T, d),
         None); or, when the cache packs the step (cache.packing, 04: its N new tokens among the
-        B * T columns), the layers run on those tokens alone: (x (1, N, d), their places (N,))."""
+        B * T columns), the layers run on those tokens alone: (x (1, N, d), their places (N,)).
+        x is the last layer's output, before the final norm and the head: an engine that samples
+        at a few positions takes only those rows to compute_logits (the head is a fifth of a
+        small model's arithmetic)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (batch, time) token ids, got shape {tuple(idx.shape)}")
         B, T = idx.shape

@@ -329,7 +329,7 @@ class PagedKVCache(SlotCache):
 
     # ---- the step: write and read through the block tables ---------------------------------
     def _index(self, rows: list[int], positions: Tensor) -> None:
-        B, W = len(rows), self._mask.size(-1)                           # keys any row may see
+        B, W = len(rows), self._mask.W                                  # keys any row may see
         tables = table_tensor([self.tables[s] for s in rows], self.device)   # (B, n_table)
         keys = torch.arange(W, device=self.device).expand(B, W)         # (B, W)
         self._write = self.new_columns(slot_mapping(tables, positions, self.block_size))  # (N,)
@@ -342,10 +342,10 @@ class PagedKVCache(SlotCache):
     def update(self, layer: int, k: Tensor, v: Tensor, rows: list[int] | None = None
                ) -> tuple[Tensor, Tensor, Tensor | None]:
         pk, pv = self.k[layer], self.v[layer]
-        write, read, mask = (self._write, self._read, self._mask) if rows is None else \
+        write, read, mask = (self._write, self._read, self._mask.whole()) if rows is None else \
             self.packing.picked(rows, lambda tokens, picked: (     # a packed step's rows
                 self._write.index_select(0, tokens), self._read.index_select(0, picked),
-                self._mask.index_select(0, picked)))
+                self._mask.rows(picked)))
         pk.index_copy_(0, write, self.new_tokens(k, len(write)).to(pk.dtype))  # (n, n_kv, hd)
         pv.index_copy_(0, write, self.new_tokens(v, len(write)).to(pv.dtype))
         return gather(pk, read), gather(pv, read), mask                 # (B, n_kv, W, hd)

@@ -58,6 +58,25 @@ def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
 
 
+class StepMask:
+    """A step's mask: `bool` (B, 1, T, W), ragged_mask's, True = may attend; and as attention
+    adds it to its scores (`additive`): `whole()`, made at the first layer that asks and kept
+    for the others (a decode step whose attention runs in C never asks), or `rows(picked)`, a
+    packed step's group of rows alone (R, 1, T, W), kept by PackedStep.picked."""
+
+    def __init__(self, mask: Tensor, dtype: torch.dtype):
+        self.bool, self.dtype, self._whole = mask, dtype, None
+        self.T, self.W = mask.size(2), mask.size(3)
+
+    def whole(self) -> Tensor:
+        if self._whole is None:
+            self._whole = additive(self.bool, self.dtype)
+        return self._whole
+
+    def rows(self, picked: Tensor) -> Tensor:
+        return additive(self.bool.index_select(0, picked), self.dtype)
+
+
 QUERY_ROWS = 32     # a packed row of at most this many new tokens attends a query at a time
 
 
@@ -111,19 +130,19 @@ class PackedStep:
                 T)
 
 
-def kernel_rows(write: Tensor, read: Tensor, stride: int, mask: Tensor,
+def kernel_rows(write: Tensor, read: Tensor, stride: int, step_mask: "StepMask",
                 packing: PackedStep | None) -> tuple[Tensor, Tensor, int, Tensor]:
     """decode_layout's rows: write (N, n_kv), each new token's rows; read (B, W), each row's
-    keys; the additive mask (B, 1, T, W). A decode step's rows are its query rows; a packed
-    step's are the tokens of its rows of few tokens (packing.decodes), each with its row's
-    keys and its own column of the mask: causal, so a token sees its row's new tokens up to
-    itself, which the kernel writes before it attends. -> (write, read, stride, mask (D, W))."""
-    mask = mask.view(-1, mask.size(-1))                                 # (B * T, W)
+    keys; the step's mask. A decode step's rows are its query rows; a packed step's are the
+    tokens of its rows of few tokens (packing.decodes), each with its row's keys and its own
+    column of the mask: causal, so a token sees its row's new tokens up to itself, which the
+    kernel writes before it attends. -> (write, read, stride, additive mask (D, W))."""
+    mask = step_mask.bool.view(-1, step_mask.W)                         # (B * T, W)
     if packing is not None:
         cols = packing.places[packing.decodes]                          # (D,) of B * T
         rows = torch.div(cols, packing.T, rounding_mode="floor")
         write, read, mask = write[packing.decodes], read[rows], mask[cols]
-    return write, read, stride, mask
+    return write, read, stride, additive(mask, step_mask.dtype)
 
 
 def check_slot(cache: "SlotCache", slot) -> None:
@@ -282,7 +301,7 @@ class SlotCache:
             raise ValueError(f"the step was planned for {max(q_lens)} columns, the batch has {T}")
         lens = [self.lens[s] for s in rows]
         positions, mask = ragged_mask(lens, q_lens, self.device)       # (B, T), (B, 1, T, W)
-        self._mask = additive(mask, self.k[0].dtype)                    # once, not per layer
+        self._mask = StepMask(mask, self.k[0].dtype)
         self.packing = None if min(q_lens) == T else PackedStep(q_lens, self.device)
         self._B, self._n, self._layout = len(rows), sum(q_lens), None
         self._index(rows, positions)
@@ -294,7 +313,7 @@ class SlotCache:
         kernel_rows): the layer's keys and values, rows of hd; write (B, n_kv), the new tokens'
         rows; read (B, W), KV head 0's keys each may see (head h's + h * stride); stride; the
         mask (B, W). None for whole rows of several tokens."""
-        if self._mask.size(2) != 1 and self.packing is None:
+        if self._mask.T != 1 and self.packing is None:
             return None
         self._layout = self._layout or kernel_rows(*self._kernel_rows(), self._mask, self.packing)
         if B != self._layout[0].size(0):
@@ -309,7 +328,6 @@ class SlotCache:
             raise ValueError(f"the step was planned for {self._B} rows and {n or self._n} new "
                              f"tokens, the batch has {B} rows of {T}")
         return x.transpose(1, 2).reshape(B * T, n_kv, hd)                # (N, n_kv, hd)
-
 
     def new_columns(self, x: Tensor) -> Tensor:
         """A value per column of the batch, x (B, T) (a position, a slot, a pool row), for the
@@ -357,7 +375,7 @@ class SlotKVCache(SlotCache):
                        + self.new_columns(positions)[:, None]).view(-1)  # (N * n_kv,)
 
     def _kernel_rows(self) -> tuple[Tensor, Tensor, int]:
-        W, n_kv = self._mask.size(-1), self.k[0].size(1)   # a row per slot, head h max_len on
+        W, n_kv = self._mask.W, self.k[0].size(1)          # a row per slot, head h max_len on
         first = self._rows[:, None] * (n_kv * self.max_len)                          # (B, 1)
         read = first + torch.arange(W, device=self.device)                           # (B, W)
         return self._write.view(-1, n_kv), read, self.max_len                        # (N, n_kv)
@@ -366,15 +384,15 @@ class SlotKVCache(SlotCache):
                ) -> tuple[Tensor, Tensor, Tensor | None]:
         ck, cv = self.k[layer], self.v[layer]
         hd, n_kv = ck.size(-1), ck.size(1)
-        write, slots, mask = (self._write, self._rows, self._mask) if rows is None else \
+        write, slots, mask = (self._write, self._rows, self._mask.whole()) if rows is None else \
             self.packing.picked(rows, lambda tokens, picked: (     # a packed step's rows
                 self._write.view(-1, n_kv).index_select(0, tokens).view(-1),
-                self._rows.index_select(0, picked), self._mask.index_select(0, picked)))
+                self._rows.index_select(0, picked), self._mask.rows(picked)))
         for cache, new in ((ck, k), (cv, v)):      # index_copy_ of rows: twice an index_put's speed
             new = self.new_tokens(new, len(write) // n_kv).to(cache.dtype).reshape(-1, hd)
             cache.view(-1, hd).index_copy_(0, write, new)
-        W = self._mask.size(-1)                                          # keys any row may see
+        W = self._mask.W                                                 # keys any row may see
         if rows is None and self._prefix:
-            return ck[:self._B, :, :W], cv[:self._B, :, :W], self._mask
+            return ck[:self._B, :, :W], cv[:self._B, :, :W], mask
         return (ck[:, :, :W].index_select(0, slots),                     # (B, n_kv, W, hd)
                 cv[:, :, :W].index_select(0, slots), mask)
