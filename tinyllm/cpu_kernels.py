@@ -25,6 +25,10 @@ activations too and multiply integers, as llama.cpp's products do:
   the int8 activations multiplied as integers (`_mm256_maddubs_epi16`), the float16 scales and
   zeros of 8 groups converted at once.
 - `int8g_gemv`: the same for 8-bit weights in groups (GGUF's Q8_0), without zero points.
+  The three integer products ask for the weight rows about 2 KB ahead (a prefetch) as they
+  go: their arithmetic per byte is heavier than float32's, and without it the loop and the
+  memory take turns. On one core of an Intel Xeon with AVX-512, SmolLM2's int4 layers at one
+  row went from 15.6 to 9 ms a step that way.
 - `decode_attention`: a decode step's attention in one layer, read where the cache holds the
   keys and values (a slot's rows, a paged pool's blocks: the cache's `decode_layout`), as
   vLLM's paged attention reads them, with no gather: the new key and value written, then for
@@ -230,6 +234,11 @@ static void prefetch_row(const float *w, int64_t K) {
     for (int64_t k = 0; k < K; k += 16) __builtin_prefetch(w + k, 0, 2);
 }
 
+/* the same for n bytes at p, a cache line (64 bytes) at a time */
+static void prefetch_bytes(const void *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
+}
+
 /* y (M, N) = x (M, K) @ W^T for the W float32 weights w[w] (Ns[w], K) stacked (N = their Ns'
    sum). Every output is one row of x . one row of w, summed in one order whatever the tile
    (dot_f32_R's), one weight row at a time: a CPU streams one row fastest. With several rows
@@ -277,14 +286,17 @@ void int8_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float *
     int64_t N = 0;
     for (int64_t w = 0; w < W; w++) N += Ns[w];
     quantize_groups(x, M, K, NULL, xq, sx, NULL);              /* each row, one step */
+    int64_t ahead = 1 + 2048 / K;                      /* rows ahead, as in int4_gemv */
     for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
         const int8_t *qw = q[w];
         const uint16_t *sw = scale[w];
         #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-        for (int64_t n = 0; n < Ns[w]; n++)
+        for (int64_t n = 0; n < Ns[w]; n++) {
+            if (n + ahead < Ns[w]) prefetch_bytes(qw + (n + ahead) * K, K);
             for (int64_t m = 0; m < M; m++)
                 y[m * N + first + n] = (float)dot_q8(xq + m * K, qw + n * K, K)
                                        * (sx[m] * half_to_float(sw[n]));
+        }
     }
     free(xq);
     free(sx);
@@ -390,14 +402,21 @@ void int4_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t h, co
     int8_t *xq = malloc(M * K);
     float *sx = malloc(M * G * sizeof(float)), *xs = malloc(M * G * sizeof(float));
     quantize_groups(x, M * G, 2 * h, xq, NULL, sx, xs);
+    int64_t ahead = 1 + 2048 / (G * h);          /* rows ahead: about 2 KB of nibbles */
     for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
         const uint8_t *qw = q[w];
         const uint16_t *sw = scale[w], *zw = zero[w];
         #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-        for (int64_t n = 0; n < Ns[w]; n++)
+        for (int64_t n = 0; n < Ns[w]; n++) {
+            if (n + ahead < Ns[w]) {                  /* asked for now, multiplied later */
+                prefetch_bytes(qw + (n + ahead) * G * h, G * h);
+                prefetch_bytes(sw + (n + ahead) * G, 2 * G);
+                prefetch_bytes(zw + (n + ahead) * G, 2 * G);
+            }
             for (int64_t m = 0; m < M; m++)
                 y[m * N + first + n] = row_q4(qw + n * G * h, sw + n * G, zw + n * G,
                                               xq + m * K, sx + m * G, xs + m * G, G, h);
+        }
     }
     free(xq);
     free(sx);
@@ -440,14 +459,20 @@ void int8g_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t g, c
     int16_t *xq = malloc(M * K * sizeof(int16_t));
     float *sx = malloc(M * G * sizeof(float));
     quantize_groups(x, M * G, g, NULL, xq, sx, NULL);
+    int64_t ahead = 1 + 2048 / K;
     for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
         const int8_t *qw = q[w];
         const uint16_t *sw = scale[w];
         #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-        for (int64_t n = 0; n < Ns[w]; n++)
+        for (int64_t n = 0; n < Ns[w]; n++) {
+            if (n + ahead < Ns[w]) {                  /* as in int4_gemv */
+                prefetch_bytes(qw + (n + ahead) * K, K);
+                prefetch_bytes(sw + (n + ahead) * G, 2 * G);
+            }
             for (int64_t m = 0; m < M; m++)
                 y[m * N + first + n] = row_q8(qw + n * K, sw + n * G, xq + m * K, sx + m * G,
                                               G, g);
+        }
     }
     free(xq);
     free(sx);
