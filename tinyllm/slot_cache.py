@@ -95,6 +95,7 @@ class PackedStep:
             starts.append(starts[-1] + q)
         self.q_lens, self.T, self._starts, self.device = q_lens, T, starts, device
         self._picked: dict = {}                         # rows -> a cache's indices (picked)
+        self._tokens: dict = {}                         # rows -> their tokens (tokens)
         self.places = torch.tensor([b * T + i for b, q in enumerate(q_lens) for i in range(q)],
                                    device=device)                       # (N,)
         few = [b for b, q in enumerate(q_lens) if q <= QUERY_ROWS]
@@ -121,13 +122,17 @@ class PackedStep:
 
     def tokens(self, rows: list[int]) -> tuple[Tensor, Tensor, int]:
         """The new tokens of these rows, as places among the N and as places among the rows'
-        own (len(rows), T) columns, T their longest row's tokens: (n,), (n,), T."""
-        q, start = self.q_lens, self._starts
-        T = max(q[b] for b in rows)
-        among = [start[b] + i for b in rows for i in range(q[b])]
-        cols = [r * T + i for r, b in enumerate(rows) for i in range(q[b])]
-        return (torch.tensor(among, device=self.device), torch.tensor(cols, device=self.device),
-                T)
+        own (len(rows), T) columns, T their longest row's tokens: (n,), (n,), T. Made at the
+        step's first layer and kept for the others."""
+        key = tuple(rows)
+        if key not in self._tokens:
+            q, start = self.q_lens, self._starts
+            T = max(q[b] for b in rows)
+            among = [start[b] + i for b in rows for i in range(q[b])]
+            cols = [r * T + i for r, b in enumerate(rows) for i in range(q[b])]
+            self._tokens[key] = (torch.tensor(among, device=self.device),
+                                 torch.tensor(cols, device=self.device), T)
+        return self._tokens[key]
 
 
 def kernel_rows(write: Tensor, read: Tensor, stride: int, step_mask: "StepMask",
