@@ -1,24 +1,36 @@
-"""Step 10 - the messages between the server and its engine process.
+"""Step 10 - the messages between the server and its engine process, and how they cross.
 
 The HTTP side (`server.EngineLoop`) and the engine's own process (`server.engine_process`)
-speak over one pipe, in small frozen dataclasses that the pipe pickles: `Add`, `Abort` and
-`Stop` go to the engine; `Ready`, one `StepReport` per step, and `Failed` come back. Each side
-matches on the message's type. A request is called by its key, a number the HTTP side gives it
-and both sides know; a request of n choices is n sequences, keys key, key + 1, ..., each with
-tokens of its own. The engine's own request ids never leave its process. Logprobs cross as the
-engine's `TokenLogprobs`, frozen dataclasses too.
+speak over two ZeroMQ sockets, as vLLM's engine core and SGLang's scheduler speak to their
+front ends: one carries requests to the engine, the other its news back. The messages are
+small frozen dataclasses: `Add`, `Abort` and `Stop` go to the engine; `Ready`, one `StepReport`
+per step, a `Heartbeat` every BEAT_S and `Failed` come back. Each side matches on the
+message's type. A request is called by its key, a number the HTTP side gives it and both sides
+know; a request of n choices is n sequences, keys key, key + 1, ..., each with tokens of its
+own. The engine's own request ids never leave its process. Logprobs cross as the engine's
+`TokenLogprobs`, frozen dataclasses too.
+
+A message crosses pickled (`dumps`), as one ZeroMQ message: ZeroMQ sends and delivers a
+message whole, whatever its size, so a reader never sees half of one. A message to the engine
+is two frames (`to_engine`): the keys it concerns, then the message, so that an Add the engine
+cannot unpickle still fails its own request, and nothing else.
 """
 
+import copyreg
+import io
+import pickle
 from dataclasses import dataclass, field
 
 from tinyllm.requests import Request, TokenLogprobs
+
+BEAT_S = 0.5  # seconds between two heartbeats of the engine process
 
 
 # ---- to the engine ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Add:
     """Queue `request` under `key`, its choice i (of request.sampling.n) under key + i; the
-    engine takes it, or refuses each of its choices in its next report."""
+    engine takes it, or refuses or fails each of its choices in its next report."""
 
     key: int
     request: Request
@@ -44,19 +56,27 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Heartbeat:
+    """The engine process lives: a thread of its own sends one every BEAT_S, whatever its loop
+    is doing (a long step, a grammar's compile, a warm-up)."""
+
+
+@dataclass(frozen=True)
 class StepReport:
     """One engine step's news, and the engine's state after it.
 
     tokens: (key, token, finish_reason) for each token the step made, finish_reason None while
     the request goes on, else "stop" or "length"; refused: (key, message) for each choice the
-    engine would not take; taken: the sequences (choices) of the Adds it read before the step;
-    request_counts: its (waiting, running) after the step; kv_used: the KV positions in use /
-    reserved; integrity: the KV cache's verdict on its books when the engine was last idle
-    (`check_integrity(idle=True)`): None when they are sound, else one sentence; logprobs:
-    {index in tokens: (the token's TokenLogprobs or None, the prompt's list or None)} for the
-    tokens of requests that ask for them (the prompt's on a request's first token);
-    speculation: the engine's totals so far (rows verified by a target pass, guesses proposed,
-    guesses accepted, tokens those rows made), all 0 without speculation (step 11)."""
+    engine would not take (the request's fault); taken: the sequences (choices) of the Adds it
+    read before the step; request_counts: its (waiting, running) after the step; kv_used: the
+    KV positions in use / reserved; integrity: the KV cache's verdict on its books when the
+    engine was last idle (`check_integrity(idle=True)`): None when they are sound, else one
+    sentence; logprobs: {index in tokens: (the token's TokenLogprobs or None, the prompt's
+    list or None)} for the tokens of requests that ask for them (the prompt's on a request's
+    first token); speculation: the engine's totals so far (rows verified by a target pass,
+    guesses proposed, guesses accepted, tokens those rows made), all 0 without speculation
+    (step 11); failed: (key, why) for each choice the engine failed on (it could not read its
+    Add, or adding it raised): the engine's fault, and that request's alone."""
 
     tokens: list[tuple[int, int, str | None]]
     refused: list[tuple[int, str]]
@@ -66,6 +86,7 @@ class StepReport:
     integrity: str | None
     logprobs: dict[int, tuple[TokenLogprobs | None, list | None]] = field(default_factory=dict)
     speculation: tuple[int, int, int, int] = (0, 0, 0, 0)
+    failed: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -76,4 +97,43 @@ class Failed:
 
 
 ToEngine = Add | Abort | Stop
-FromEngine = Ready | StepReport | Failed
+FromEngine = Ready | Heartbeat | StepReport | Failed
+
+
+# ---- how they cross -----------------------------------------------------------------------
+# A TokenLogprobs is rebuilt by a call of its class, whose __init__ is Python code: unpickling
+# a report of many of them in a thread then lets go of Python's lock every few milliseconds,
+# and the HTTP side's event loop runs meanwhile (rebuilt field by field, in C, it would not)
+PICKLING = copyreg.dispatch_table | {
+    TokenLogprobs: lambda lp: (TokenLogprobs, (lp.token, lp.logprob, lp.top))
+}
+
+
+def dumps(message) -> bytes:
+    """A message, pickled."""
+    data = io.BytesIO()
+    pickler = pickle.Pickler(data, pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = PICKLING
+    pickler.dump(message)
+    return data.getvalue()
+
+
+loads = pickle.loads
+
+
+def to_engine(message: ToEngine) -> list[bytes]:
+    """A message to the engine as its two frames: the keys of the request it concerns,
+    b"key n" (an Add of n choices) or b"" (any other message), then the message pickled.
+    Example: Add(7, a request of 2 choices) -> [b"7 2", dumps(message)]."""
+    if isinstance(message, Add):
+        n = getattr(message.request.sampling, "n", 1)
+        return [b"%d %d" % (message.key, n), dumps(message)]
+    return [b"", dumps(message)]
+
+
+def keys_of(head: bytes) -> list[int]:
+    """The keys a message's first frame names: b"7 2" -> [7, 8]; b"" -> []."""
+    if not head:
+        return []
+    key, n = map(int, head.split())
+    return list(range(key, key + n))

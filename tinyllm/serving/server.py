@@ -7,36 +7,45 @@ JSON body), `POST /tokenize` and `POST /detokenize` (as vLLM has them), `GET /v1
 `GET /health` and `GET /metrics` (Prometheus), on FastAPI and uvicorn, as vLLM and SGLang
 serve.
 
-Two processes, as in vLLM. The engine runs in one of its own (`engine_process`), and one pipe
-joins it to the HTTP side, in the typed messages of messages.py: `Add(key, request)` and
-`Abort(key)` go in; after each step one `StepReport` comes back, with the step's tokens (and
-the logprobs of those that ask for them), the requests refused, the engine's load, its KV use
-and its cache's verdict on its books (`check_integrity`, asked whenever the engine is idle).
-The HTTP side (uvicorn's event loop) reads the reports and hands each token to the queue of
-the request it belongs to (`EngineLoop`). Each HTTP request is one coroutine: it reads the
-body a chunk at a time (a 413 past max_body bytes), checks it as api.py says (a 400 naming the
-field: every field OpenAI's and vLLM's APIs define is read, or taken where its value changes
-nothing, or refused where it would ask for what the server does not do), has the grammar
-backend check the constraint it asks for, if any (12: the engine's backend, LLGuidance, which
-serve_main gives it; a 400 naming the field when it refuses), tokenizes its prompt off the event
-loop (a prompt too long to fit is refused by its size first), and submits one `Request`. A
-request of n choices is n sequences in the engine, each its own key here (a 429 when
-max_waiting sequences would wait). It then reads its queue (`Answer`), turning each
+Two processes, as in vLLM. The engine runs in one of its own (`engine_process`), joined to the
+HTTP side by two ZeroMQ sockets, as vLLM's engine core and SGLang's scheduler are joined to
+theirs, in the typed messages of messages.py: `Add(key, request)` and `Abort(key)` go in; after
+each step one `StepReport` comes back, with the step's tokens (and the logprobs of those that
+ask for them), the requests refused or failed, the engine's load, its KV use and its cache's
+verdict on its books (`check_integrity`, asked whenever the engine is idle); and a `Heartbeat`
+every half second says that the engine's process lives. ZeroMQ moves a message whole, of any
+size, and the HTTP side's sockets are asyncio sockets (pyzmq's): a message of several MB never
+blocks the event loop. The HTTP side (uvicorn's event loop) reads the reports and hands each
+token to the queue of the request it belongs to (`EngineLoop`). Each HTTP request is one
+coroutine: it reads the body a chunk at a time (a 413 past max_body bytes), checks it as api.py
+says (a 400 naming the field: every field OpenAI's and vLLM's APIs define is read, or taken
+where its value changes nothing, or refused where it would ask for what the server does not do),
+has the grammar backend check the constraint it asks for, if any (12: the engine's backend,
+LLGuidance, which serve_main gives it; a 400 naming the field when it refuses), tokenizes its
+prompt off the event loop (a prompt too long to fit is refused by its size first), and submits
+one `Request`. A request of n choices is n sequences in the engine, each its own key here (a 429
+when max_waiting sequences would wait). It then reads its queue (`Answer`), turning each
 choice's tokens into text a settled piece at a time (textstream.py, each choice with the stop
 strings), with their logprobs when asked, and streams them as server-sent events (one plain
 choice by `sse_events`, any other by responses.choice_events) or collects them into one body
 (responses.py; logprobs spelled as logprobs.py says). A client that goes away aborts every
-choice of its request: their slots and blocks are free before the next step, and nothing else
-in flight notices. `/health` says whether the engine runs and its KV cache's books are sound;
-it answers at once whatever the other requests are doing. Every error is an OpenAI-style JSON
-body, a server's fault a 500 that says what failed.
+choice of its request: their slots and blocks are free before the next step, and nothing else in
+flight notices; a request that the engine fails on fails alone. `/health` says whether the
+engine runs (its process alive, and heard from in the last few seconds) and its KV cache's books
+are sound; it answers at once whatever the other requests are doing. Every error is an
+OpenAI-style JSON body, a server's fault a 500 that says what failed.
 
 Seams: `dispatch` (each step's tokens to their requests) and `sse_events` (exercise 10).
 """
 
 import asyncio
+import contextlib
 import json
+import multiprocessing
+import shutil
 import signal
+import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -45,6 +54,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing
+import zmq
+import zmq.asyncio
 
 from tinyllm.compiled import CompiledDecoder
 from tinyllm.config import EngineConfig
@@ -71,7 +82,20 @@ from tinyllm.serving.api import (
     to_request,
 )
 from tinyllm.serving.logprobs import TokenTexts, vllm_prompt_logprobs
-from tinyllm.serving.messages import Abort, Add, Failed, Ready, StepReport, Stop
+from tinyllm.serving.messages import (
+    BEAT_S,
+    Abort,
+    Add,
+    Failed,
+    Heartbeat,
+    Ready,
+    StepReport,
+    Stop,
+    dumps,
+    keys_of,
+    loads,
+    to_engine,
+)
 from tinyllm.serving.responses import (
     Piece,
     Spelling,
@@ -106,17 +130,26 @@ class EngineLoop:
 
     The engine is not thread-safe, and stepping it is Python work that would hold the
     interpreter's lock against the HTTP side's: so, as vLLM's engine core does, it runs in a
-    process of its own (`engine_process`). A pipe joins them, in the messages of messages.py:
-    an `Add` or an `Abort` goes in per request; one `StepReport` per step comes out, with
-    every token of the step, the engine's load and its KV cache's integrity (None when its
-    books are sound, else the sentence that says what is wrong). The HTTP side reads the
-    pipe on its event loop and puts each token in its request's queue. A request of n choices
-    is n sequences in the engine, n tickets here (keys key, key + 1, ...) and one Add. At most
-    max_waiting sequences wait for a slot at once; a request that would make more is refused
-    with a 429."""
+    process of its own (`engine_process`). Two ZeroMQ sockets join them, over ipc:// in a
+    directory of the server's own, in the messages of messages.py: an `Add` or an `Abort` goes
+    in per request; one `StepReport` per step comes out, with every token of the step, the
+    engine's load and its KV cache's integrity (None when its books are sound, else the
+    sentence that says what is wrong), and a `Heartbeat` every BEAT_S. ZeroMQ moves each
+    message whole, and its asyncio sockets (pyzmq's zmq.asyncio) send and receive without
+    blocking the event loop, whatever the size: a report of several MB crosses while /health
+    answers. A listening task on the event loop (`listen`) puts each token in its request's
+    queue. A request of n choices is n sequences in the engine, n tickets here (keys key,
+    key + 1, ...) and one Add. At most max_waiting sequences wait for a slot at once; a
+    request that would make more is refused with a 429.
 
-    def __init__(self, engine: ContinuousEngine, max_waiting: int = 64):
-        self.engine, self.max_waiting = engine, max_waiting
+    A failure stays as small as it can: a request that cannot be sent, or that the engine
+    cannot read or add, fails alone; so do the requests of a report this side fails to hand
+    out. The engine fails as a whole when it says so (`Failed`), when its process ends, or
+    when it has not been heard from for silence_s (its process stopped or froze: the server
+    ends it); every request in flight then gets a 500 that says why."""
+
+    def __init__(self, engine: ContinuousEngine, max_waiting: int = 64, silence_s: float = 5.0):
+        self.engine, self.max_waiting, self.silence_s = engine, max_waiting, silence_s
         self.tickets: dict[int, Ticket] = {}  # key -> ticket, while it runs
         self.next_key = 0
         self.submitted = 0  # adds sent, not yet taken by the engine
@@ -125,45 +158,67 @@ class EngineLoop:
         self.integrity: str | None = None  # the KV cache's books, last checked idle
         self.speculation = (0, 0, 0, 0)  # the engine's totals: rows, proposed, accepted, tokens
         self.failed: str | None = None
-        self.process = None
+        self.heard = 0.0  # when the engine was last heard from (time.monotonic())
+        self.process = self.listener = self.zmq = None
 
-    def start(self) -> None:
-        """Start the engine process and wait until it is Ready. The engine goes to it pickled:
-        its tensors move to shared memory, so the weights are not copied. A fresh interpreter
-        imports torch there: a few seconds."""
+    async def start(self) -> None:
+        """Bind the sockets, start the engine process and wait until it is Ready. The engine
+        goes to it pickled: its tensors move to shared memory, so the weights are not copied. A
+        fresh interpreter imports torch there: a few seconds."""
+        self.dir = tempfile.mkdtemp(prefix="tinyllm-")  # its sockets: only this user's
+        addresses = f"ipc://{self.dir}/requests", f"ipc://{self.dir}/reports"
+        self.zmq = zmq.asyncio.Context()
+        self.requests, self.reports = self.zmq.socket(zmq.PUSH), self.zmq.socket(zmq.PULL)
+        self.requests.bind(addresses[0])
+        self.reports.bind(addresses[1])
         ctx = torch.multiprocessing.get_context("spawn")
-        self.conn, theirs = ctx.Pipe()
         self.process = ctx.Process(
             target=engine_process,
             name="tinyllm-engine",
             daemon=True,
-            args=(self.engine, theirs, torch.get_num_threads()),
+            args=(self.engine, addresses, torch.get_num_threads()),
         )
         self.process.start()
-        theirs.close()
-        if not self.conn.poll(120):
-            raise RuntimeError("the engine process did not start in 120 s")
         try:
-            message = self.conn.recv()
-        except EOFError:
-            self.process.join(5)
-            raise RuntimeError(
-                f"the engine process failed to start (exit code "
-                f"{self.process.exitcode}); its error is above"
-            ) from None
+            message = await self.first_message(120.0)
+        except BaseException:
+            await self.stop()
+            raise
         if not isinstance(message, Ready):
+            await self.stop()
             raise RuntimeError(f"the engine process said {message!r} before it was Ready")
-        self.loop = asyncio.get_running_loop()
-        self.loop.add_reader(self.conn.fileno(), self._read)
+        self.heard = time.monotonic()
+        self.listener = asyncio.create_task(self.listen())
 
-    def stop(self) -> None:
-        if self.process is None or not self.process.is_alive():
-            return
-        self.loop.remove_reader(self.conn.fileno())
-        self.conn.send(Stop())
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.terminate()
+    async def first_message(self, timeout: float):
+        """The engine process's first message; a RuntimeError if its process ends first, or
+        nothing comes in timeout seconds."""
+        t0 = time.monotonic()
+        while not await self.reports.poll(250):
+            if not self.process.is_alive():
+                raise RuntimeError(
+                    f"the engine process failed to start (exit code "
+                    f"{self.process.exitcode}); its error is above"
+                )
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"the engine process did not start in {timeout:.0f} s")
+        return loads(await self.reports.recv())
+
+    async def stop(self) -> None:
+        """Stop the engine process (a Stop; killed if it has not ended 10 s later), close the
+        sockets and remove their directory."""
+        if self.listener is not None:
+            self.listener.cancel()
+        if self.process is not None and self.process.is_alive():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.requests.send_multipart(to_engine(Stop())), 1.0)
+            await asyncio.to_thread(self.process.join, 10)
+            if self.process.is_alive():
+                self.process.kill()
+        if self.zmq is not None:
+            self.zmq.destroy(linger=0)
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.zmq = None
 
     def request_counts(self) -> tuple[int, int]:
         """(requests waiting, counting those not yet in the engine; requests running), as of
@@ -172,8 +227,9 @@ class EngineLoop:
         return waiting + self.submitted, running
 
     def submit(self, tickets: list[Ticket]) -> None:
-        """Send one request, its choices' tickets in order (one Add, their keys consecutive)."""
-        if self.failed:
+        """Send one request, its choices' tickets in order (one Add, their keys consecutive).
+        A request that cannot be pickled gets a 500 that says why, and nothing is sent."""
+        if self.check() is not None:
             raise APIError(500, f"the engine failed: {self.failed}", kind="server_error")
         waiting, n = self.request_counts()[0], len(tickets)
         if waiting + n > self.max_waiting:
@@ -185,50 +241,102 @@ class EngineLoop:
                 + "; retry later",
                 kind="rate_limit_error",
             )
+        try:
+            frames = to_engine(Add(self.next_key, tickets[0].request))
+        except Exception as e:
+            raise APIError(
+                500,
+                f"the request could not be sent to the engine: {type(e).__name__}: {e}",
+                kind="server_error",
+            ) from e
         for i, ticket in enumerate(tickets):
             ticket.key = self.next_key + i
             self.tickets[ticket.key] = ticket
         self.next_key += n
         self.submitted += n
-        self.conn.send(Add(tickets[0].key, tickets[0].request))
+        self.requests.send_multipart(frames)  # queued at once; ZeroMQ sends it whole
 
     def abort(self, *tickets: Ticket) -> None:
         """The client went away (or a stop string ended a choice): drop these choices wherever
         they are."""
         for ticket in tickets:
             if self.tickets.pop(ticket.key, None) is not None and not self.failed:
-                self.conn.send(Abort(ticket.key))
+                self.requests.send_multipart(to_engine(Abort(ticket.key)))
 
-    def _read(self) -> None:
-        """On the event loop, when the engine has written: each step's news to its requests."""
-        try:
-            while self.conn.poll():
-                match self.conn.recv():
-                    case StepReport() as report:
-                        self._take(report)
-                    case Failed(why):
-                        return self._fail(why)
-                    case message:
-                        return self._fail(f"it sent {message!r}, which is no report")
-        except (EOFError, OSError):
-            self._fail(f"its process ended (exit code {self.process.exitcode})")
-        except Exception as e:  # say so, rather than leave them waiting
-            self._fail(f"its news could not be dispatched: {type(e).__name__}: {e}")
+    async def listen(self) -> None:
+        """On the event loop while the engine runs: each message from the engine, in order, to
+        where it goes; whenever the engine is silent, a check that it still runs."""
+        while self.failed is None:
+            if not await self.reports.poll(250):
+                self.check()
+                continue
+            try:
+                message = await self.receive()
+            except Exception as e:  # its news is lost, and with it the books of its requests
+                self.fail(f"its news could not be read: {type(e).__name__}: {e}")
+                return
+            self.heard = time.monotonic()
+            match message:
+                case StepReport() as report:
+                    self.take(report)
+                case Heartbeat():
+                    pass
+                case Failed(why):
+                    self.fail(why)
+                case _:
+                    self.fail(f"it sent {message!r}, which is no report")
+            await asyncio.sleep(0)  # a flood of reports still lets the HTTP requests run
 
-    def _take(self, report: StepReport) -> None:
-        """One step's report: the engine's state as it says, its tokens to their requests."""
+    async def receive(self):
+        """The engine's next message, unpickled; a big one off the event loop (it lets go of
+        Python's lock every few ms meanwhile: see messages.PICKLING)."""
+        data = await self.reports.recv()
+        return loads(data) if len(data) < 2**16 else await asyncio.to_thread(loads, data)
+
+    def check(self) -> str | None:
+        """Whether the engine runs: None, or why not (its process ended, or was not heard from
+        for silence_s, when the server ends it); the engine fails then, as `fail` says."""
+        if self.failed is None and self.process is not None:
+            silent = time.monotonic() - self.heard
+            unread = self.reports.get(zmq.EVENTS) & zmq.POLLIN  # it spoke; not read yet
+            if not self.process.is_alive():
+                self.fail(f"its process ended (exit code {self.process.exitcode})")
+            elif silent > self.silence_s and not unread:
+                self.process.kill()
+                self.fail(
+                    f"it was not heard from for {silent:.1f} s (its process stopped or froze), "
+                    f"so the server ended it"
+                )
+        return self.failed
+
+    def take(self, report: StepReport) -> None:
+        """One step's report: the engine's state as it says, its tokens to their requests. A
+        failure here fails the requests the report speaks of, and no other."""
         self.submitted -= report.taken
         self.reported, self.kv_used = report.request_counts, report.kv_used
         self.integrity, self.speculation = report.integrity, report.speculation
-        for i, (key, _, _) in enumerate(report.tokens):  # logprobs first, then their tokens
-            if (ticket := self.tickets.get(key)) is not None:
-                ticket.logprobs.append(report.logprobs.get(i))
-        dispatch(self.tickets, report.tokens, report.refused)
+        try:
+            self.drop(report.failed, "the engine failed on this request: ")
+            for i, (key, _, _) in enumerate(report.tokens):  # logprobs first, then their tokens
+                if (ticket := self.tickets.get(key)) is not None:
+                    ticket.logprobs.append(report.logprobs.get(i))
+            dispatch(self.tickets, report.tokens, report.refused)
+        except Exception as e:
+            why = f"the server failed on the engine's news of it: {type(e).__name__}: {e}"
+            keys = {key for key, *_ in report.tokens + report.refused + report.failed}
+            for key in keys & self.tickets.keys():  # their slots are free before the next step
+                self.requests.send_multipart(to_engine(Abort(key)))
+            self.drop([(key, why) for key in keys], "")
 
-    def _fail(self, why: str) -> None:
-        """The engine process failed: every request in flight gets a 500 that says why."""
+    def drop(self, failed: list[tuple[int, str]], says: str) -> None:
+        """These choices fail, each with a 500 that says why: (key, why) for each."""
+        for key, why in failed:
+            if (ticket := self.tickets.pop(key, None)) is not None:
+                ticket.events.put_nowait(APIError(500, says + why, kind="server_error"))
+
+    def fail(self, why: str) -> None:
+        """The engine failed: every request in flight gets a 500 that says why."""
         self.failed = why
-        self.loop.remove_reader(self.conn.fileno())
         for ticket in self.tickets.values():
             ticket.events.put_nowait(
                 APIError(500, f"the engine failed: {why}", kind="server_error")
@@ -265,38 +373,110 @@ def dispatch(
                 del tickets[key]
 
 
-def engine_process(engine: ContinuousEngine, conn, n_threads: int) -> None:
-    """The engine process: read the pipe's Adds and Aborts, step while there is work, and send
-    a StepReport after each step: its tokens as (key, token, finish_reason or None), the
-    requests it refused, the Adds it took, its load, its KV use, and the cache's verdict on
-    its books, asked whenever the engine is idle (`cache.check_integrity(idle=True)`: None
-    when every request gave everything back). It blocks on the pipe when there is no work,
-    and ends at a Stop, at the end of the pipe, or with a Failed that says why."""
+def engine_process(engine: ContinuousEngine, addresses: tuple[str, str], n_threads: int) -> None:
+    """The engine process: read the Adds and Aborts, step while there is work, and send a
+    StepReport after each step: its tokens as (key, token, finish_reason or None), the
+    requests it refused or failed on, the Adds it took, its load, its KV use, and the cache's
+    verdict on its books, asked whenever the engine is idle (`cache.check_integrity(idle=True)`:
+    None when every request gave everything back). A thread sends a Heartbeat every BEAT_S
+    meanwhile. It waits on its socket when there is no work, and ends at a Stop, when the
+    HTTP side's process is gone, or with a Failed that says why (a step raised)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
     torch.set_num_threads(n_threads)
-    conn.send(Ready())
-    if isinstance(engine.decoder, PiecewiseDecoder):  # compiled now; the first Adds wait
-        engine.decoder.warm_up(engine.config.n_slots)
-    if isinstance(engine.decoder, CompiledDecoder):  # every bucket, before any request
-        engine.decoder.warm_up()
+    pipe = EnginePipe(*addresses)
+    try:
+        pipe.send(Ready())
+        pipe.beat()
+        if isinstance(engine.decoder, PiecewiseDecoder):  # compiled now; the first Adds wait
+            engine.decoder.warm_up(engine.config.n_slots)
+        if isinstance(engine.decoder, CompiledDecoder):  # every bucket, before any request
+            engine.decoder.warm_up()
+        serve_engine(engine, pipe)
+    finally:
+        pipe.close()
+
+
+def serve_engine(engine: ContinuousEngine, pipe: "EnginePipe") -> None:
+    """engine_process's loop: (1) the messages waiting, acted on; (2) a step, when there is
+    work; (3) its report. Returns at a Stop, when the HTTP side is gone, or after a Failed."""
     keys, integrity = Keys(), None
-    while True:
-        if not engine.has_work():
-            conn.poll(None)
+    while pipe.http_side_lives():
+        if not engine.has_work() and not pipe.wait(BEAT_S):
+            continue
         try:
-            if (news := read_messages(engine, conn, keys)) is None:
-                return  # a Stop, or the server is gone
+            if (news := read_messages(engine, pipe, keys)) is None:
+                return  # a Stop
             tokens, logprobs = keys.tokens_of(engine, engine.step() if engine.has_work() else [])
             if not engine.has_work():
                 integrity = engine.cache.check_integrity(idle=True)
         except Exception as e:  # the engine cannot go on: say why
-            conn.send(Failed(f"{type(e).__name__}: {e}"))
+            pipe.send(Failed(f"{type(e).__name__}: {e}"))
             return
-        taken, refused = news
+        taken, refused, failed = news
         counts, kv_used = engine.request_counts(), engine.kv_used_frac()
         st = engine.stats
         spec = (st.spec_rows, st.spec_proposed, st.spec_accepted, st.spec_tokens)
-        conn.send(StepReport(tokens, refused, taken, counts, kv_used, integrity, logprobs, spec))
+        pipe.send(
+            StepReport(tokens, refused, taken, counts, kv_used, integrity, logprobs, spec, failed)
+        )
+
+
+class EnginePipe:
+    """The engine process's end of the two sockets (blocking ZeroMQ sockets: this process
+    waits on nothing else): requests come in on one, news goes out on the other, and a thread
+    of its own sends a Heartbeat on a third (a ZeroMQ socket belongs to one thread)."""
+
+    def __init__(self, requests: str, reports: str):
+        self.zmq, self.address = zmq.Context(), reports
+        self.requests, self.reports = self.zmq.socket(zmq.PULL), self.zmq.socket(zmq.PUSH)
+        self.requests.connect(requests)
+        self.reports.connect(reports)
+        self.reports.setsockopt(zmq.SNDTIMEO, 1000)  # ms: then `send` asks if the server lives
+        self.parent = multiprocessing.parent_process()  # the HTTP side's process
+        self.stopped = threading.Event()  # the heartbeats' end
+
+    def http_side_lives(self) -> bool:
+        return self.parent is None or self.parent.is_alive()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to timeout seconds for a message; whether one came."""
+        return bool(self.requests.poll(timeout * 1000))
+
+    def received(self):
+        """The messages waiting, each as (its keys' frame, its pickle)."""
+        while self.requests.poll(0):
+            head, data = self.requests.recv_multipart()
+            yield head, data
+
+    def send(self, message) -> None:
+        """Send one message, whole; while the server reads nothing (it queues up to a thousand),
+        wait, as long as its process lives."""
+        data = dumps(message)
+        while True:
+            try:
+                return self.reports.send(data)
+            except zmq.Again:
+                if not self.http_side_lives():
+                    return
+
+    def beat(self) -> None:
+        """Start the heartbeats: a Heartbeat every BEAT_S, from a thread, until close()."""
+        threading.Thread(target=self.beats, name="heartbeat", daemon=True).start()
+
+    def beats(self) -> None:
+        with self.zmq.socket(zmq.PUSH) as sock:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.address)
+            while not self.stopped.wait(BEAT_S):
+                with contextlib.suppress(zmq.Again):  # a server that reads nothing: it knows
+                    sock.send(dumps(Heartbeat()), zmq.NOBLOCK)
+
+    def close(self) -> None:
+        """Stop the heartbeats, send what is left (1 s at most) and close the sockets."""
+        self.stopped.set()
+        self.requests.close(linger=0)
+        self.reports.close(linger=1000)
+        self.zmq.term()  # once the heartbeats' socket is closed too
 
 
 @dataclass
@@ -333,18 +513,22 @@ class Keys:
 
 
 def read_messages(
-    engine: ContinuousEngine, conn, keys: Keys
-) -> tuple[int, list[tuple[int, str]]] | None:
-    """Every message waiting in the pipe, acted on: an Add queues its request (or refuses it,
-    with the engine's reason), its n choices under keys key, key + 1, ... (the engine's ids
-    rid, rid + 1, ...); an Abort drops one choice. Returns (the sequences taken, the choices
-    refused as (key, message)), or None at a Stop or the pipe's end."""
-    taken, refused = 0, []
-    while conn.poll():
+    engine: ContinuousEngine, pipe: EnginePipe, keys: Keys
+) -> tuple[int, list[tuple[int, str]], list[tuple[int, str]]] | None:
+    """Every message waiting, acted on: an Add queues its request, its n choices under keys
+    key, key + 1, ... (the engine's ids rid, rid + 1, ...), or refuses them with the engine's
+    reason (a ValueError or TypeError: the request's fault), or fails them (it cannot be
+    unpickled, or adding it raised otherwise); an Abort drops one choice. Returns (the
+    sequences taken, the choices refused as (key, message), the choices failed as (key,
+    why)), or None at a Stop. A message that fails concerns its own request only."""
+    taken, refused, failed = 0, [], []
+    for head, data in pipe.received():
         try:
-            message = conn.recv()
-        except EOFError:  # the server is gone: so is its engine
-            return None
+            message = loads(data)
+        except Exception as e:
+            taken += len(keys_of(head))
+            failed += [(k, f"it could not be read: {type(e).__name__}: {e}") for k in keys_of(head)]
+            continue
         match message:
             case Add(key, request):
                 n = getattr(request.sampling, "n", 1)
@@ -353,6 +537,8 @@ def read_messages(
                     rid = engine.add_request(request)
                 except (ValueError, TypeError) as e:
                     refused += [(key + i, str(e)) for i in range(n)]
+                except Exception as e:
+                    failed += [(key + i, f"{type(e).__name__}: {e}") for i in range(n)]
                 else:
                     for i in range(n):
                         keys.add(key + i, rid + i)
@@ -361,11 +547,9 @@ def read_messages(
                     engine.abort(rid)
             case Stop():
                 return None
-            case _:
-                raise TypeError(
-                    f"the engine process got {message!r}, which is not a message of messages.py"
-                )
-    return taken, refused
+            case _:  # no request of its own to fail: said, and left
+                print(f"the engine got {message!r}, not a message of messages.py", file=sys.stderr)
+    return taken, refused, failed
 
 
 @dataclass
@@ -647,9 +831,10 @@ def health(loop: EngineLoop) -> tuple[int, dict]:
     "kv_cache": "ok"}, or "degraded" with the sentence that says what is wrong with the KV
     cache's books when they were last checked (the engine still serves, on fewer blocks than
     it should); 503 once the engine has failed: {"status": "failed", "engine": why}, as vLLM
-    and SGLang answer when their engine is gone."""
-    if loop.failed:
-        return 503, {"status": "failed", "engine": loop.failed}
+    and SGLang answer when their engine is gone. It asks the loop (`check`) first: an engine
+    whose process ended, or that was not heard from for silence_s, has failed."""
+    if (why := loop.check()) is not None:
+        return 503, {"status": "failed", "engine": why}
     if loop.integrity is not None:
         return 200, {"status": "degraded", "kv_cache": loop.integrity}
     return 200, {"status": "ok", "kv_cache": "ok"}
@@ -805,9 +990,9 @@ def make_app(served: Served):
 
     @asynccontextmanager
     async def lifespan(app):
-        served.loop.start()
+        await served.loop.start()
         yield
-        served.loop.stop()
+        await served.loop.stop()
 
     app = FastAPI(title="tinyllm", lifespan=lifespan)
 
@@ -946,12 +1131,18 @@ def serve_main(argv=None) -> None:
 
 
 def build(
-    engine: ContinuousEngine, tok, name: str, max_waiting: int = 64, max_body: int = MAX_BODY
+    engine: ContinuousEngine,
+    tok,
+    name: str,
+    max_waiting: int = 64,
+    max_body: int = MAX_BODY,
+    silence_s: float = 5.0,
 ) -> Served:
     """What make_app serves: an engine loop around engine (not started), with its metrics; a
-    body over max_body bytes is refused. The engine's grammar backend (its `grammars`) checks
-    each constraint on this side too: the engine process gets a copy of its own."""
-    loop = EngineLoop(engine, max_waiting)
+    body over max_body bytes is refused, an engine not heard from for silence_s has failed. The
+    engine's grammar backend (its `grammars`) checks each constraint on this side too: the
+    engine process gets a copy of its own."""
+    loop = EngineLoop(engine, max_waiting, silence_s)
     chars, vocab = longest_token_chars(tok), engine.model.cfg.vocab_size
     texts, grammars = TokenTexts(tok), engine.grammars
     return Served(
