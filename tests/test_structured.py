@@ -4,6 +4,7 @@ with preemption, chunks, prefix hits and speculation; free requests are untouche
 
 import json
 import math
+import re
 
 import jsonschema
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import solo
+from tinyllm.logits_processors import unpack_bitmask
 from tinyllm.requests import Request
 from tinyllm.sampling import Sampling
 from tinyllm.structured import Constraint, LLGuidance
@@ -177,3 +179,168 @@ def test_matchers_follow_their_requests_through_preemption_and_speculation(bundl
         for i, (r, rid) in enumerate(zip(reqs, rids)):
             got = eng.results.pop(rid).tokens
             assert got == solo(model, r, grammars=grammars).tokens, f"request {i} ({speculate})"
+
+
+# ---- a matcher's books: EOS counted, a refused token changes nothing -------------------------
+YES_NO = Constraint("regex", "(yes|no)")
+
+
+def allowed(m, V: int) -> list[int]:
+    return unpack_bitmask(m.bitmask()[None], V)[0].nonzero().flatten().tolist()
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_a_matcher_rolls_back_exactly_the_tokens_it_consumed(bundled64, grammars, data):
+    """A matcher walked over tokens its mask allows (EOS too, again and again, as a request
+    that ignores EOS makes them) and tokens it refuses, then rolled back n: a refused token
+    changed nothing, and its mask is that of a fresh matcher walked over the tokens it kept
+    but the last n."""
+    model, tok = bundled64
+    V = model.cfg.vocab_size
+    c = data.draw(st.sampled_from([YES_NO, CONSTRAINTS[2], CONSTRAINTS[3]]))
+    m, kept = grammars.matcher(c), []
+    for _ in range(data.draw(st.integers(0, 10))):
+        ok = allowed(m, V)
+        refused = sorted(set(range(V)) - set(ok))[:50]
+        if refused and data.draw(st.booleans()):
+            t = data.draw(st.sampled_from(refused))
+            assert not m.consume(t), f"{c.spec}: token {t} is not in the mask, yet consumed"
+            assert allowed(m, V) == ok and not m.is_error(), "a refused token changed the matcher"
+        else:
+            t = (
+                tok.eos_id
+                if tok.eos_id in ok and data.draw(st.booleans())
+                else data.draw(st.sampled_from(ok))
+            )
+            assert m.consume(t), f"{c.spec}: token {t} is in the mask, yet refused"
+            kept.append(t)
+    n = data.draw(st.integers(0, len(kept)))
+    m.rollback(n)
+    fresh = grammars.matcher(c)
+    for t in kept[: len(kept) - n]:
+        assert fresh.consume(t)
+    assert allowed(m, V) == allowed(fresh, V), (
+        f"{c.spec}: after {tok.decode(kept, skip_special_tokens=False)!r} rolled back {n}, "
+        f"the mask is not that of {tok.decode(kept[: len(kept) - n], skip_special_tokens=False)!r}"
+    )
+
+
+def test_guesses_past_a_complete_grammar_under_ignore_eos_keep_solos_tokens(bundled64, grammars):
+    """Greedy requests that ignore EOS, each proposer guessing: once the grammar is complete
+    its EOS is all it allows, and a request goes on with EOS to its max_new_tokens exactly as
+    solo does, its text the grammar's."""
+    model, tok = bundled64
+    reqs = [
+        Request(tok.encode(p), 10, tok.eos_id, Sampling(ignore_eos=True, constraint=c))
+        for p in ("Answer yes or no:", "Oph.\nMy lord,", "Ham.\n")
+        for c in (YES_NO, CONSTRAINTS[3])
+    ]
+    for speculate in ("draft", "ngram"):
+        eng = ContinuousEngine(model, 3, speculate=speculate, grammars=grammars)
+        rids = [eng.add_request(r) for r in reqs]
+        while eng.has_work():
+            eng.step()
+        for i, (r, rid) in enumerate(zip(reqs, rids)):
+            want, got = solo(model, r, grammars=grammars), eng.results.pop(rid)
+            assert got.tokens == want.tokens, (
+                f"request {i} ({speculate}, {r.sampling.constraint.spec}): "
+                f"{tok.decode(got.tokens, skip_special_tokens=False)!r}, "
+                f"solo {tok.decode(want.tokens, skip_special_tokens=False)!r}"
+            )
+            if r.sampling.constraint == YES_NO:
+                assert re.fullmatch("yes|no", tok.decode(got.tokens)), tok.decode(got.tokens)
+                assert got.finish_reason == "length" and got.tokens[-1] == tok.eos_id
+
+
+# ---- what llguidance takes and cannot enforce is refused up front --------------------------------
+NODE = {
+    "type": "object",
+    "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}},
+}
+REFUSED = [
+    (Constraint("regex", "a{1000000}"), "llguidance fails on it while matching: lexer error"),
+    (Constraint("regex", "x(a{1000000}|b)"), "too many expressions"),
+    (Constraint("regex", "ab\\"), "ends in a lone backslash"),
+    (Constraint("regex", "ab\\\\\\"), "ends in a lone backslash"),
+    (Constraint.json_schema({"$ref": "#"}), "its $ref '#' always leads back to itself"),
+    (
+        Constraint.json_schema(
+            {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+        ),
+        "no finite JSON value matches it",
+    ),
+    (
+        Constraint.json_schema(
+            {"$defs": {"node": {**NODE, "required": ["next"]}}, "$ref": "#/$defs/node"}
+        ),
+        "'#/$defs/node' always leads back",
+    ),
+    (Constraint.json_schema({"type": "array", "items": {"$ref": "#"}, "minItems": 1}), "'#'"),
+]
+TAKEN = [
+    Constraint("regex", "ab\\\\"),  # an escaped backslash
+    Constraint.json_schema(
+        {"$defs": {"node": {**NODE, "required": ["v"]}}, "$ref": "#/$defs/node"}
+    ),
+    Constraint.json_schema({"type": "array", "items": {"$ref": "#"}}),  # [] ends it
+    Constraint.json_schema(
+        {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"$ref": "#"}}]}
+    ),
+]
+
+
+@pytest.mark.parametrize("c, says", REFUSED)
+def test_a_constraint_llguidance_cannot_enforce_is_refused_up_front(bundled64, grammars, c, says):
+    """A regex llguidance fails on while matching, one that ends in a lone backslash, and a
+    schema no finite value matches (a $ref that always leads back to itself) are refused by
+    the check, with why, and by the engine; nothing of them is kept."""
+    model, tok = bundled64
+    why = grammars.check(c)
+    assert why is not None and says in why, f"{c.spec}: check says {why!r}, not {says!r}"
+    eng = ContinuousEngine(model, 2, grammars=grammars)
+    with pytest.raises(ValueError, match="constraint: the .* is refused"):
+        eng.add_request(Request(tok.encode("Ham.\n"), 8, sampling=Sampling(constraint=c)))
+    assert c not in grammars.compiled and not eng.has_work()
+
+
+@pytest.mark.parametrize("c", TAKEN)
+def test_recursive_schemas_with_an_end_and_escaped_backslashes_are_taken(bundled64, grammars, c):
+    """A $ref back to itself that a value may leave out, and an escaped backslash, are taken:
+    the solo answer of each matches it."""
+    model, tok = bundled64
+    assert grammars.check(c) is None, f"{c.spec} is refused: {grammars.check(c)}"
+    r = solo(
+        model,
+        Request(tok.encode("Ham.\n"), 40, tok.eos_id, Sampling(constraint=c)),
+        grammars=grammars,
+    )
+    if r.finish_reason == "stop" and c.kind == "json_schema":
+        jsonschema.validate(json.loads(tok.decode(r.tokens)), json.loads(c.spec))
+
+
+def test_a_matcher_llguidance_fails_on_mid_answer_allows_eos_alone(bundled64, grammars):
+    """x(b|c{1000000}) passes the check (its first tokens match), and llguidance fails on it
+    after a few 'cc', on a grammar compiled for that matcher alone: the matcher says so and
+    allows EOS alone; rolled back over the token it failed on, it is the matcher it was; the
+    next request's matcher is a fresh one."""
+    model, tok = bundled64
+    V, c = model.cfg.vocab_size, Constraint("regex", "x(b|c{1000000})")
+    assert grammars.check(c) is None
+    m = grammars.matcher(c)
+    x, cc = grammars.llt.tokenize_str("x")[0], grammars.llt.tokenize_str("cc")[0]
+    assert allowed(m, V) == [x] and m.consume(x)
+    for n in range(1, 8):  # as an engine does: a mask, then a token
+        before = allowed(m, V)
+        assert m.consume(cc)
+        if m.is_error():
+            break
+    assert m.is_error() and "too many expressions" in m.error(), f"no failure after {n} 'cc'"
+    assert allowed(m, V) == [tok.eos_id], "a matcher in error allows EOS alone"
+    assert not m.consume(cc), "a matcher in error takes no more text"
+    assert m.consume(tok.eos_id) and m.consume(tok.eos_id)
+    m.rollback(3)
+    assert not m.is_error() and allowed(m, V) == before
+    assert allowed(grammars.matcher(c), V) == [x], "the next matcher is not a fresh one"

@@ -9,12 +9,20 @@ the layout of llguidance, XGrammar and vLLM), moves on with each token the reque
 more logits processor (logits_processors.GrammarMask): the step's constrained rows' bitmasks
 are stacked (B, ceil(V / 32)) and applied at once (`apply_bitmask`), a disallowed token's logit
 becoming -inf; the tokenizer's EOS is allowed only where the grammar accepts, and once the
-grammar is complete EOS is all it allows, so a constrained request ends with its grammar.
+grammar is complete, or after an EOS, EOS is all it allows: a constrained request ends with its
+grammar, and one that ignores EOS goes on with EOS alone (its text stays the grammar's) to its
+max_new_tokens, as solo generation does.
 
-The matcher follows its sequence: it has consumed exactly the tokens the sequence has made. A
-preemption keeps those tokens (only their keys and values are computed again), so it keeps the
-matcher as it is; speculation's verification moves it over the guesses to read each position's
-mask, then back; a finished or aborted request drops it.
+The matcher follows its sequence: it has consumed exactly the tokens the sequence has made,
+each counted (an EOS too), and a token its mask refuses changes nothing (`consume` says False).
+A preemption keeps those tokens (only their keys and values are computed again), so it keeps
+the matcher as it is; speculation's proposer and verification move it over the guesses to read
+each position's mask, then back by as many; a finished or aborted request drops it.
+
+A backend's `check` says, before a request is taken, why it refuses a constraint (the server
+answers 400 with that sentence): besides what does not compile, what it could not enforce. A
+matcher whose library fails mid-answer all the same (a limit met) is in error (`is_error`) and
+allows EOS alone, so nothing unconstrained is ever written.
 
 A grammar is written over characters, a mask over tokens: one token is several bytes, and it is
 allowed only if all of them can come next, one after another. `DFA` is a grammar small enough
@@ -25,12 +33,13 @@ also why the libraries precompile a grammar against the vocabulary (a token trie
 `LLGuidance` is the backend the engine and the server use, over llguidance (one of vLLM's and
 SGLang's, and light to install); `DFAGrammars` is a second one, the hand-written automata of a
 few constraints, behind the same calls: `check`, `matcher`, and the matcher's `bitmask`,
-`consume`, `rollback` (XGrammar would plug in the same way).
+`consume`, `rollback`, `is_error` (XGrammar would plug in the same way).
 
 Seams: `walk`, `token_mask` (exercise 12).
 """
 
 import json
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +47,7 @@ from torch import Tensor
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_COMPILED = 256      # compiled grammars kept per backend, the least recently used dropped
+PROBE_TOKENS = 8        # tokens a new grammar is walked along before it is taken (LLGuidance)
 
 
 @dataclass(frozen=True)
@@ -65,38 +75,99 @@ class Constraint:
 
 
 class LLGuidanceMatcher:
-    """One request's matcher over llguidance's LLMatcher. Its mask comes as bits, 32 tokens
-    to a word (llguidance's numpy helpers: its torch ones import torch.compile, seconds)."""
+    """One request's matcher over llguidance's LLMatcher (m, a copy of its constraint's
+    compiled grammar, the template), keeping the books llguidance does not: every token it
+    consumes counts for a rollback (llguidance records no EOS, so rolling back over one would
+    undo a text token instead), and a token the mask refuses changes nothing (llguidance would
+    go into an error state for good).
 
-    def __init__(self, matcher, vocab_size: int):
+    llguidance may fail on a token its mask allowed, or on a mask, when a limit of its lexer or
+    parser is met. The copies of one compiled grammar share its lexer, and so its limits: where
+    a copy fails, the matcher moves to a grammar compiled for it alone, over its tokens again
+    (another request's answers must not make this one fail), and only a failure there leaves it
+    in error (`is_error`): it then allows EOS alone, and a rollback over the token it failed on
+    builds it again. Its mask comes as bits, 32 tokens to a word (llguidance's numpy helpers:
+    its torch ones import torch.compile, seconds)."""
+
+    def __init__(self, backend: "LLGuidance", c: Constraint, template):
         import llguidance.numpy as lgn
 
-        self.m, self.vocab_size = matcher, vocab_size
-        self.bits = lgn.allocate_token_bitmask(1, vocab_size)            # (1, ceil(V / 32))
+        self.backend, self.constraint, self.template = backend, c, template
+        self.m = template.deep_copy()
+        self.tokens: list[int] = []                 # the text tokens llguidance consumed
+        self.ended = 0                              # EOS tokens consumed after them
+        self.bits = lgn.allocate_token_bitmask(1, backend.vocab_size)   # (1, ceil(V / 32))
         self._fill = lgn.fill_next_token_bitmask
 
     def bitmask(self) -> Tensor:
-        """The tokens that may come next, a bit each: (ceil(V / 32),) int32."""
-        self._fill(self.m, self.bits, 0)
-        return torch.from_numpy(self.bits[0].copy())
+        """The tokens that may come next, a bit each: (ceil(V / 32),) int32; EOS alone after
+        an EOS, and in error."""
+        if not self.ended and not self.is_error():
+            self._run(lambda m: self._fill(m, self.bits, 0))
+            if not self.is_error():
+                return torch.from_numpy(self.bits[0].copy())
+        return self.backend.eos_mask.clone()
 
     def consume(self, token: int) -> bool:
-        """Move on with a token the request keeps; False if the grammar does not allow it."""
-        return self.m.consume_token(token)
+        """Move on with a token the request keeps; False, and nothing changes, if the mask
+        does not allow it."""
+        if token in self.backend.eos:
+            if not (self.ended or self.is_error() or self.m.is_accepting()):
+                return False
+            self.ended += 1
+            return True
+        if self.ended or self.is_error():
+            return False
+        if self._run(lambda m: m.try_consume_tokens([token])) == 1 or self.is_error():
+            self.tokens.append(token)               # in error: llguidance failed on it
+            return True
+        return False
 
     def rollback(self, n: int) -> None:
-        """Move back over the last n tokens."""
+        """Move back over the last n tokens consumed."""
+        eos = min(n, self.ended)
+        self.ended, n = self.ended - eos, n - eos
         if n:
-            self.m.rollback(n)
+            del self.tokens[len(self.tokens) - n:]
+            if self.is_error():                     # llguidance never leaves an error state
+                self._alone()
+            else:
+                self.m.rollback(n)
 
     def is_error(self) -> bool:
+        """Whether llguidance failed on this answer (on a grammar compiled for it alone)."""
         return self.m.is_error()
+
+    def error(self) -> str:
+        """llguidance's reason for its error state, its first line ("" when none)."""
+        return self.m.get_error().split("\n")[0]
+
+    def _run(self, op):
+        """op(m); where llguidance fails on a copy of the shared grammar, op again after
+        moving to one of its own (`_alone`)."""
+        out = op(self.m)
+        if self.m.is_error() and self.template is not None:
+            self.backend.forget(self.constraint, self.template)   # its copies may fail too
+            self._alone()
+            out = op(self.m)
+        return out
+
+    def _alone(self) -> None:
+        """m anew on a grammar compiled for this matcher alone, moved over its tokens."""
+        self.m, self.template = self.backend.compile_alone(self.constraint), None
+        self.m.try_consume_tokens(self.tokens)
 
 
 class LLGuidance:
     """The grammar backend over llguidance for one tokenizer (tinyllm's Tokenizer) and a model
     of vocab_size logits: compiled grammars cached per constraint (the MAX_COMPILED most
-    recently used), a matcher per request."""
+    recently used), a matcher per request.
+
+    `check` refuses up front what llguidance would take and then fail to enforce: a regular
+    expression that ends in a lone backslash (llguidance drops it), a JSON schema that no
+    finite value matches (a $ref that always leads back to itself: llguidance writes it for
+    ever, or runs out of room and ends it), and a grammar llguidance fails on along its first
+    tokens (a limit of its lexer or parser: `probe`)."""
 
     def __init__(self, tok, vocab_size: int):
         self._setup(tok.tok.to_str(), vocab_size, list(tok.eos_ids) or [0])
@@ -106,7 +177,9 @@ class LLGuidance:
 
         self.llt = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
         self.tokenizer_json, self.vocab_size, self.eos = tokenizer_json, vocab_size, eos
-        self.compiled: dict[Constraint, object] = {}       # constraint -> a template matcher
+        self.eos_mask = pack_bitmask(torch.isin(torch.arange(vocab_size), torch.tensor(eos)))
+        self.compiled: dict[Constraint, object] = {}       # constraint -> its compiled grammar
+        self.lock = threading.Lock()                       # the server checks from threads
 
     def __getstate__(self) -> dict:
         """What crosses a process boundary (the server's engine process): the tokenizer's
@@ -130,29 +203,187 @@ class LLGuidance:
         return LLMatcher.grammar_from_lark(c.spec)
 
     def check(self, c: Constraint) -> str | None:
-        """None if the backend takes the constraint, else why not (one sentence)."""
+        """None if the backend takes the constraint, else why not (one sentence). A taken one
+        is compiled, and kept."""
+        return self.compile(c)[1]
+
+    def template(self, c: Constraint):
+        """The compiled grammar of c (compiled on first use, then kept). Raises ValueError
+        naming what the backend refuses."""
+        template, why = self.compile(c)
+        if why is not None:
+            raise ValueError(f"constraint: the {c.kind} is refused: {why}")
+        return template
+
+    def compile(self, c: Constraint) -> tuple[object | None, str | None]:
+        """c's compiled grammar, kept as the most recently used, and None; or None and why the
+        backend refuses c."""
         from llguidance import LLMatcher
 
-        try:
-            why = LLMatcher.validate_grammar(self.grammar(c), self.llt)
-        except (ValueError, TypeError) as e:
-            why = str(e)
-        return why or None
+        with self.lock:
+            template = self.compiled.get(c)
+        if template is None:
+            try:
+                why = flaw(c) or LLMatcher.validate_grammar(self.grammar(c), self.llt) or None
+            except (ValueError, TypeError) as e:
+                why = str(e)
+            if why is None:
+                template = self.compile_alone(c)
+                why = self.probe(c, template)
+            if why is not None:
+                return None, why
+        self.keep(c, template)
+        return template, None
+
+    def probe(self, c: Constraint, template) -> str | None:
+        """Why llguidance fails on a compiled grammar along its first PROBE_TOKENS tokens (the
+        lowest allowed id each time), or None: some grammars it compiles, and fails on only
+        while matching them (a{1000000}: too many expressions for its lexer)."""
+        from tinyllm.logits_processors import unpack_bitmask
+
+        m = LLGuidanceMatcher(self, c, template)
+        for _ in range(PROBE_TOKENS):
+            allowed = unpack_bitmask(m.bitmask()[None], self.vocab_size)[0]       # (V,)
+            allowed[self.eos] = False
+            if m.is_error() or not allowed.any():
+                break
+            m.consume(int(allowed.nonzero()[0]))
+        return f"llguidance fails on it while matching: {m.error()}" if m.is_error() else None
+
+    def compile_alone(self, c: Constraint):
+        """c's grammar compiled anew, for one matcher (kept nowhere)."""
+        from llguidance import LLMatcher
+
+        return LLMatcher(self.llt, self.grammar(c), log_level=0)
+
+    def keep(self, c: Constraint, template) -> None:
+        """Keep c's compiled grammar as the most recently used, dropping the least."""
+        with self.lock:
+            self.compiled.pop(c, None)
+            self.compiled[c] = template
+            while len(self.compiled) > MAX_COMPILED:
+                del self.compiled[next(iter(self.compiled))]
+
+    def forget(self, c: Constraint, template) -> None:
+        """Drop c's compiled grammar if it is this one (llguidance failed on a copy of it)."""
+        with self.lock:
+            if self.compiled.get(c) is template:
+                del self.compiled[c]
 
     def matcher(self, c: Constraint) -> LLGuidanceMatcher:
         """A fresh matcher of the constraint, from its compiled grammar (compiled on first use,
         then copied). Raises ValueError naming what the backend refuses."""
-        from llguidance import LLMatcher
+        return LLGuidanceMatcher(self, c, self.template(c))
 
-        template = self.compiled.pop(c, None)
-        if template is None:
-            if (why := self.check(c)) is not None:
-                raise ValueError(f"constraint: the {c.kind} is refused: {why}")
-            template = LLMatcher(self.llt, self.grammar(c), log_level=0)
-        self.compiled[c] = template                     # the most recently used last
-        while len(self.compiled) > MAX_COMPILED:
-            del self.compiled[next(iter(self.compiled))]
-        return LLGuidanceMatcher(template.deep_copy(), self.vocab_size)
+
+def flaw(c: Constraint) -> str | None:
+    """Why llguidance would take c and not enforce it, or None (regex_flaw, schema_flaw)."""
+    if c.kind == "regex":
+        return regex_flaw(c.spec)
+    return schema_flaw(json.loads(c.spec)) if c.kind == "json_schema" else None
+
+
+def regex_flaw(regex: str) -> str | None:
+    """Why a regular expression is refused before llguidance reads it, or None: one that ends
+    in a lone backslash (an escape of nothing, which llguidance drops)."""
+    if (len(regex) - len(regex.rstrip("\\"))) % 2:
+        return "it ends in a lone backslash, which escapes nothing (a backslash is \\\\)"
+    return None
+
+
+def schema_flaw(schema) -> str | None:
+    """Why no finite JSON value matches a schema, or None when one may: a $ref (local: "#...")
+    that leads back to itself through what every value must hold (a required property, an
+    array's first minItems items, each branch of anyOf or oneOf, any of allOf) never ends.
+    Generous where unsure: only what certainly has no finite value is named."""
+    refs = [r for r in local_refs(schema) if resolve(schema, r) is not None]
+    users: dict[str, list[str]] = {r: [] for r in refs}    # the refs each ref's schema holds
+    for r in refs:
+        for d in local_refs(resolve(schema, r)):
+            users.get(d, []).append(r)
+    finite: set[str] = set()                        # the refs known to have a finite value
+    try:
+        todo = list(refs)
+        while todo:                                 # a ref is judged again when one it holds
+            r = todo.pop()                          # is found finite
+            if r not in finite and has_finite(resolve(schema, r), schema, finite):
+                finite.add(r)
+                todo += users[r]
+        if has_finite(schema, schema, finite):
+            return None
+    except RecursionError:
+        return None
+    loop = next((r for r in refs if r not in finite), None)
+    if loop is None:                                # not through a $ref: llguidance judges
+        return None
+    return f"no finite JSON value matches it: its $ref {loop!r} always leads back to itself " \
+           f"(through required properties, an array's first items or every branch)"
+
+
+def local_refs(schema) -> list[str]:
+    """The local $refs ("#...") a schema holds, in the order they come, once each."""
+    found, todo = {}, [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(ref := node.get("$ref"), str) and ref.startswith("#"):
+                found.setdefault(ref)
+            todo += reversed(list(node.values()))
+        elif isinstance(node, list):
+            todo += reversed(node)
+    return list(found)
+
+
+def resolve(root, ref: str):
+    """The subschema a local $ref ("#", "#/$defs/name", any JSON pointer) names; None if none."""
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def has_finite(s, root, finite: set[str]) -> bool:
+    """Whether a finite value may match s, the refs in `finite` known to have one."""
+    if not isinstance(s, dict):
+        return s is not False
+    one = lambda x: has_finite(x, root, finite)
+    ref = s.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and ref not in finite \
+            and resolve(root, ref) is not None:
+        return False
+    if isinstance(s.get("allOf"), list) and not all(map(one, s["allOf"])):
+        return False
+    for key in ("anyOf", "oneOf"):
+        if isinstance(s.get(key), list) and s[key] and not any(map(one, s[key])):
+            return False
+    if "const" in s or "enum" in s:
+        return True
+    types = s.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+    if types is None or set(types) - {"object", "array"}:
+        return True                                 # a scalar, or no type: one is finite
+    props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+    required = s.get("required") if isinstance(s.get("required"), list) else []
+    if "object" in types and all(one(props.get(k, True)) for k in required if isinstance(k, str)):
+        return True
+    return "array" in types and all(one(item) for item in first_items(s))
+
+
+def first_items(s: dict) -> list:
+    """The schemas of an array's first minItems items (each of prefixItems, then items; the
+    items after prefixItems once, as they are all one schema)."""
+    least = s.get("minItems") if isinstance(s.get("minItems"), int) else 0
+    items = s.get("items", True)
+    prefix = s.get("prefixItems") if isinstance(s.get("prefixItems"), list) else \
+        items if isinstance(items, list) else []
+    rest = s.get("additionalItems", True) if isinstance(items, list) else items
+    return prefix[:least] + ([rest] if least > len(prefix) else [])
 
 
 def new_matchers(grammars: LLGuidance | None, samplings: list) -> list:
@@ -265,34 +496,40 @@ def token_mask(dfa: DFA, state: int, pieces: list[bytes], eos_ids: tuple[int, ..
 
 
 class DFAMatcher:
-    """One request's matcher over a hand-written DFA: the states it passed, one per token."""
+    """One request's matcher over a hand-written DFA: the states it passed, one per token (None
+    after an EOS, where EOS is all it allows). A token its mask refuses changes nothing."""
 
     def __init__(self, dfa: DFA, pieces: list[bytes], eos_ids: tuple[int, ...]):
         self.dfa, self.pieces, self.eos_ids = dfa, pieces, eos_ids
-        self.states = [dfa.start]                   # the state after each consumed token
-        self.error = False
+        self.states: list[int | None] = [dfa.start]     # the state after each consumed token
 
     def bitmask(self) -> Tensor:
-        return pack_bitmask(token_mask(self.dfa, self.states[-1], self.pieces, self.eos_ids))
+        state = self.states[-1]
+        if state is None:
+            return pack_bitmask(torch.isin(torch.arange(len(self.pieces)),
+                                           torch.tensor(self.eos_ids)))
+        return pack_bitmask(token_mask(self.dfa, state, self.pieces, self.eos_ids))
 
     def consume(self, token: int) -> bool:
         state = self.states[-1]
         if token in self.eos_ids:
-            new = state if state in self.dfa.accepting else None
+            ok = state is None or state in self.dfa.accepting
+            new = None
         else:
-            new = walk(self.dfa, state, self.pieces[token]) if self.pieces[token] else None
-        if new is None:
-            self.error = True
-            return False
-        self.states.append(new)
-        return True
+            new = None if state is None or not self.pieces[token] else \
+                walk(self.dfa, state, self.pieces[token])
+            ok = new is not None
+        if ok:
+            self.states.append(new)
+        return ok
 
     def rollback(self, n: int) -> None:
         if n:
             del self.states[-n:]
 
     def is_error(self) -> bool:
-        return self.error
+        """A hand-written automaton never fails."""
+        return False
 
 
 class DFAGrammars:
