@@ -21,8 +21,9 @@ class Cache(Protocol):
     graph decoder's window (06) implement it; the model never knows which one it holds. A
     cache of ragged steps (04) may also pack one: after begin_step, `packing` holds the new
     tokens' places among the step's (B * T) columns when some columns are padding (else None
-    or no such attribute), and update then takes a group of the step's rows, `rows`, with
-    those rows' own n new tokens as (1, n_kv, n, hd) (slot_cache.PackedStep)."""
+    or no such attribute), and instead of update each layer stores groups of the step's rows'
+    new tokens (`store(layer, k, v, rows)`, (1, n_kv, n, hd)), all of them before any group
+    reads what it attends to (`read(layer, rows)`) (slot_cache.PackedStep)."""
 
     def begin_step(self, T: int) -> Tensor:
         """Start a forward pass of T token columns: returns their RoPE positions, (B, T) or

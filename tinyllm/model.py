@@ -171,7 +171,9 @@ class Attention(nn.Module):
         decode_attention call, a query row each, as in a decode step. The longer rows go back
         into their (rows, T) columns for scaled_dot_product_attention, the cache's mask hiding
         what each may not see; where the kernel does not run, the rows of one token go there
-        too, as a group of their own, so that no decode is padded to a prompt's width."""
+        too, as a group of their own, so that no decode is padded to a prompt's width. Every
+        row's new keys and values are in the cache before any row attends (cache.store, then
+        cache.read): rows of one step may share blocks (08)."""
         N, hd, packing = x.size(1), self.head_dim, cache.packing
         q = self.q_proj(x).view(1, N, self.n_heads, hd).transpose(1, 2)       # (1, H, N, hd)
         k = self.k_proj(x).view(1, N, self.n_kv_heads, hd).transpose(1, 2)    # (1, n_kv, N, hd)
@@ -180,13 +182,17 @@ class Attention(nn.Module):
         qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))       # (N, h, hd): a token a row
         y, few = qt.new_empty(N, self.n_heads, hd), packing.decodes
         layout = kernel_layout(cache, self.layer, vt[few][:, :, None]) if len(few) else None
-        if layout is not None:                          # the short rows' tokens, in C (13)
-            y[few] = cpu_kernels.decode_attention(
+        groups = packing.library_rows(kernel=layout is not None)
+        for rows in groups:     # 1) every new key stored before any row reads: a newcomer may
+            among = packing.tokens(rows)[0]     # attend to blocks another one writes now (08)
+            cache.store(self.layer, k[:, :, among], v[:, :, among], rows)
+        if layout is not None:                  # 2) the short rows' tokens, in C (13): their
+            y[few] = cpu_kernels.decode_attention(          # keys stored, then they attend
                 qt[few].reshape(len(few), self.n_kv_heads, -1, hd), kt[few][:, :, None],
                 vt[few][:, :, None], *layout).view(len(few), self.n_heads, hd)
-        for rows in packing.library_rows(kernel=layout is not None):   # the others, in groups
+        for rows in groups:                     # 3) the others, in groups
             among, cols, T = packing.tokens(rows)       # their tokens: of the N, of (R * T)
-            keys, values, mask = cache.update(self.layer, k[:, :, among], v[:, :, among], rows)
+            keys, values, mask = cache.read(self.layer, rows)
             R = len(rows)                               # keys (R, n_kv, W, hd), mask (R, 1, _, W)
             grid = qt.new_zeros(R * T, self.n_heads, hd).index_copy_(0, cols, qt[among])
             keys, values = repeat_kv(keys, self.n_heads), repeat_kv(values, self.n_heads)

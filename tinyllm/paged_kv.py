@@ -332,20 +332,14 @@ class PagedKVCache(SlotCache):
         B, W = len(rows), self._mask.W                                  # keys any row may see
         tables = table_tensor([self.tables[s] for s in rows], self.device)   # (B, n_table)
         keys = torch.arange(W, device=self.device).expand(B, W)         # (B, W)
-        self._write = self.new_columns(slot_mapping(tables, positions, self.block_size))  # (N,)
-        self._read = slot_mapping(tables, keys, self.block_size)        # (B, W)
+        at = self.new_columns(slot_mapping(tables, positions, self.block_size))   # (N,)
+        n_kv = self.k[0].size(1)                  # the pool as (rows * n_kv, hd): head h 1 on
+        self._write = (at[:, None] * n_kv + torch.arange(n_kv, device=self.device)).view(-1)
+        self._reads = slot_mapping(tables, keys, self.block_size)       # (B, W)
 
     def _kernel_rows(self) -> tuple[Tensor, Tensor, int]:
-        n = self.k[0].size(1)                      # the pool as (rows * n_kv, hd): head h 1 on
-        return self._write[:, None] * n + torch.arange(n, device=self.device), self._read * n, 1
+        n_kv = self.k[0].size(1)
+        return self._write.view(-1, n_kv), self._reads * n_kv, 1         # (N, n_kv), (B, W)
 
-    def update(self, layer: int, k: Tensor, v: Tensor, rows: list[int] | None = None
-               ) -> tuple[Tensor, Tensor, Tensor | None]:
-        pk, pv = self.k[layer], self.v[layer]
-        write, read, mask = (self._write, self._read, self._mask.whole()) if rows is None else \
-            self.packing.picked(rows, lambda tokens, picked: (     # a packed step's rows
-                self._write.index_select(0, tokens), self._read.index_select(0, picked),
-                self._mask.rows(picked)))
-        pk.index_copy_(0, write, self.new_tokens(k, len(write)).to(pk.dtype))  # (n, n_kv, hd)
-        pv.index_copy_(0, write, self.new_tokens(v, len(write)).to(pv.dtype))
-        return gather(pk, read), gather(pv, read), mask                 # (B, n_kv, W, hd)
+    def _gather(self, layer: int, reads: Tensor, whole: bool) -> tuple[Tensor, Tensor]:
+        return gather(self.k[layer], reads), gather(self.v[layer], reads)   # (R, n_kv, W, hd)

@@ -21,9 +21,10 @@ numbers of tokens is **packed** (`packing`, a PackedStep: the new tokens' places
 (B, T) columns): the model computes those N tokens alone, and only attention sees them in
 their rows. A decode step on a CPU, and a packed step's rows of few tokens, ask `decode_layout`
 instead of calling `update`: where the keys lie, so that one C call (13) writes and attends in
-place, a query row per new token. A packed step's other rows call `update(layer, k, v, rows)`
-with their own new tokens (1, n_kv, n, hd), and attend to the keys and mask it returns for
-those rows.
+place, a query row per new token. A packed step's other rows store their own new tokens
+(`store(layer, k, v, rows)`, (1, n_kv, n, hd)) before anything attends, then read the keys and
+mask of those rows (`read(layer, rows)`): a layer writes every new token of its step before any
+row reads, since two newcomers of one step may share blocks (08).
 """
 
 import torch
@@ -113,8 +114,8 @@ class PackedStep:
         return [rows for rows in groups if rows]
 
     def picked(self, rows: list[int], pick) -> tuple:
-        """A cache's indices for these rows' update: pick(their new tokens among the N, the
-        rows), made at the step's first layer and kept for the others."""
+        """A cache's indices for these rows' store and read: pick(their new tokens among the
+        N, the rows), made at the step's first layer and kept for the others."""
         key = tuple(rows)
         if key not in self._picked:
             self._picked[key] = pick(self.tokens(rows)[0], torch.tensor(rows, device=self.device))
@@ -207,9 +208,9 @@ def slots_problem(cache: "SlotCache", idle: bool) -> str | None:
 class SlotCache:
     """The bookkeeping of n_slots slots, each holding at most max_len tokens: `active[s]`,
     `lens[s]` (tokens stored), and the step in progress. Subclasses store the keys and values
-    (in lists `k` and `v`, a tensor per layer; `_index` and `update`; `_kernel_rows`: where
-    decode_layout's rows are) and say how much memory
-    a slot may use (`capacity`, `reserve`)."""
+    (in lists `k` and `v`, a tensor per layer; `_index`: where a step writes and reads;
+    `_gather`: the keys a read returns; `_kernel_rows`: where decode_layout's rows are) and say
+    how much memory a slot may use (`capacity`, `reserve`)."""
 
     def __init__(self, n_layers: int, n_slots: int, max_len: int, device=None):
         self.n_layers, self.n_slots, self.max_len, self.device = n_layers, n_slots, max_len, device
@@ -347,11 +348,44 @@ class SlotCache:
         self._plan, self.packing = None, None
 
     def _index(self, rows: list[int], positions: Tensor) -> None:
+        """Where the step writes and reads: `_write` (N * n_kv,), each new token's row for each
+        KV head in a layer's cache seen as rows of hd; `_reads`, what each of the B rows reads
+        (its slot, or its W keys' rows)."""
         raise NotImplementedError
 
-    def update(self, layer: int, k: Tensor, v: Tensor, rows: list[int] | None = None
-               ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Cache.update (in a packed step, for `rows`: see the module's docstring)."""
+    def _picked(self, rows: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """A packed step's group of rows: where their new tokens go (n * n_kv,), what they read
+        and their additive mask (R, 1, T, W), made at the step's first layer."""
+        n_kv = self.k[0].size(1)
+        return self.packing.picked(rows, lambda tokens, picked: (
+            self._write.view(-1, n_kv).index_select(0, tokens).view(-1),
+            self._reads.index_select(0, picked), self._mask.rows(picked)))
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Cache.update: the step's new keys and values stored, then every row's read."""
+        self.store(layer, k, v)
+        return self.read(layer)
+
+    def store(self, layer: int, k: Tensor, v: Tensor, rows: list[int] | None = None) -> None:
+        """Write new keys and values k, v: the step's, (B, n_kv, T, hd) without padding, or the
+        n new tokens of a packed step's `rows`, (1, n_kv, n, hd) in row order. A layer stores
+        every new token of its step before any row reads: a newcomer may attend to blocks that
+        another newcomer of the same step writes (a prefix cache names them at admission, 08)."""
+        write = self._write if rows is None else self._picked(rows)[0]
+        n_kv = self.k[0].size(1)
+        for cache, new in ((self.k[layer], k), (self.v[layer], v)):   # index_copy_ of rows:
+            hd = cache.size(-1)                                         # twice index_put's speed
+            new = self.new_tokens(new, len(write) // n_kv).to(cache.dtype).reshape(-1, hd)
+            cache.view(-1, hd).index_copy_(0, write, new)               # (n * n_kv, hd)
+
+    def read(self, layer: int, rows: list[int] | None = None
+             ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """What the step's rows (or a packed step's `rows`) attend to, once every new token is
+        stored: keys and values (R, n_kv, W, hd) and the additive mask (R, 1, T, W)."""
+        reads, mask = (self._reads, self._mask.whole()) if rows is None else self._picked(rows)[1:]
+        return (*self._gather(layer, reads, rows is None), mask)
+
+    def _gather(self, layer: int, reads: Tensor, whole: bool) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
 
@@ -370,9 +404,9 @@ class SlotKVCache(SlotCache):
 
     def _index(self, rows: list[int], positions: Tensor) -> None:
         B, T = positions.shape
-        self._rows = torch.tensor(rows, device=self.device)              # (B,) slot of each row
+        self._reads = torch.tensor(rows, device=self.device)             # (B,) slot of each row
         self._prefix = rows == list(range(B))           # slots 0..B-1: read views, gather nothing
-        slot = self.new_columns(self._rows[:, None].expand(B, T))       # (N,)
+        slot = self.new_columns(self._reads[:, None].expand(B, T))      # (N,)
         n_kv = self.k[0].size(1)
         heads = torch.arange(n_kv, device=self.device)
         # each new token's row for each head in a layer's (S * n_kv * max_len, hd) view
@@ -381,23 +415,13 @@ class SlotKVCache(SlotCache):
 
     def _kernel_rows(self) -> tuple[Tensor, Tensor, int]:
         W, n_kv = self._mask.W, self.k[0].size(1)          # a row per slot, head h max_len on
-        first = self._rows[:, None] * (n_kv * self.max_len)                          # (B, 1)
+        first = self._reads[:, None] * (n_kv * self.max_len)                         # (B, 1)
         read = first + torch.arange(W, device=self.device)                           # (B, W)
         return self._write.view(-1, n_kv), read, self.max_len                        # (N, n_kv)
 
-    def update(self, layer: int, k: Tensor, v: Tensor, rows: list[int] | None = None
-               ) -> tuple[Tensor, Tensor, Tensor | None]:
-        ck, cv = self.k[layer], self.v[layer]
-        hd, n_kv = ck.size(-1), ck.size(1)
-        write, slots, mask = (self._write, self._rows, self._mask.whole()) if rows is None else \
-            self.packing.picked(rows, lambda tokens, picked: (     # a packed step's rows
-                self._write.view(-1, n_kv).index_select(0, tokens).view(-1),
-                self._rows.index_select(0, picked), self._mask.rows(picked)))
-        for cache, new in ((ck, k), (cv, v)):      # index_copy_ of rows: twice an index_put's speed
-            new = self.new_tokens(new, len(write) // n_kv).to(cache.dtype).reshape(-1, hd)
-            cache.view(-1, hd).index_copy_(0, write, new)
+    def _gather(self, layer: int, slots: Tensor, whole: bool) -> tuple[Tensor, Tensor]:
         W = self._mask.W                                                 # keys any row may see
-        if rows is None and self._prefix:
-            return ck[:self._B, :, :W], cv[:self._B, :, :W], mask
-        return (ck[:, :, :W].index_select(0, slots),                     # (B, n_kv, W, hd)
-                cv[:, :, :W].index_select(0, slots), mask)
+        ck, cv = self.k[layer][:, :, :W], self.v[layer][:, :, :W]
+        if whole and self._prefix:
+            return ck[:self._B], cv[:self._B]
+        return ck.index_select(0, slots), cv.index_select(0, slots)      # (R, n_kv, W, hd)
