@@ -2,9 +2,9 @@
 response_format (json_schema, json_object), vLLM's structured_outputs and its legacy guided_*
 fields. Every constrained answer matches its constraint and ends with it ("stop"), streamed or
 not, and is token for token the engine's solo run under the same grammar; a constraint the
-backend refuses, two constraints in one body, another backend or a whitespace pattern get a
-400 naming the field, before anything reaches the engine. SmolLM2 answers a JSON request in
-its schema."""
+backend refuses (one it could not enforce too), two constraints in one body, another backend or
+a whitespace pattern get a 400 naming the field, before anything reaches the engine. SmolLM2
+answers a JSON request in its schema."""
 
 import json
 import os
@@ -31,6 +31,16 @@ AS_PERSON = {
     "json_schema": {"name": "person", "schema": PERSON, "strict": True},
 }
 MESSAGES = [{"role": "user", "content": "Who art thou?"}]
+ENDLESS = {  # every node holds the next one: no finite JSON value matches it
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {"next": {"$ref": "#/$defs/node"}},
+            "required": ["next"],
+        }
+    },
+    "$ref": "#/$defs/node",
+}
 PROMPT = "Ham.\n"
 LINE = r"(Ham|Oph)\. [a-z ]{3,20}\."
 CHOICES = ["yes", "no", 'say "aye"']
@@ -210,11 +220,22 @@ def chat_body(**fields) -> dict:
         ({"response_format": {"type": "structural_tag"}}, "response_format", '"json_schema"'),
         ({"response_format": {"type": "json_object", "schema": {}}}, "response_format", "unknown"),
         ({"structured_outputs": {"yaml": "x"}}, "structured_outputs", "unknown field"),
+        # taken by llguidance and not enforced: refused up front
+        ({"guided_regex": "a{1000000}"}, "guided_regex", "fails on it while matching"),
+        ({"structured_outputs": {"regex": "ab\\"}}, "structured_outputs", "lone backslash"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": ENDLESS}}},
+            "response_format",
+            "the JSON schema is refused: no finite JSON value matches it",
+        ),
+        ({"guided_json": {"$ref": "#"}}, "guided_json", "always leads back to itself"),
     ],
 )
 def test_a_constraint_the_server_refuses_gets_a_400_naming_the_field(running, fields, param, says):
-    """A schema, regex or grammar the backend refuses (its sentence quoted), or a value that is
-    no constraint, is refused before the engine sees it."""
+    """A schema, regex or grammar the backend refuses (its sentence quoted), one it would take
+    and not enforce (a regex llguidance fails on, one ending in a lone backslash, a schema no
+    finite value matches), or a value that is no constraint, is refused before the engine
+    sees it."""
     error = refused(post(running, "/v1/chat/completions", chat_body(**fields)))
     assert error["param"] == param and says in error["message"], error
     assert running.request_counts() == (0, 0)

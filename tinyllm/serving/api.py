@@ -21,7 +21,8 @@ engine's `Constraint` (a JSON schema, kept in the client's key order, as the ans
 properties follow it; any JSON object; a regex; a Lark grammar, GBNF converted to Lark, a
 choice of strings written as one), with the field that asks it; two in one body get a 400.
 `check_constraint` asks the grammar backend before the request goes to the engine: what it
-refuses gets a 400 naming that field, with the backend's sentence.
+refuses (what does not compile, and what it would take and not enforce) gets a 400 naming that
+field, with the backend's sentence.
 
 A prompt is refused by its size before it is tokenized: no token covers more characters than
 the tokenizer's longest, so a text longer than max_len times that cannot fit. Tokenizing and
@@ -627,8 +628,8 @@ def lark_of(grammar: str, param: str) -> str:
 
 def check_constraint(grammars, param: str, constraint: Constraint) -> None:
     """A 400 naming param when there is no grammar backend, or it refuses the constraint: its
-    sentence says why. It compiles nothing, yet a big schema takes a while to read: the server
-    calls it off its event loop."""
+    sentence says why. The backend compiles the grammar and walks its first tokens (a big
+    schema takes a while): the server calls it off its event loop."""
     if grammars is None:
         raise APIError(
             400, f"{param} is not supported: this server's engine has no grammar backend", param
