@@ -105,6 +105,7 @@ def workloads(draw, tok):
             seed=i,
             presence_penalty=draw(st.sampled_from([0.0, 0.5])),
             logprobs=draw(st.sampled_from([None, 1])),
+            ignore_eos=draw(st.sampled_from([False, False, True])),  # EOS alone past the end
             constraint=draw(st.sampled_from([None, *CONSTRAINTS])),
         )
         reqs.append(Request(prompt, draw(st.integers(1, 24)), tok.eos_id, s))
