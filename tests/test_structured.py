@@ -17,7 +17,7 @@ from tinyllm.generate import solo
 from tinyllm.logits_processors import unpack_bitmask
 from tinyllm.requests import Request
 from tinyllm.sampling import Sampling
-from tinyllm.structured import Constraint, LLGuidance
+from tinyllm.structured import DFA, Constraint, DFAGrammars, LLGuidance
 
 PERSON = {
     "type": "object",
@@ -345,3 +345,19 @@ def test_a_matcher_llguidance_fails_on_mid_answer_allows_eos_alone(bundled64, gr
     m.rollback(3)
     assert not m.is_error() and allowed(m, V) == before
     assert allowed(grammars.matcher(c), V) == [x], "the next matcher is not a fresh one"
+
+
+def test_after_an_eos_both_backends_allow_eos_alone(bundled64, grammars):
+    """[0-9]{1,3} after "1" and EOS: llguidance's matcher and a hand-written automaton's both
+    allow EOS alone (a request that ignores EOS goes on with EOS, its text the grammar's), and
+    rolled back over the EOS both allow digits again."""
+    model, tok = bundled64
+    V, c = model.cfg.vocab_size, Constraint("regex", "[0-9]{1,3}")
+    hand = DFAGrammars(tok, V, {c: DFA.sequence(("0123456789", 1, 3))})
+    one = grammars.llt.tokenize_str("1")[0]
+    for m in (grammars.matcher(c), hand.matcher(c)):
+        assert m.consume(one) and m.consume(tok.eos_id) and m.consume(tok.eos_id)
+        assert allowed(m, V) == [tok.eos_id], f"{type(m).__name__}: more than EOS after an EOS"
+        assert not m.consume(one), f"{type(m).__name__}: a digit after an EOS"
+        m.rollback(2)
+        assert one in allowed(m, V) and tok.eos_id in allowed(m, V), type(m).__name__
