@@ -297,7 +297,7 @@ def schema_flaw(schema) -> str | None:
     array's first minItems items, each branch of anyOf or oneOf, any of allOf) never ends.
     Generous where unsure: only what certainly has no finite value is named."""
     refs = [r for r in local_refs(schema) if resolve(schema, r) is not None]
-    users: dict[str, list[str]] = {r: [] for r in refs}    # the refs each ref's schema holds
+    users: dict[str, list[str]] = {r: [] for r in refs}    # the refs whose schema holds it
     for r in refs:
         for d in local_refs(resolve(schema, r)):
             users.get(d, []).append(r)
