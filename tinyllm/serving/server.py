@@ -40,6 +40,7 @@ Seams: `dispatch` (each step's tokens to their requests) and `sse_events` (exerc
 
 import asyncio
 import contextlib
+import gc
 import json
 import multiprocessing
 import shutil
@@ -271,21 +272,23 @@ class EngineLoop:
                 self.check()
                 continue
             try:
-                message = await self.receive()
+                self.hear(await self.receive())
             except Exception as e:  # its news is lost, and with it the books of its requests
                 self.fail(f"its news could not be read: {type(e).__name__}: {e}")
-                return
-            self.heard = time.monotonic()
-            match message:
-                case StepReport() as report:
-                    self.take(report)
-                case Heartbeat():
-                    pass
-                case Failed(why):
-                    self.fail(why)
-                case _:
-                    self.fail(f"it sent {message!r}, which is no report")
             await asyncio.sleep(0)  # a flood of reports still lets the HTTP requests run
+
+    def hear(self, message) -> None:
+        """One message from the engine, which lives: a report's news to its requests."""
+        self.heard = time.monotonic()
+        match message:
+            case StepReport() as report:
+                self.take(report)
+            case Heartbeat():
+                pass
+            case Failed(why):
+                self.fail(why)
+            case _:
+                self.fail(f"it sent {message!r}, which is no report")
 
     async def receive(self):
         """The engine's next message, unpickled; a big one off the event loop (it lets go of
@@ -295,13 +298,14 @@ class EngineLoop:
 
     def check(self) -> str | None:
         """Whether the engine runs: None, or why not (its process ended, or was not heard from
-        for silence_s, when the server ends it); the engine fails then, as `fail` says."""
-        if self.failed is None and self.process is not None:
+        for silence_s, when the server ends it); the engine fails then, as `fail` says. While
+        its messages wait to be read, it runs: the last of them may say why it ended."""
+        unread = self.zmq is not None and self.reports.get(zmq.EVENTS) & zmq.POLLIN
+        if self.failed is None and self.process is not None and not unread:
             silent = time.monotonic() - self.heard
-            unread = self.reports.get(zmq.EVENTS) & zmq.POLLIN  # it spoke; not read yet
             if not self.process.is_alive():
                 self.fail(f"its process ended (exit code {self.process.exitcode})")
-            elif silent > self.silence_s and not unread:
+            elif silent > self.silence_s:
                 self.process.kill()
                 self.fail(
                     f"it was not heard from for {silent:.1f} s (its process stopped or froze), "
@@ -424,7 +428,9 @@ def serve_engine(engine: ContinuousEngine, pipe: "EnginePipe") -> None:
 class EnginePipe:
     """The engine process's end of the two sockets (blocking ZeroMQ sockets: this process
     waits on nothing else): requests come in on one, news goes out on the other, and a thread
-    of its own sends a Heartbeat on a third (a ZeroMQ socket belongs to one thread)."""
+    of its own sends a Heartbeat to the same address on a third (a ZeroMQ socket belongs to
+    one thread). It asks the HTTP side's process whether it lives (its parent's sentinel): an
+    engine whose server is gone ends."""
 
     def __init__(self, requests: str, reports: str):
         self.zmq, self.address = zmq.Context(), reports
@@ -464,6 +470,7 @@ class EnginePipe:
         threading.Thread(target=self.beats, name="heartbeat", daemon=True).start()
 
     def beats(self) -> None:
+        """The heartbeats' thread, on a socket of its own."""
         with self.zmq.socket(zmq.PUSH) as sock:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.address)
@@ -947,9 +954,8 @@ def json_response(content: bytes, status: int = 200):
 
 
 async def collected(http, pieces, answer: Answer, kind: str, head: dict, spell: Spelling):
-    """A non-streamed answer: its pieces joined into one JSON body (answer_body), vLLM's
-    prompt_logprobs in it when asked; a client that goes away meanwhile aborts its request and
-    gets a 499."""
+    """A non-streamed answer: its pieces joined into one JSON body (answer_json), written off
+    the event loop; a client that goes away meanwhile aborts its request and gets a 499."""
     from fastapi.responses import Response
 
     async def collect():
@@ -961,11 +967,17 @@ async def collected(http, pieces, answer: Answer, kind: str, head: dict, spell: 
             task.cancel()
             return Response(status_code=499)
     got = await failing_plainly(task)
+    return json_response(await asyncio.to_thread(answer_json, got, answer, kind, head, spell))
+
+
+def answer_json(got: list[Piece], answer: Answer, kind: str, head: dict, spell: Spelling) -> bytes:
+    """A collected answer's pieces as one JSON body (answer_body), vLLM's prompt_logprobs in it
+    when asked: a prompt's logprobs make a big one, some MB to spell."""
     k, prompt = answer.asked.prompt_logprobs, None
     if k is not None and answer.prompt_logprobs is not None:
         prompt = vllm_prompt_logprobs(answer.prompt_logprobs, answer.served.texts, k)
     choices = joined(got, len(answer.tickets))
-    return answer_body(kind, head, choices, answer.n_prompt, spell, prompt)
+    return json.dumps(answer_body(kind, head, choices, answer.n_prompt, spell, prompt)).encode()
 
 
 def error_response(e: APIError):
@@ -991,6 +1003,8 @@ def make_app(served: Served):
     @asynccontextmanager
     async def lifespan(app):
         await served.loop.start()
+        gc.collect()  # what lives now lives as long as the server: freezing it spares every
+        gc.freeze()  # later full collection the walk over it (vLLM and SGLang freeze it too)
         yield
         await served.loop.stop()
 

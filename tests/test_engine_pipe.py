@@ -1,0 +1,456 @@
+"""Step 10 - the server's engine pipe: messages of several MB cross whole both ways, and /health
+answers within 100 ms meanwhile; a request that fails on its way, in the engine or on its way
+back fails alone; /health says when the engine process is gone or silent, every request in
+flight then gets a 500 that says why, and an engine whose server is gone ends by itself."""
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.test_server import NAME, PROMPTS, Running
+from tinyllm.continuous import ContinuousEngine
+from tinyllm.generate import solo
+from tinyllm.requests import Request, TokenLogprobs
+from tinyllm.sampling import Sampling
+from tinyllm.serving import messages, server
+from tinyllm.structured import LLGuidance
+
+BULK = 1000  # alternatives BulkyEngine adds to each prompt token's top: about 14 bytes each
+FAILS = 13  # max_new_tokens of a request whose add raises in BulkyEngine
+
+
+def bulked(lp: TokenLogprobs | None, i: int) -> TokenLogprobs | None:
+    """lp with BULK more alternatives after its own, each a new pair (pickled in full)."""
+    if lp is None:
+        return None
+    return TokenLogprobs(lp.token, lp.logprob, lp.top + tuple((t, -99.0 - i) for t in range(BULK)))
+
+
+class BulkyEngine(ContinuousEngine):
+    """The continuous engine (pickled to the engine process by class name), but each prompt
+    token's logprobs carry BULK alternatives after the real ones (a report of several MB; the
+    API spells the k first), and adding a request of max_new_tokens FAILS raises."""
+
+    def add_request(self, req: Request) -> int:
+        if req.max_new_tokens == FAILS:
+            raise RuntimeError("the grammar compiler crashed")
+        return super().add_request(req)
+
+    def step(self):
+        return [
+            ev
+            if ev.prompt_logprobs is None
+            else dataclasses.replace(
+                ev, prompt_logprobs=[bulked(lp, i) for i, lp in enumerate(ev.prompt_logprobs)]
+            )
+            for ev in super().step()
+        ]
+
+
+class SlowEngine(ContinuousEngine):
+    """The continuous engine, 20 ms a step: a request of 200 tokens is in flight for seconds."""
+
+    def step(self):
+        time.sleep(0.02)
+        return super().step()
+
+
+@pytest.fixture(scope="module")
+def bulky(bundled64):
+    model, tok = bundled64
+    grammars = LLGuidance(tok, model.cfg.vocab_size)
+    srv = Running(BulkyEngine(model, 4, grammars=grammars), tok)
+    yield srv
+    srv.stop()
+
+
+PROBE = """
+import sys, threading, time, httpx
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+with httpx.Client(timeout=10) as client:
+    while not done.is_set():
+        t0 = time.perf_counter()
+        status = client.get(sys.argv[1]).status_code
+        print(status, time.perf_counter() - t0, flush=True)
+        time.sleep(0.02)
+"""
+
+
+class HealthWatch:
+    """/health probed every 20 ms while it runs, from a process of its own (a pause of the
+    whole server process counts too): each answer's status and time."""
+
+    def __init__(self, srv):
+        self.url, self.answers = srv.url[:-3] + "/health", []
+
+    def __enter__(self):
+        cmd = [sys.executable, "-c", PROBE, self.url]
+        self.probe = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.first = self.probe.stdout.readline()  # probing has begun
+        return self
+
+    def __exit__(self, *exc):
+        out, _ = self.probe.communicate(timeout=10)  # its stdin closed: it ends
+        for line in [self.first, *out.splitlines()]:
+            status, seconds = line.split()
+            self.answers.append((int(status), float(seconds)))
+
+    def slowest(self) -> float:
+        return max(t for _, t in self.answers)
+
+
+def long_prompt(tok, n: int = 400) -> list[int]:
+    """n token ids of the test prompts, repeated."""
+    return (tok.encode(" ".join(PROMPTS)) * n)[:n]
+
+
+def post(srv, body: dict | bytes, path: str = "/completions") -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    return httpx.post(srv.url + path, content=content, headers=headers, timeout=60)
+
+
+def check_prompt_logprobs(srv, ids: list[int], got: httpx.Response) -> None:
+    """A completion of 5 greedy tokens with prompt_logprobs 20 over ids is solo's: its text, and
+    per prompt token its 20 likeliest alternatives and their ranks."""
+    assert got.status_code == 200, got.text
+    tok, model = srv.tok, srv.engine.model
+    res = solo(model, Request(ids, 5, tok.eos_ids or None, Sampling(prompt_logprobs=20)))
+    choice = got.json()["choices"][0]
+    assert choice["text"] == tok.decode(res.tokens)
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(ids), f"{len(entries)} prompt logprobs for {len(ids)} tokens"
+    for pos, (entry, e) in enumerate(zip(entries[1:], res.prompt_logprobs[1:]), 1):
+        ranks = {int(t): v["rank"] for t, v in entry.items()}
+        expected = {t: r for r, (t, _) in enumerate(e.top, 1)}
+        assert ranks == expected | {e.token: expected.get(e.token)}, f"prompt token {pos}"
+
+
+def big_report_size(srv, ids: list[int]) -> int:
+    """The bytes of the report that brings BulkyEngine's prompt logprobs over ids."""
+    tok, model = srv.tok, srv.engine.model
+    res = solo(model, Request(ids, 1, tok.eos_ids or None, Sampling(prompt_logprobs=20)))
+    lps = [bulked(lp, i) for i, lp in enumerate(res.prompt_logprobs)]
+    report = messages.StepReport([(0, 1, None)], [], 1, (0, 1), 0.0, None, {0: (None, lps)})
+    return len(messages.dumps(report))
+
+
+def choices_body(n: int = 1500, width: int = 2000) -> tuple[list[str], bytes]:
+    """A guided_choice of n strings of width characters (3 MB), and its body."""
+    verse = "to be or not to be " * (width // 19)
+    choices = [f"{i:06d} {verse}" for i in range(n)]
+    body = {"model": NAME, "prompt": "Ham.\n", "max_tokens": 8, "guided_choice": choices}
+    return choices, json.dumps(body).encode()
+
+
+def on_loop(srv, coro, timeout: float = 60.0):
+    """Run coro on the server's event loop (the HTTP side's); its result."""
+    loop = srv.served.loop.listener.get_loop()
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+
+async def answer_of(loop: server.EngineLoop, request: Request) -> list[int] | Exception:
+    """Submit request (one choice) to the engine loop: its tokens, or the error it got."""
+    ticket = server.Ticket(request)
+    try:
+        loop.submit([ticket])
+    except server.APIError as e:
+        return e
+    tokens = []
+    while True:
+        ev = await asyncio.wait_for(ticket.events.get(), 30)
+        if isinstance(ev, Exception):
+            return ev
+        tokens.append(ev.token)
+        if ev.done:
+            return tokens
+
+
+def greedy(srv, prompt: str, n: int) -> httpx.Response:
+    body = {"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0}
+    return post(srv, body)
+
+
+def check_greedy(srv, prompt: str = PROMPTS[0], n: int = 6) -> None:
+    """The server still answers: a greedy completion equal to solo's."""
+    got = greedy(srv, prompt, n)
+    assert got.status_code == 200, f"the next request got {got.status_code}: {got.text}"
+    tok = srv.tok
+    res = solo(srv.engine.model, Request(tok.encode(prompt), n, tok.eos_ids or None))
+    assert got.json()["choices"][0]["text"] == tok.decode(res.tokens)
+
+
+# ---- messages of any size, both ways ------------------------------------------------------------
+def test_a_report_of_several_mb_comes_back_whole(bulky):
+    """prompt_logprobs 20 over 400 tokens with 1000 more alternatives each: a 5 MB report,
+    read whole (the Pipe lost the engine on a 30 KB one); the next requests are served."""
+    ids = long_prompt(bulky.tok)
+    size = big_report_size(bulky, ids)
+    assert size > 4_000_000, f"the report is {size:,} bytes: not several MB"
+    body = {"model": NAME, "prompt": ids, "max_tokens": 5, "prompt_logprobs": 20}
+    for _ in range(3):
+        check_prompt_logprobs(bulky, ids, post(bulky, {**body, "temperature": 0}))
+    check_greedy(bulky)
+    assert bulky.wait_idle() == (0, 0)
+
+
+def test_a_request_of_several_mb_goes_in_whole(bulky):
+    """A 3 MB guided_choice body, and an Add of 4 MB sent straight to the engine loop: each
+    answered as asked (the Pipe half-wrote a 1 MB one); the next requests are served."""
+    choices, body = choices_body()
+    assert len(body) > 3_000_000
+    for _ in range(2):
+        got = post(bulky, body)
+        assert got.status_code == 200, got.text
+        text = got.json()["choices"][0]["text"]
+        assert any(c.startswith(text) for c in choices), f"{text!r} begins no choice"
+    tok, model = bulky.tok, bulky.engine.model
+    ids, eos = tok.encode(PROMPTS[1]), (tok.eos_id,) * 2_000_000
+    request = Request(ids, 8, eos)
+    assert len(messages.dumps(messages.Add(0, request))) > 3_500_000
+    assert on_loop(bulky, answer_of(bulky.served.loop, request)) == solo(model, request).tokens
+    check_greedy(bulky)
+    assert bulky.wait_idle() == (0, 0)
+
+
+def test_health_answers_within_100_ms_while_mbs_cross(bulky):
+    """Two 5 MB reports and two 3 MB requests at once, /health probed every 20 ms meanwhile:
+    it answers ok each time, the slowest within 100 ms."""
+    ids = long_prompt(bulky.tok)
+    report_body = {"model": NAME, "prompt": ids, "max_tokens": 5, "prompt_logprobs": 20}
+    choices, choice_body = choices_body()
+    got = {}
+
+    def ask(name, body):
+        got[name] = post(bulky, body)
+
+    asks = [
+        threading.Thread(target=ask, args=(f"report {i}", {**report_body, "temperature": 0}))
+        for i in range(2)
+    ] + [threading.Thread(target=ask, args=(f"request {i}", choice_body)) for i in range(2)]
+    with HealthWatch(bulky) as watch:
+        time.sleep(0.1)
+        for t in asks:
+            t.start()
+        for t in asks:
+            t.join(120)
+        time.sleep(0.1)
+    for i in range(2):
+        check_prompt_logprobs(bulky, ids, got[f"report {i}"])
+        text = got[f"request {i}"].json()["choices"][0]["text"]
+        assert any(c.startswith(text) for c in choices), f"{text!r} begins no choice"
+    statuses = {status for status, _ in watch.answers}
+    print(f"/health: {len(watch.answers)} answers, slowest {watch.slowest() * 1000:.0f} ms")
+    assert statuses == {200}, f"/health answered {statuses} while the messages crossed"
+    assert len(watch.answers) >= 5, f"only {len(watch.answers)} answers from /health"
+    assert watch.slowest() < 0.1, f"/health took {watch.slowest() * 1000:.0f} ms at worst"
+
+
+# ---- a failure fails its own request ----------------------------------------------------------
+class Unloadable:
+    """Pickles, but cannot be unpickled (as a class the engine process cannot import)."""
+
+    def __reduce__(self):
+        return refuse, ()
+
+
+def refuse():
+    raise RuntimeError("no such class here")
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("cannot pickle this")
+
+
+def test_a_request_that_the_engine_cannot_add_fails_alone(bulky):
+    """Adding it raises in the engine: a 500 that says so; the engine serves the next one."""
+    got = greedy(bulky, PROMPTS[2], FAILS)
+    assert got.status_code == 500, got.text
+    says = got.json()["error"]["message"]
+    assert says == "the engine failed on this request: RuntimeError: the grammar compiler crashed"
+    check_greedy(bulky)
+    assert httpx.get(bulky.url[:-3] + "/health").json()["status"] == "ok"
+    assert bulky.wait_idle() == (0, 0)
+
+
+def test_a_request_that_cannot_cross_fails_alone(bulky):
+    """One the engine cannot unpickle, one this side cannot pickle: each gets a 500 that says
+    why, nothing is left half-sent or in the books, and the next request is served."""
+    loop, ids = bulky.served.loop, bulky.tok.encode(PROMPTS[3])
+    unread = on_loop(bulky, answer_of(loop, Request(ids, 5, Unloadable())))
+    assert isinstance(unread, server.APIError) and unread.status == 500, unread
+    assert "could not be read: RuntimeError: no such class here" in unread.message, unread
+    unsent = on_loop(bulky, answer_of(loop, Request(ids, 5, Unpicklable())))
+    assert isinstance(unsent, server.APIError) and unsent.status == 500, unsent
+    assert unsent.message == (
+        "the request could not be sent to the engine: TypeError: cannot pickle this"
+    )
+    check_greedy(bulky)
+    assert bulky.wait_idle() == (0, 0)
+
+
+def test_a_report_this_side_fails_to_hand_out_fails_its_requests_alone(bulky, monkeypatch):
+    """dispatch raises on the tokens of one request: that request gets a 500 that says so, and
+    the engine serves the next one."""
+    loop = bulky.served.loop
+
+    def breaking(tickets, tokens, refused):
+        if any(k in tickets and tickets[k].request.max_new_tokens == 7 for k, _, _ in tokens):
+            raise KeyError("a ticket went missing")
+        server.dispatch.__wrapped__(tickets, tokens, refused)
+
+    breaking.__wrapped__ = server.dispatch
+    monkeypatch.setattr(server, "dispatch", breaking)
+    got = greedy(bulky, PROMPTS[4], 7)
+    assert got.status_code == 500, got.text
+    assert got.json()["error"]["message"] == (
+        "the server failed on the engine's news of it: KeyError: 'a ticket went missing'"
+    )
+    check_greedy(bulky)
+    assert loop.failed is None and bulky.wait_idle() == (0, 0)
+
+
+# ---- /health tells the truth ------------------------------------------------------------------
+def in_flight(srv, n: int) -> tuple[list, list[threading.Thread]]:
+    """n requests of 200 greedy tokens sent from threads, once the engine runs them all: the
+    list their responses go to, and the threads."""
+    got = []
+    asks = [
+        threading.Thread(target=lambda i=i: got.append(greedy(srv, PROMPTS[i], 200)))
+        for i in range(n)
+    ]
+    for t in asks:
+        t.start()
+    t0 = time.time()
+    while srv.request_counts() != (0, n):
+        assert time.time() - t0 < 30, f"the engine runs {srv.request_counts()}, not (0, {n})"
+        time.sleep(0.01)
+    return got, asks
+
+
+def check_failed(srv, got: list, asks: list[threading.Thread], why: str) -> None:
+    """Every request in flight got a 500 that says why, and /health a 503 that says so."""
+    for t in asks:
+        t.join(30)
+    assert len(got) == len(asks)
+    for r in got:
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["message"].startswith(f"the engine failed: {why}"), r.text
+    health = httpx.get(srv.url[:-3] + "/health")
+    assert health.status_code == 503, health.text
+    assert health.json()["status"] == "failed", health.json()
+    assert health.json()["engine"].startswith(why), health.json()
+
+
+def test_an_engine_process_killed_fails_its_requests_and_health(bundled64):
+    """SIGKILL the engine process: both requests in flight get a 500 naming its end, /health a
+    503; stop() removes the sockets' directory."""
+    model, tok = bundled64
+    srv = Running(SlowEngine(model, 2), tok)
+    try:
+        got, asks = in_flight(srv, 2)
+        os.kill(srv.served.loop.process.pid, signal.SIGKILL)
+        check_failed(srv, got, asks, "its process ended (exit code -9)")
+    finally:
+        srv.stop()
+    assert not os.path.exists(srv.served.loop.dir), "the sockets' directory is left"
+
+
+def test_an_engine_that_stops_answering_fails_its_requests_and_health(bundled64):
+    """SIGSTOP the engine process: /health says ok for at most silence_s (1.5 s), then 503; the
+    server ends the process, and both requests in flight get a 500 that says why."""
+    model, tok = bundled64
+    srv = Running(SlowEngine(model, 2), tok, silence_s=1.5)
+    process = srv.served.loop.process
+    try:
+        got, asks = in_flight(srv, 2)
+        os.kill(process.pid, signal.SIGSTOP)
+        t0 = time.time()
+        while (health := httpx.get(srv.url[:-3] + "/health")).status_code == 200:
+            assert time.time() - t0 < 5, "/health still says ok 5 s after the engine stopped"
+            time.sleep(0.05)
+        print(f"/health says {health.json()} {time.time() - t0:.1f} s after SIGSTOP")
+        check_failed(srv, got, asks, "it was not heard from for ")
+        process.join(5)
+        assert not process.is_alive(), "the server did not end the stopped engine"
+    finally:
+        with pytest.raises(ProcessLookupError):  # ended, or still stopped: let it go
+            os.kill(process.pid, signal.SIGCONT)
+        srv.stop()
+
+
+ENGINE_ALONE = """
+import asyncio, tinyllm
+from tinyllm.continuous import ContinuousEngine
+from tinyllm.serving.server import EngineLoop
+
+async def main():
+    loop = EngineLoop(ContinuousEngine(tinyllm.load(device="cpu")[0], 2))
+    await loop.start()
+    print(loop.process.pid, flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def ended(pid: int) -> bool:
+    """Whether process pid has ended (gone, or a zombie that nobody has reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc"), reason="reads a process's state in /proc")
+def test_an_engine_whose_server_is_gone_ends_by_itself():
+    """SIGKILL a server's process (its engine loop alone): its engine process ends in 2 s."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    http = subprocess.Popen([sys.executable, "-c", ENGINE_ALONE], stdout=subprocess.PIPE, env=env)
+    try:
+        engine = int(http.stdout.readline())
+        assert not ended(engine), "the engine process ended before its server"
+        http.kill()
+        http.wait(10)
+        t0 = time.time()
+        while not ended(engine):
+            assert time.time() - t0 < 2, "the engine process outlived its server by 2 s"
+            time.sleep(0.05)
+    finally:
+        http.kill()
+
+
+def test_the_messages_cross_whole():
+    """Every message survives messages.dumps and loads; a message to the engine names its
+    request's keys in its first frame."""
+    report = messages.StepReport(
+        [(3, 11, None)],
+        [(5, "too long")],
+        2,
+        (0, 1),
+        0.5,
+        None,
+        {0: (TokenLogprobs(11, -0.5, ((11, -0.5), (7, -1.25))), [None, TokenLogprobs(2, -3.0)])},
+        (1, 2, 1, 2),
+        [(6, "RuntimeError: no")],
+    )
+    for message in (messages.Heartbeat(), report, messages.Failed("RuntimeError: no")):
+        assert messages.loads(messages.dumps(message)) == message, message
+    add = messages.Add(7, Request([1, 2], 4, sampling=Sampling(n=2, temperature=1.0)))
+    head, data = messages.to_engine(add)
+    assert messages.keys_of(head) == [7, 8] and messages.loads(data) == add
+    head, data = messages.to_engine(messages.Abort(7))
+    assert messages.keys_of(head) == [] and messages.loads(data) == messages.Abort(7)
