@@ -7,11 +7,13 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -193,7 +195,7 @@ def check_greedy(srv, prompt: str = PROMPTS[0], n: int = 6) -> None:
 # ---- messages of any size, both ways ------------------------------------------------------------
 def test_a_report_of_several_mb_comes_back_whole(bulky):
     """prompt_logprobs 20 over 400 tokens with 1000 more alternatives each: a 5 MB report,
-    read whole (the Pipe lost the engine on a 30 KB one); the next requests are served."""
+    read whole, three times; the next request is served."""
     ids = long_prompt(bulky.tok)
     size = big_report_size(bulky, ids)
     assert size > 4_000_000, f"the report is {size:,} bytes: not several MB"
@@ -205,8 +207,8 @@ def test_a_report_of_several_mb_comes_back_whole(bulky):
 
 
 def test_a_request_of_several_mb_goes_in_whole(bulky):
-    """A 3 MB guided_choice body, and an Add of 4 MB sent straight to the engine loop: each
-    answered as asked (the Pipe half-wrote a 1 MB one); the next requests are served."""
+    """A 3 MB guided_choice body, twice, and an Add of 4 MB sent straight to the engine loop:
+    each answered as asked; the next request is served."""
     choices, body = choices_body()
     assert len(body) > 3_000_000
     for _ in range(2):
@@ -398,7 +400,7 @@ from tinyllm.serving.server import EngineLoop
 async def main():
     loop = EngineLoop(ContinuousEngine(tinyllm.load(device="cpu")[0], 2))
     await loop.start()
-    print(loop.process.pid, flush=True)
+    print(loop.process.pid, loop.dir, flush=True)
     await asyncio.sleep(60)
 
 asyncio.run(main())
@@ -418,10 +420,12 @@ def ended(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.exists("/proc"), reason="reads a process's state in /proc")
 def test_an_engine_whose_server_is_gone_ends_by_itself():
     """SIGKILL a server's process (its engine loop alone): its engine process ends in 2 s."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     http = subprocess.Popen([sys.executable, "-c", ENGINE_ALONE], stdout=subprocess.PIPE, env=env)
+    said = http.stdout.readline().split()  # the engine's pid, its sockets' directory
     try:
-        engine = int(http.stdout.readline())
+        assert len(said) == 2, "the server did not start: its error is above"
+        engine = int(said[0])
         assert not ended(engine), "the engine process ended before its server"
         http.kill()
         http.wait(10)
@@ -431,6 +435,8 @@ def test_an_engine_whose_server_is_gone_ends_by_itself():
             time.sleep(0.05)
     finally:
         http.kill()
+        if len(said) == 2:  # nobody else removes it
+            shutil.rmtree(said[1], ignore_errors=True)
 
 
 def test_the_messages_cross_whole():
