@@ -192,18 +192,20 @@ class EngineLoop:
         self.listener = asyncio.create_task(self.listen())
 
     async def first_message(self, timeout: float):
-        """The engine process's first message; a RuntimeError if its process ends first, or
-        nothing comes in timeout seconds."""
+        """The engine process's first message but heartbeats; a RuntimeError if its process
+        ends first, or nothing comes in timeout seconds."""
         t0 = time.monotonic()
-        while not await self.reports.poll(250):
-            if not self.process.is_alive():
-                raise RuntimeError(
-                    f"the engine process failed to start (exit code "
-                    f"{self.process.exitcode}); its error is above"
-                )
-            if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"the engine process did not start in {timeout:.0f} s")
-        return loads(await self.reports.recv())
+        while True:
+            while not await self.reports.poll(250):
+                if not self.process.is_alive():
+                    raise RuntimeError(
+                        f"the engine process failed to start (exit code "
+                        f"{self.process.exitcode}); its error is above"
+                    )
+                if time.monotonic() - t0 > timeout:
+                    raise RuntimeError(f"the engine process did not start in {timeout:.0f} s")
+            if not isinstance(message := loads(await self.reports.recv()), Heartbeat):
+                return message
 
     async def stop(self) -> None:
         """Stop the engine process (a Stop; killed if it has not ended 10 s later), close the
