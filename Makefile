@@ -35,7 +35,7 @@ TIMED  := import pathlib, resource, subprocess, sys, time; t = time.perf_counter
 	sys.exit(rc)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test test-fast lint check bench eval train gpu-check notebooks clean
+.PHONY: help setup lab test test-fast lint check oracle bench eval train gpu-check notebooks clean
 
 help:                             ## list the targets
 	@echo "usage: make TARGET; every target below but help and clean sets up $(VENV) first"
@@ -99,6 +99,12 @@ test-fast: $(STAMP)               ## the package and exercise tests only
 check: $(STAMP)                   ## check your exercise: make check EX=01
 	$(if $(EX),,$(error name the exercise: make check EX=01))
 	$(BIN)/python -m tinyllm check $(EX)
+
+# The test that draws every setting together (tests/test_oracle.py), for as long as asked.
+MINUTES ?= 10
+oracle: export OMP_NUM_THREADS = 1
+oracle: $(STAMP)                  ## every setting against solo, for MINUTES (default 10), and what it covered
+	$(BIN)/python tools/oracle.py --minutes $(MINUTES)
 
 bench: $(STAMP)                   ## static against continuous batching on a long-tailed workload
 	$(BIN)/python -m tinyllm bench --workload longtail --slots 16

@@ -95,7 +95,7 @@ def configs(draw) -> tuple[str, EngineConfig, bool]:
         n_slots=n_slots,
         kv=kv,
         block_size=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
-        prefix_cache=kv == "paged" and draw(st.booleans()),
+        prefix_cache=kv == "paged" and draw(st.sampled_from([True, True, False])),
         max_step_tokens=draw(st.sampled_from([None, None, n_slots + draw(st.integers(0, 12))])),
         decoder=draw(st.sampled_from(decoders)),
         buckets=draw(st.sampled_from([None, None, (8, 16, 32, 64), (1, 2, 3, 96)])),
@@ -121,7 +121,7 @@ def configs(draw) -> tuple[str, EngineConfig, bool]:
 def around(bs: int) -> list[int]:
     """Stem lengths that meet the block size and the packed step's split (QUERY_ROWS)."""
     near = {bs * k + d for k in (1, 2, 3) for d in (-1, 0, 1)}
-    split = {QUERY_ROWS - 1, QUERY_ROWS, QUERY_ROWS + 1}
+    split = {QUERY_ROWS - 1, QUERY_ROWS, QUERY_ROWS + 1, QUERY_ROWS + bs, 44}
     return sorted(n for n in near | split | {0, 1} if 0 <= n <= 44)
 
 
@@ -146,7 +146,7 @@ def samplings(draw, greedy_only: bool, default: Sampling) -> Sampling | None:
         stop_token_ids=draw(st.sampled_from([(), (), (5,), (9, 13)])),
         ignore_eos=draw(st.integers(0, 4)) == 0,
         min_tokens=0 if constraint else draw(st.sampled_from([0, 0, 2])),  # the grammar ends it
-        logprobs=draw(st.sampled_from([None, 0, 2])),
+        logprobs=draw(st.sampled_from([0, 2, None])),  # the logprobs see what tokens may not
         prompt_logprobs=draw(st.sampled_from([None, None, 0, 2])),
         n=draw(st.sampled_from([1, 1, 1, 2, 3])),
         constraint=constraint,
@@ -204,7 +204,7 @@ def drive(eng: ContinuousEngine, reqs: list[Request], data) -> tuple[list[int], 
     """Requests join between steps (all at once, or a few a step), some are aborted, and the
     books are checked after every step. Returns each request's first rid and the aborted rids."""
     pending, rids, aborted = list(reqs), [], set()
-    at_once = data.draw(st.booleans())
+    at_once = data.draw(st.sampled_from([True, True, False]))  # newcomers of one step
     while pending or eng.has_work():
         for _ in range(len(pending) if at_once else data.draw(st.integers(0, 3))):
             if pending:

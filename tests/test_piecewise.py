@@ -6,9 +6,12 @@ import pickle
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import MIXED_REQUESTS as REQS
 from tests.conftest import make_tiny
+from tests.test_fused_layer import RANDOM_ENGINES, requests_st
 from tinyllm import piecewise
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
@@ -51,6 +54,22 @@ def test_the_engine_in_pieces_gives_the_solo_tokens(weights, kw):
     assert got == want, f"{weights}, {kw}"
     assert isinstance(eng.decoder, PiecewiseDecoder)
     assert "kv_blocks" not in kw or eng.stats.preemptions > 0, "the tight pool preempts"
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=requests_st,
+    weights=st.sampled_from(sorted(MODELS)),
+    kind=st.sampled_from(list(RANDOM_ENGINES)),
+)
+def test_random_workloads_through_the_engine_in_pieces_are_solo(requests, weights, kind):
+    """Greedy and seeded sampled requests of random lengths, each kind of weights, on slots, a
+    tight paged pool (preemptions) and a prefix cache with a token budget: each request's solo
+    tokens (the pieces held to the eager step on the same random workloads)."""
+    model = MODELS[weights]
+    want = [solo(model, r).tokens for r in requests]
+    got, _ = serve(model, requests, **RANDOM_ENGINES[kind])
+    assert got == want, f"{weights}, {kind}"
 
 
 def test_speculation_verifies_eagerly_beside_the_pieces():
