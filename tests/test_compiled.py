@@ -101,6 +101,21 @@ def test_each_bucket_compiles_once_and_is_replayed(compiled):
     assert [r.tokens for r in first] == [r.tokens for r in second] == [solo(r) for r in reqs]
 
 
+def test_a_process_compiles_more_decoders_than_torch_compiles_limit(monkeypatch):
+    """Found by the oracle over every setting: each (decoder, bucket) is one compiled entry of
+    the same code, and past torch.compile's recompile limit a step compiled with fullgraph
+    fails. Every new decoder lifts the limit by its buckets, so a process (a long-running
+    notebook, a benchmark of many engines) may make as many as it likes."""
+    monkeypatch.setattr("tinyllm.compiled.RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    cfg, req = TINY.cfg, Request([1, 2, 3], 3)
+    for W in (8, 9, 10):  # a bucket of its own each: one more compiled entry each
+        slots = SlotKVCache(cfg.n_layers, 1, cfg.n_kv_heads, cfg.head_dim, W, torch.float64)
+        decoder = CompiledDecoder(TINY, slots, (W,))
+        results, _ = run_continuous(TINY, [req], 1, decoder=decoder)
+        assert results[0].tokens == solo(req) and decoder.compile_s
+
+
 def test_a_compiled_decoder_travels_without_its_compiled_steps(compiled):
     """Pickled (the server sends its engine to another process), a compiled decoder leaves its
     compiled steps behind, which belong to this process, and keeps its cache and settings."""

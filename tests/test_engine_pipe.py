@@ -362,11 +362,11 @@ def test_an_engine_process_killed_fails_its_requests_and_health(bundled64):
     srv = Running(SlowEngine(model, 2), tok)
     try:
         got, asks = in_flight(srv, 2)
-        os.kill(srv.served.loop.process.pid, signal.SIGKILL)
+        os.kill(srv.served.loop.engine.process.pid, signal.SIGKILL)
         check_failed(srv, got, asks, "its process ended (exit code -9)")
     finally:
         srv.stop()
-    assert not os.path.exists(srv.served.loop.dir), "the sockets' directory is left"
+    assert not os.path.exists(srv.served.loop.engine.dir), "the sockets' directory is left"
 
 
 def test_an_engine_that_stops_answering_fails_its_requests_and_health(bundled64):
@@ -374,7 +374,7 @@ def test_an_engine_that_stops_answering_fails_its_requests_and_health(bundled64)
     server ends the process, and both requests in flight get a 500 that says why."""
     model, tok = bundled64
     srv = Running(SlowEngine(model, 2), tok, silence_s=1.5)
-    process = srv.served.loop.process
+    process = srv.served.loop.engine.process
     try:
         got, asks = in_flight(srv, 2)
         os.kill(process.pid, signal.SIGSTOP)
@@ -400,7 +400,7 @@ from tinyllm.serving.server import EngineLoop
 async def main():
     loop = EngineLoop(ContinuousEngine(tinyllm.load(device="cpu")[0], 2))
     await loop.start()
-    print(loop.process.pid, loop.dir, flush=True)
+    print(loop.engine.process.pid, loop.engine.dir, flush=True)
     await asyncio.sleep(60)
 
 asyncio.run(main())

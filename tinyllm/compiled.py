@@ -58,15 +58,16 @@ def compile_settings(mode: str, device: torch.device,
     return {}, {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": gemm}
 
 
-# Every (model, batch, bucket) shape is one compiled entry of the same code: lift the default
-# limit of 8, past which torch.compile would fall back to eager without saying so in a result.
+# Every (decoder, bucket) is one compiled entry of the same code (run_eager): lift the default
+# limit of 8, past which a compilation with fullgraph=True fails, by every decoder's buckets.
 RECOMPILE_LIMIT = 64
 
 
-def lift_recompile_limit() -> None:
-    """torch.compile's recompile limit raised to RECOMPILE_LIMIT, in this process."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                RECOMPILE_LIMIT)
+def lift_recompile_limit(buckets: int) -> None:
+    """torch.compile's recompile limit, in this process, raised to hold a new decoder's
+    buckets beside every compiled entry so far (at least RECOMPILE_LIMIT)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT) + buckets
 
 
 class CompiledStep:
@@ -120,7 +121,7 @@ class CompiledDecoder(SlotGraphDecoder):
                                                               slots.k[0].dtype)
         super().__init__(model, slots, buckets, capture=False)
         self.mode = mode
-        lift_recompile_limit()
+        lift_recompile_limit(len(self.buckets))
         self.capture = True                             # decode_step replays graphs[W]
         self.graphs = CompiledSteps(self)
         self.compile_s: dict[int, float] = {}
@@ -132,7 +133,7 @@ class CompiledDecoder(SlotGraphDecoder):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        lift_recompile_limit()
+        lift_recompile_limit(len(self.buckets))
         self.graphs = CompiledSteps(self)
 
     @torch.no_grad()

@@ -205,91 +205,12 @@ def slots_problem(cache: "SlotCache", idle: bool) -> str | None:
     return None
 
 
-class SlotCache:
-    """The bookkeeping of n_slots slots, each holding at most max_len tokens: `active[s]`,
-    `lens[s]` (tokens stored), and the step in progress. Subclasses store the keys and values
-    (in lists `k` and `v`, a tensor per layer; `_index`: where a step writes and reads;
-    `_gather`: the keys a read returns; `_kernel_rows`: where decode_layout's rows are) and say
-    how much memory a slot may use (`capacity`, `reserve`)."""
+class RaggedStep:
+    """The model's half of a slot cache: one ragged step at a time (`plan_step`, then the
+    forward pass's `begin_step`, `update` or `store` and `read` in each layer, or
+    `decode_layout`, and `end_step`), over the slots' lengths (`lens`) and the keys and values
+    a subclass keeps. SlotCache is the engine's half."""
 
-    def __init__(self, n_layers: int, n_slots: int, max_len: int, device=None):
-        self.n_layers, self.n_slots, self.max_len, self.device = n_layers, n_slots, max_len, device
-        self.active = [False] * n_slots
-        self.lens = [0] * n_slots                     # tokens stored per slot
-        self._plan: tuple[list[int], list[int]] | None = None
-        self.packing: PackedStep | None = None        # a step's new tokens among its columns
-
-    # ---- slots ----------------------------------------------------------------------------
-    def free_slots(self) -> list[int]:
-        return [s for s in range(self.n_slots) if not self.active[s]]
-
-    def live_slots(self) -> list[int]:
-        """The busy slots, in slot order."""
-        return [s for s in range(self.n_slots) if self.active[s]]
-
-    def can_admit(self, lens: list[int], contexts: list[list[int]] | None = None) -> bool:
-        """Room for sequences whose contexts hold these numbers of tokens: a free slot each,
-        and memory for each context plus its next token. Given the contexts themselves, a
-        prefix cache (08) counts only the memory of what it does not hold already."""
-        if contexts is not None and len(contexts) != len(lens):
-            raise ValueError(f"can_admit takes a context per length: {len(lens)} lengths, "
-                             f"{len(contexts)} contexts")
-        return len(lens) <= len(self.free_slots()) and all(0 < n < self.max_len for n in lens)
-
-    def admit(self, slot: int, n_tokens: int, context: list[int] | None = None) -> None:
-        """Give a free slot to a sequence whose context of n_tokens is about to be computed,
-        with memory for the context and its next token. Afterwards lens[slot] is the tokens
-        the slot holds already: none here; given the context (n_tokens of them), a prefix
-        cache (08) starts the slot with the cached blocks of its longest cached prefix."""
-        check_admission(self, slot, n_tokens, context)
-        self.active[slot], self.lens[slot] = True, 0
-
-    def reserve(self, slot: int, n: int = 1) -> bool:
-        """Memory for n more tokens in slot; False (and nothing changed) when there is none."""
-        return self.lens[slot] + n <= self.capacity(slot)
-
-    def release(self, slot: int) -> None:
-        """The slot's sequence is gone (finished, aborted or preempted): the slot is free."""
-        self.active[slot], self.lens[slot] = False, 0
-
-    def rollback(self, slot: int, n: int) -> None:
-        """Forget the slot's last n tokens (speculative decoding drops the guesses that were
-        wrong); their positions are written again by the next tokens."""
-        if not self.active[slot] or not 0 <= n <= self.lens[slot]:
-            raise ValueError(f"cannot roll slot {slot} back by {n}: it holds {self.lens[slot]} "
-                             f"tokens")
-        self.lens[slot] -= n
-
-    def cache_blocks(self, slot: int, context: list[int]) -> None:
-        """After a step: the slot's stored tokens (context's first lens[slot]) may serve later
-        requests (a prefix cache names its full blocks, 08; a slot keeps nothing)."""
-
-    def never_fits(self, n_tokens: int) -> str | None:
-        """Why a sequence of n_tokens can never be held, even alone; None when it can."""
-        if n_tokens > self.max_len:
-            return f"exceeds a slot's {self.max_len} positions"
-        return None
-
-    def used_tokens(self) -> int:
-        return sum(self.lens)
-
-    def reserved_tokens(self) -> int:
-        return self.n_slots * self.max_len
-
-    def allocated_tokens(self) -> int:
-        return self.reserved_tokens()
-
-    def capacity(self, slot: int) -> int:
-        """Tokens the slot can hold with the memory it has now."""
-        return self.max_len
-
-    def check_integrity(self, idle: bool = False) -> str | None:
-        """None when the slots' books are sound, else what is wrong, in one sentence
-        (slots_problem). idle (every request has finished): no slot is busy either. Call it
-        between steps."""
-        return slots_problem(self, idle)
-
-    # ---- a ragged step ----------------------------------------------------------------------
     def plan_step(self, rows: list[int], q_lens: list[int]) -> None:
         """The next forward pass runs these busy slots, in this order (batch row i is slot
         rows[i]), and row i brings q_lens[i] >= 1 new tokens."""
@@ -387,6 +308,92 @@ class SlotCache:
 
     def _gather(self, layer: int, reads: Tensor, whole: bool) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
+
+
+class SlotCache(RaggedStep):
+    """The engine's half of a cache of n_slots slots, each holding at most max_len tokens (the
+    model's half, the step, is RaggedStep's): `active[s]`, `lens[s]` (tokens stored), and the
+    step in progress. Subclasses store the keys and values
+    (in lists `k` and `v`, a tensor per layer; `_index`: where a step writes and reads;
+    `_gather`: the keys a read returns; `_kernel_rows`: where decode_layout's rows are) and say
+    how much memory a slot may use (`capacity`, `reserve`)."""
+
+    def __init__(self, n_layers: int, n_slots: int, max_len: int, device=None):
+        self.n_layers, self.n_slots, self.max_len, self.device = n_layers, n_slots, max_len, device
+        self.active = [False] * n_slots
+        self.lens = [0] * n_slots                     # tokens stored per slot
+        self._plan: tuple[list[int], list[int]] | None = None
+        self.packing: PackedStep | None = None        # a step's new tokens among its columns
+
+    # ---- slots ----------------------------------------------------------------------------
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.n_slots) if not self.active[s]]
+
+    def live_slots(self) -> list[int]:
+        """The busy slots, in slot order."""
+        return [s for s in range(self.n_slots) if self.active[s]]
+
+    def can_admit(self, lens: list[int], contexts: list[list[int]] | None = None) -> bool:
+        """Room for sequences whose contexts hold these numbers of tokens: a free slot each,
+        and memory for each context plus its next token. Given the contexts themselves, a
+        prefix cache (08) counts only the memory of what it does not hold already."""
+        if contexts is not None and len(contexts) != len(lens):
+            raise ValueError(f"can_admit takes a context per length: {len(lens)} lengths, "
+                             f"{len(contexts)} contexts")
+        return len(lens) <= len(self.free_slots()) and all(0 < n < self.max_len for n in lens)
+
+    def admit(self, slot: int, n_tokens: int, context: list[int] | None = None) -> None:
+        """Give a free slot to a sequence whose context of n_tokens is about to be computed,
+        with memory for the context and its next token. Afterwards lens[slot] is the tokens
+        the slot holds already: none here; given the context (n_tokens of them), a prefix
+        cache (08) starts the slot with the cached blocks of its longest cached prefix."""
+        check_admission(self, slot, n_tokens, context)
+        self.active[slot], self.lens[slot] = True, 0
+
+    def reserve(self, slot: int, n: int = 1) -> bool:
+        """Memory for n more tokens in slot; False (and nothing changed) when there is none."""
+        return self.lens[slot] + n <= self.capacity(slot)
+
+    def release(self, slot: int) -> None:
+        """The slot's sequence is gone (finished, aborted or preempted): the slot is free."""
+        self.active[slot], self.lens[slot] = False, 0
+
+    def rollback(self, slot: int, n: int) -> None:
+        """Forget the slot's last n tokens (speculative decoding drops the guesses that were
+        wrong); their positions are written again by the next tokens."""
+        if not self.active[slot] or not 0 <= n <= self.lens[slot]:
+            raise ValueError(f"cannot roll slot {slot} back by {n}: it holds {self.lens[slot]} "
+                             f"tokens")
+        self.lens[slot] -= n
+
+    def cache_blocks(self, slot: int, context: list[int]) -> None:
+        """After a step: the slot's stored tokens (context's first lens[slot]) may serve later
+        requests (a prefix cache names its full blocks, 08; a slot keeps nothing)."""
+
+    def never_fits(self, n_tokens: int) -> str | None:
+        """Why a sequence of n_tokens can never be held, even alone; None when it can."""
+        if n_tokens > self.max_len:
+            return f"exceeds a slot's {self.max_len} positions"
+        return None
+
+    def used_tokens(self) -> int:
+        return sum(self.lens)
+
+    def reserved_tokens(self) -> int:
+        return self.n_slots * self.max_len
+
+    def allocated_tokens(self) -> int:
+        return self.reserved_tokens()
+
+    def capacity(self, slot: int) -> int:
+        """Tokens the slot can hold with the memory it has now."""
+        return self.max_len
+
+    def check_integrity(self, idle: bool = False) -> str | None:
+        """None when the slots' books are sound, else what is wrong, in one sentence
+        (slots_problem). idle (every request has finished): no slot is busy either. Call it
+        between steps."""
+        return slots_problem(self, idle)
 
 
 class SlotKVCache(SlotCache):

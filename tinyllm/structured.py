@@ -239,8 +239,6 @@ class LLGuidance:
         """Why llguidance fails on a compiled grammar along its first PROBE_TOKENS tokens (the
         lowest allowed id each time), or None: some grammars it compiles, and fails on only
         while matching them (a{1000000}: too many expressions for its lexer)."""
-        from tinyllm.logits_processors import unpack_bitmask
-
         m = LLGuidanceMatcher(self, c, template)
         for _ in range(PROBE_TOKENS):
             allowed = unpack_bitmask(m.bitmask()[None], self.vocab_size)[0]       # (V,)
@@ -403,6 +401,12 @@ def pack_bitmask(allowed: Tensor) -> Tensor:
     bits = torch.cat([allowed.long(), allowed.new_zeros(pad, dtype=torch.long)]).view(-1, 32)
     words = (bits << torch.arange(32)).sum(-1)                       # (W,) in [0, 2^32)
     return torch.where(words >= 2**31, words - 2**32, words).int()
+
+
+def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """(B, W) int32 words -> (B, vocab_size) bool: token 32 w + j is bit j of word w."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, device=bitmask.device)) & 1  # (B, W, 32)
+    return bits.flatten(1)[:, :vocab_size].bool()
 
 
 def byte_alphabet() -> dict[str, int]:

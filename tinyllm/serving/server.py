@@ -126,41 +126,24 @@ class Ticket:
     logprobs: deque = field(default_factory=deque)
 
 
-class EngineLoop:
-    """The engine's own process, and the HTTP side's handle on it.
+class EngineProcess:
+    """The engine's own process, and the two ZeroMQ sockets that join it to the HTTP side.
 
     The engine is not thread-safe, and stepping it is Python work that would hold the
     interpreter's lock against the HTTP side's: so, as vLLM's engine core does, it runs in a
     process of its own (`engine_process`). Two ZeroMQ sockets join them, over ipc:// in a
     directory of the server's own, in the messages of messages.py: an `Add` or an `Abort` goes
-    in per request; one `StepReport` per step comes out, with every token of the step, the
-    engine's load and its KV cache's integrity (None when its books are sound, else the
-    sentence that says what is wrong), and a `Heartbeat` every BEAT_S. ZeroMQ moves each
-    message whole, and its asyncio sockets (pyzmq's zmq.asyncio) send and receive without
-    blocking the event loop, whatever the size: a report of several MB crosses while /health
-    answers. A listening task on the event loop (`listen`) puts each token in its request's
-    queue. A request of n choices is n sequences in the engine, n tickets here (keys key,
-    key + 1, ...) and one Add. At most max_waiting sequences wait for a slot at once; a
-    request that would make more is refused with a 429.
+    in per request (`send`); one `StepReport` per step comes out (`receive`), and a `Heartbeat`
+    every BEAT_S. ZeroMQ moves each message whole, and its asyncio sockets (pyzmq's
+    zmq.asyncio) send and receive without blocking the event loop, whatever the size: a report
+    of several MB crosses while /health answers. `failure` says whether the engine still runs:
+    not when its process ended, or when it was not heard from for silence_s (its process
+    stopped or froze: it is ended then)."""
 
-    A failure stays as small as it can: a request that cannot be sent, or that the engine
-    cannot read or add, fails alone; so do the requests of a report this side fails to hand
-    out. The engine fails as a whole when it says so (`Failed`), when its process ends, or
-    when it has not been heard from for silence_s (its process stopped or froze: the server
-    ends it); every request in flight then gets a 500 that says why."""
-
-    def __init__(self, engine: ContinuousEngine, max_waiting: int = 64, silence_s: float = 5.0):
-        self.engine, self.max_waiting, self.silence_s = engine, max_waiting, silence_s
-        self.tickets: dict[int, Ticket] = {}  # key -> ticket, while it runs
-        self.next_key = 0
-        self.submitted = 0  # adds sent, not yet taken by the engine
-        self.reported = (0, 0)  # the engine's (waiting, running), last step
-        self.kv_used = 0.0
-        self.integrity: str | None = None  # the KV cache's books, last checked idle
-        self.speculation = (0, 0, 0, 0)  # the engine's totals: rows, proposed, accepted, tokens
-        self.failed: str | None = None
+    def __init__(self, engine: ContinuousEngine, silence_s: float = 5.0):
+        self.engine, self.silence_s = engine, silence_s
         self.heard = 0.0  # when the engine was last heard from (time.monotonic())
-        self.process = self.listener = self.zmq = None
+        self.process = self.zmq = None
 
     async def start(self) -> None:
         """Bind the sockets, start the engine process and wait until it is Ready. The engine
@@ -189,7 +172,6 @@ class EngineLoop:
             await self.stop()
             raise RuntimeError(f"the engine process said {message!r} before it was Ready")
         self.heard = time.monotonic()
-        self.listener = asyncio.create_task(self.listen())
 
     async def first_message(self, timeout: float):
         """The engine process's first message but heartbeats; a RuntimeError if its process
@@ -210,8 +192,6 @@ class EngineLoop:
     async def stop(self) -> None:
         """Stop the engine process (a Stop; killed if it has not ended 10 s later), close the
         sockets and remove their directory."""
-        if self.listener is not None:
-            self.listener.cancel()
         if self.process is not None and self.process.is_alive():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.requests.send_multipart(to_engine(Stop())), 1.0)
@@ -222,6 +202,77 @@ class EngineLoop:
             self.zmq.destroy(linger=0)
             shutil.rmtree(self.dir, ignore_errors=True)
             self.zmq = None
+
+    def send(self, message) -> None:
+        """A message to the engine, queued at once: ZeroMQ sends it whole."""
+        self.requests.send_multipart(to_engine(message))
+
+    async def receive(self):
+        """The engine's next message, unpickled (a big one off the event loop: it lets go of
+        Python's lock every few ms meanwhile, see messages.PICKLING); None when nothing came
+        in a quarter of a second."""
+        if not await self.reports.poll(250):
+            return None
+        data = await self.reports.recv()
+        self.heard = time.monotonic()
+        return loads(data) if len(data) < 2**16 else await asyncio.to_thread(loads, data)
+
+    def failure(self) -> str | None:
+        """Why the engine no longer runs (its process ended, or was not heard from for
+        silence_s: the process is ended then), or None. While its messages wait to be read, it
+        runs: the last of them may say why it ended."""
+        unread = self.zmq is not None and self.reports.get(zmq.EVENTS) & zmq.POLLIN
+        if self.process is None or unread:
+            return None
+        silent = time.monotonic() - self.heard
+        if not self.process.is_alive():
+            return f"its process ended (exit code {self.process.exitcode})"
+        if silent > self.silence_s:
+            self.process.kill()
+            return (
+                f"it was not heard from for {silent:.1f} s (its process stopped or froze), "
+                f"so the server ended it"
+            )
+        return None
+
+
+class EngineLoop:
+    """The HTTP side's handle on the engine (its EngineProcess, `engine`): each request's
+    choices as tickets, sent in, and each step's report handed out to them.
+
+    A listening task on the event loop (`listen`) puts each token of a StepReport in its
+    request's queue; a report also brings the engine's load and its KV cache's integrity (None
+    when its books are sound, else the sentence that says what is wrong). A request of n
+    choices is n sequences in the engine, n tickets here (keys key, key + 1, ...) and one Add.
+    At most max_waiting sequences wait for a slot at once; a request that would make more is
+    refused with a 429.
+
+    A failure stays as small as it can: a request that cannot be sent, or that the engine
+    cannot read or add, fails alone; so do the requests of a report this side fails to hand
+    out. The engine fails as a whole when it says so (`Failed`), or when it no longer runs
+    (EngineProcess.failure); every request in flight then gets a 500 that says why."""
+
+    def __init__(self, engine: ContinuousEngine, max_waiting: int = 64, silence_s: float = 5.0):
+        self.engine, self.max_waiting = EngineProcess(engine, silence_s), max_waiting
+        self.tickets: dict[int, Ticket] = {}  # key -> ticket, while it runs
+        self.next_key = 0
+        self.submitted = 0  # adds sent, not yet taken by the engine
+        self.reported = (0, 0)  # the engine's (waiting, running), last step
+        self.kv_used = 0.0
+        self.integrity: str | None = None  # the KV cache's books, last checked idle
+        self.speculation = (0, 0, 0, 0)  # the engine's totals: rows, proposed, accepted, tokens
+        self.failed: str | None = None
+        self.listener = None
+
+    async def start(self) -> None:
+        """Start the engine's process, then listen to it."""
+        await self.engine.start()
+        self.listener = asyncio.create_task(self.listen())
+
+    async def stop(self) -> None:
+        if self.listener is not None:
+            self.listener.cancel()
+        await self.engine.stop()
 
     def request_counts(self) -> tuple[int, int]:
         """(requests waiting, counting those not yet in the engine; requests running), as of
@@ -257,62 +308,41 @@ class EngineLoop:
             self.tickets[ticket.key] = ticket
         self.next_key += n
         self.submitted += n
-        self.requests.send_multipart(frames)  # queued at once; ZeroMQ sends it whole
+        self.engine.requests.send_multipart(frames)  # queued at once; ZeroMQ sends it whole
 
     def abort(self, *tickets: Ticket) -> None:
         """The client went away (or a stop string ended a choice): drop these choices wherever
         they are."""
         for ticket in tickets:
             if self.tickets.pop(ticket.key, None) is not None and not self.failed:
-                self.requests.send_multipart(to_engine(Abort(ticket.key)))
+                self.engine.send(Abort(ticket.key))
 
     async def listen(self) -> None:
         """On the event loop while the engine runs: each message from the engine, in order, to
         where it goes; whenever the engine is silent, a check that it still runs."""
         while self.failed is None:
-            if not await self.reports.poll(250):
-                self.check()
-                continue
             try:
-                self.hear(await self.receive())
+                message = await self.engine.receive()
             except Exception as e:  # its news is lost, and with it the books of its requests
                 self.fail(f"its news could not be read: {type(e).__name__}: {e}")
+                return
+            match message:
+                case None:
+                    self.check()
+                case StepReport() as report:
+                    self.take(report)
+                case Heartbeat():
+                    pass
+                case Failed(why):
+                    self.fail(why)
+                case _:
+                    self.fail(f"it sent {message!r}, which is no report")
             await asyncio.sleep(0)  # a flood of reports still lets the HTTP requests run
 
-    def hear(self, message) -> None:
-        """One message from the engine, which lives: a report's news to its requests."""
-        self.heard = time.monotonic()
-        match message:
-            case StepReport() as report:
-                self.take(report)
-            case Heartbeat():
-                pass
-            case Failed(why):
-                self.fail(why)
-            case _:
-                self.fail(f"it sent {message!r}, which is no report")
-
-    async def receive(self):
-        """The engine's next message, unpickled; a big one off the event loop (it lets go of
-        Python's lock every few ms meanwhile: see messages.PICKLING)."""
-        data = await self.reports.recv()
-        return loads(data) if len(data) < 2**16 else await asyncio.to_thread(loads, data)
-
     def check(self) -> str | None:
-        """Whether the engine runs: None, or why not (its process ended, or was not heard from
-        for silence_s, when the server ends it); the engine fails then, as `fail` says. While
-        its messages wait to be read, it runs: the last of them may say why it ended."""
-        unread = self.zmq is not None and self.reports.get(zmq.EVENTS) & zmq.POLLIN
-        if self.failed is None and self.process is not None and not unread:
-            silent = time.monotonic() - self.heard
-            if not self.process.is_alive():
-                self.fail(f"its process ended (exit code {self.process.exitcode})")
-            elif silent > self.silence_s:
-                self.process.kill()
-                self.fail(
-                    f"it was not heard from for {silent:.1f} s (its process stopped or froze), "
-                    f"so the server ended it"
-                )
+        """None while the engine runs, else why not: the engine fails then, as `fail` says."""
+        if self.failed is None and (why := self.engine.failure()) is not None:
+            self.fail(why)
         return self.failed
 
     def take(self, report: StepReport) -> None:
@@ -331,7 +361,7 @@ class EngineLoop:
             why = f"the server failed on the engine's news of it: {type(e).__name__}: {e}"
             keys = {key for key, *_ in report.tokens + report.refused + report.failed}
             for key in keys & self.tickets.keys():  # their slots are free before the next step
-                self.requests.send_multipart(to_engine(Abort(key)))
+                self.engine.send(Abort(key))
             self.drop([(key, why) for key in keys], "")
 
     def drop(self, failed: list[tuple[int, str]], says: str) -> None:
