@@ -209,7 +209,7 @@ def drive(eng: ContinuousEngine, reqs: list[Request], data) -> tuple[list[int], 
         for _ in range(len(pending) if at_once else data.draw(st.integers(0, 3))):
             if pending:
                 rids.append(eng.add_request(pending.pop(0)))
-        if eng._seqs and data.draw(st.integers(0, 99)) == 0:
+        if eng._seqs and data.draw(st.integers(0, 199)) == 0:
             rid = data.draw(st.sampled_from(sorted(eng._seqs)))
             assert eng.abort(rid)
             aborted.add(rid)
