@@ -529,7 +529,7 @@ def test_max_len_is_used_when_given():
     """A small max_len is the engine's: a request that does not fit it is refused."""
     eng = ContinuousEngine(TINY, 2, max_len=8)
     assert eng.max_len == 8 and eng.cache.max_len == 8
-    with pytest.raises(ValueError, match="exceeds max_seq_len 8"):
+    with pytest.raises(ValueError, match="exceeds a slot's 8 positions"):
         eng.add_request(Request([1] * 5, 4))
     rid = eng.add_request(Request([1] * 5, 3))
     while eng.has_work():

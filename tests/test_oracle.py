@@ -3,14 +3,15 @@
 The course's one promise, held over the continuous engine's whole configuration space at once,
 since bugs live where two settings meet. Hypothesis draws an EngineConfig from every field and
 value the engine accepts (slots or a paged pool, block sizes, pools down to the tightest that
-fits, the prefix cache, no budget or a small one, each decoder that runs on a CPU, the C
-attention or the library's, no speculation or n-gram or draft guesses, float, int8 or int4
-weights), and a workload built to meet the interactions: newcomers of one step sharing stems
-of every length around the block size and the packed step's split (QUERY_ROWS), arrivals
-between steps, aborts, seeded sampling, penalties, logit bias, stop ids, constraints, n > 1,
-logprobs. Every finished choice equals its solo run (tokens and logprobs, float64), the books
-are checked after every step, and nothing is left at the end. A combination the engine refuses
-is refused by name, and counted.
+fits, KV budgets, the prefix cache, no budget or a small one, each decoder that runs on a CPU,
+the C attention or the library's, no speculation or n-gram or draft guesses, from the target's
+first layers or a model of its own, float, int8 or int4 weights), and a workload built to meet
+the interactions: newcomers of one step sharing stems of every length around the block size
+and the packed step's split (QUERY_ROWS), arrivals between steps, aborts, seeded sampling,
+penalties, logit bias, stop ids, constraints, n > 1, logprobs. Every finished choice equals its
+solo run (tokens and logprobs, float64), the books are checked after every step, and nothing
+is left at the end. A combination or a request the engine refuses is refused by name, and
+counted.
 
 `make oracle MINUTES=30` runs it for as long as asked and prints what it covered
 (tools/oracle.py); COVERED counts it as it goes.
@@ -22,6 +23,7 @@ from contextlib import nullcontext
 from unittest import mock
 
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -36,6 +38,7 @@ from tinyllm.quant import quantize
 from tinyllm.requests import Request, Result
 from tinyllm.sampling import Sampling
 from tinyllm.slot_cache import QUERY_ROWS
+from tinyllm.stats import kv_bytes_per_token
 from tinyllm.structured import Constraint, LLGuidance, byte_alphabet
 
 V, EOS = 97, 0
@@ -59,6 +62,7 @@ def tiny(seed: int = 41):
 
 
 MODELS = {"float": tiny(), "int8": quantize(tiny(), "int8"), "int4": quantize(tiny(), "int4")}
+DRAFT = make_tiny(seed=43, n_layers=1)  # a draft of its own, with the targets' vocabulary
 GRAMMARS = LLGuidance(tiny_tokenizer(), V)
 CONSTRAINTS = [
     Constraint("regex", "(yes|no)"),
@@ -180,15 +184,21 @@ def workloads(draw, config: EngineConfig) -> list[Request]:
     return reqs
 
 
-def fitted(config: EngineConfig, reqs: list[Request], data) -> EngineConfig:
+def fitted(config: EngineConfig, model, reqs: list[Request], data) -> EngineConfig:
     """The config's memory for this workload: a slot of the longest request's positions or
-    more, a pool from the tightest that holds the longest request alone (preemptions) up."""
+    more, a pool from the tightest that holds the longest request alone (preemptions) up; and
+    a KV budget (kv_mib) of the default, exactly what the cache needs, or too little."""
     need = max(len(r.prompt) + r.max_new_tokens for r in reqs)
     if config.kv == "slots":
-        return dataclasses.replace(config, max_len=data.draw(st.sampled_from([None, need])))
-    blocks = -(-need // config.block_size)
-    slack = data.draw(st.sampled_from([0, 1, 2, blocks, 3 * blocks]))
-    return dataclasses.replace(config, kv_blocks=blocks + slack)
+        config = dataclasses.replace(config, max_len=data.draw(st.sampled_from([None, need])))
+        positions = config.n_slots * (config.max_len or model.cfg.max_seq_len)
+    else:
+        blocks = -(-need // config.block_size)
+        blocks += data.draw(st.sampled_from([0, 1, 2, blocks, 3 * blocks]))
+        config = dataclasses.replace(config, kv_blocks=blocks)
+        positions = blocks * config.block_size
+    mib = positions * kv_bytes_per_token(model, torch.device("cpu")) / 2**20
+    return dataclasses.replace(config, kv_mib=data.draw(st.sampled_from([None, mib, mib / 2])))
 
 
 # ---- running it ----------------------------------------------------------------------------------
@@ -200,15 +210,27 @@ def books(eng: ContinuousEngine, idle: bool = False) -> None:
     assert why is None, why
 
 
-def drive(eng: ContinuousEngine, reqs: list[Request], data) -> tuple[list[int], set[int]]:
+def added(eng: ContinuousEngine, req: Request) -> int | None:
+    """The request's first rid, or None when the engine refuses it by name (it can never fit
+    this cache: a KV budget that cuts max_len)."""
+    try:
+        return eng.add_request(req)
+    except ValueError as e:
+        assert "positions" in str(e) or "blocks" in str(e), f"refused without saying why: {e}"
+        COVERED["refused: a request that never fits"] += 1
+        return None
+
+
+def drive(eng: ContinuousEngine, reqs: list[Request], data) -> tuple[list, set[int]]:
     """Requests join between steps (all at once, or a few a step), some are aborted, and the
-    books are checked after every step. Returns each request's first rid and the aborted rids."""
+    books are checked after every step. Returns each request's first rid (None: refused) and
+    the aborted rids."""
     pending, rids, aborted = list(reqs), [], set()
     at_once = data.draw(st.sampled_from([True, True, False]))  # newcomers of one step
     while pending or eng.has_work():
         for _ in range(len(pending) if at_once else data.draw(st.integers(0, 3))):
             if pending:
-                rids.append(eng.add_request(pending.pop(0)))
+                rids.append(added(eng, pending.pop(0)))
         if eng._seqs and data.draw(st.integers(0, 199)) == 0:
             rid = data.draw(st.sampled_from(sorted(eng._seqs)))
             assert eng.abort(rid)
@@ -251,6 +273,8 @@ def same_logprobs(want, got, what: str) -> None:
 def check_solo(model, config: EngineConfig, reqs, rids, aborted, results: dict) -> None:
     """Every finished choice is its solo run: tokens, finish reason, logprobs."""
     for i, (req, rid) in enumerate(zip(reqs, rids)):
+        if rid is None:
+            continue
         sampling = req.sampling or config.sampling
         for c, s in enumerate(sampling.choices()):
             if rid + c in aborted:
@@ -291,9 +315,10 @@ def run_example(data) -> None:
         return
     model = MODELS[weights]
     reqs = data.draw(workloads(config))
-    config = fitted(config, reqs, data)
+    config = fitted(config, model, reqs, data)
+    own = config.speculate == "draft" and data.draw(st.booleans())  # a draft model of its own
     try:
-        eng = ContinuousEngine(model, config, grammars=GRAMMARS)
+        eng = ContinuousEngine(model, config, grammars=GRAMMARS, draft=DRAFT if own else None)
     except ValueError as e:  # a decoder or draft that cannot serve these weights: by name
         named = [f.name for f in dataclasses.fields(EngineConfig)] + ["decoder=", "draft"]
         assert any(n in str(e) for n in named), f"refused without naming the setting: {e}"

@@ -361,8 +361,9 @@ class ContinuousEngine:
 
     def add_request(self, req: Request) -> int:
         """Queue a request; returns its id. Raises at once (and changes nothing) if it is
-        malformed or can never fit the cache."""
-        req = fitting(check_request(req, self.model.cfg.vocab_size, self.max_len, self.sampling),
+        malformed or can never fit the cache (whose max_len may be less than the model's)."""
+        cfg = self.model.cfg
+        req = fitting(check_request(req, cfg.vocab_size, cfg.max_seq_len, self.sampling),
                       self.cache)
         choices, now, first = req.sampling.choices(), self.now(), None
         matchers = new_matchers(self.grammars, choices)    # a constraint's, or None (12)
