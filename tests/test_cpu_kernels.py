@@ -5,6 +5,10 @@ one; a row's result is the same in any batch and with any number of threads; the
 them on a CPU in float32; and every engine on a float or quantized model still gives each
 request its solo tokens in float32, where they run."""
 
+from fnmatch import fnmatch
+from importlib import resources
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -329,6 +333,34 @@ def test_the_operators_refuse_what_their_loops_cannot_read():
         cpu_kernels.decode_attention(q, k, v, keys, values, write.int(), read, hs, mask)
     with pytest.raises(RuntimeError, match="one dtype"):
         cpu_kernels.decode_attention(q.double(), k, v, keys, values, write, read, hs, mask)
+
+
+def test_the_sources_ship_with_the_package_and_are_what_build_compiles(tmp_path, monkeypatch):
+    """The C and C++ sources are files of the installed package, which pyproject's package-data
+    ships, and build() hands those files to the compilers (compilers that record what they are
+    given: the C one makes its object, the C++ one fails, so nothing is kept)."""
+    tomllib = pytest.importorskip("tomllib")
+    csrc = resources.files("tinyllm") / "csrc"
+    sources = sorted(f.name for f in csrc.iterdir() if f.name.endswith((".c", ".cpp")))
+    assert sources == ["kernels.c", "ops.cpp"]
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["tinyllm"]
+    for name in sources:
+        assert any(fnmatch(f"csrc/{name}", pattern) for pattern in shipped), f"{name} not shipped"
+    monkeypatch.setenv("TINYLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "FAILURES", [])
+    for name, variable, status in (("cc", "CC", 0), ("cxx", "CXX", 1)):
+        script = tmp_path / name
+        script.write_text(
+            f'#!/bin/sh\necho "$@" > {tmp_path / name}.args\n'
+            f'while [ $# -gt 0 ]; do [ "$1" = -o ] && touch "$2"; shift; done\nexit {status}\n'
+        )
+        script.chmod(0o755)
+        monkeypatch.setenv(variable, str(script))
+    assert cpu_kernels.build(["-O3"], "tinyllm_probe") is None
+    assert str(csrc / "kernels.c") in (tmp_path / "cc.args").read_text().split()
+    assert str(csrc / "ops.cpp") in (tmp_path / "cxx.args").read_text().split()
+    assert not list((tmp_path / "kernels").glob("*.so"))
 
 
 def test_a_machine_where_the_kernels_do_not_compile_is_told_why(tmp_path, monkeypatch):

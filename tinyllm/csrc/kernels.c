@@ -1,0 +1,686 @@
+/* Step 13 - the C kernels, loaded by tinyllm/cpu_kernels.py (whose docstring describes each):
+   matrix-vector products in float32, int8, int4 and 8-bit groups, a decode step's attention
+   and a whole decoder layer's decode step. AVX2 loops (and AVX-512's 16-float vectors for
+   float32) where the compiler targets them, plain C that it vectorizes anywhere else.
+   cpu_kernels compiles this file once per machine with its flags (-march=native, -fopenmp
+   where they work) and links it with ops.cpp, the kernels' PyTorch operators. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define AVX2 1
+#endif
+
+static float half_to_float(uint16_t h) {              /* IEEE float16 bits -> float */
+#ifdef AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000 | (man << 13);                /* inf, nan */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);          /* normal */
+    else if (!man) bits = sign;                                              /* zero */
+    else {                                                                   /* subnormal */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+#ifdef AVX2
+/* the sum of a vector's 8 floats */
+static float hsum(__m256 s) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+#endif
+
+#ifdef AVX2
+/* 16 int8 values as int16 at x . 16 int8 values at w: widened to int16 and multiplied in pairs
+   into 8 int32 partial sums, exact */
+static __m256i dot16_q8(const int16_t *x, const int8_t *w) {
+    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)),
+                             _mm256_loadu_si256((const __m256i *)x));
+}
+#endif
+
+/* x (K) int8 values as int16 . w (K) int8, exact in int32 */
+static int32_t dot_q8(const int16_t *x, const int8_t *w, int64_t K) {
+    int64_t k = 0;
+    int32_t acc = 0;
+#ifdef AVX2
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_add_epi32(a0, dot16_q8(x + k, w + k));
+        a1 = _mm256_add_epi32(a1, dot16_q8(x + k + 16, w + k + 16));
+    }
+    __m256i s = _mm256_add_epi32(a0, a1);
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    acc = _mm_cvtsi128_si32(h);
+#endif
+    for (; k < K; k++) acc += (int32_t)x[k] * (int32_t)w[k];
+    return acc;
+}
+
+/* the int8 step of x (n) float: its largest magnitude / 127, at least 1e-30; a value becomes
+   x / step rounded to the nearest (ties to even), within -127 .. 127 */
+static float int8_step(const float *x, int64_t n) {
+    float amax = 0;
+    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    return fmaxf(amax, 1e-30f) / 127.0f;
+}
+
+/* x's MG groups of n values, each quantized to int8 by its own step sx (int8_step), into
+   xq (int8) or xq16 (the same values as int16, where not NULL); xs (where not NULL): each
+   group's rounded sum, times its step */
+static void quantize_groups(const float *x, int64_t MG, int64_t n, int8_t *xq, int16_t *xq16,
+                            float *sx, float *xs) {
+    for (int64_t mg = 0; mg < MG; mg++) {
+        const float *xg = x + mg * n;
+        int32_t sum = 0;
+        sx[mg] = int8_step(xg, n);
+        for (int64_t j = 0; j < n; j++) {
+            int32_t v = (int32_t)nearbyintf(xg[j] / sx[mg]);
+            if (xq) xq[mg * n + j] = (int8_t)v;
+            if (xq16) xq16[mg * n + j] = (int16_t)v;
+            sum += v;
+        }
+        if (xs) xs[mg] = sx[mg] * (float)sum;
+    }
+}
+
+/* float32: the terms k .. K of x . w added to s, one by one (the ones a vector loop leaves) */
+static float finish_f32(float s, const float *x, const float *w, int64_t k, int64_t K) {
+    for (; k < K; k++) s = fmaf(x[k], w[k], s);
+    return s;
+}
+
+#ifdef AVX2
+/* The float32 products' vectors: 16 floats where the compiler targets AVX-512 (its loads
+   stream a weight faster on CPUs that have it), else 8. A build adds in one order for every
+   float32 product, whatever the rows or the tile. */
+#ifdef __AVX512F__
+typedef __m512 vf;
+#define VL 16
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+static float vsum(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+#else
+typedef __m256 vf;
+#define VL 8
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+static float vsum(__m256 a, __m256 b) { return hsum(_mm256_add_ps(a, b)); }
+#endif
+
+/* y[r * ldy] = x's row r . w (K floats) for R rows of x, each weight vector loaded once for
+   the R rows: two vectors of partial sums a row (alternate VL floats of K, so that two chains
+   of multiply-adds overlap), then their sum, then K's last K % VL terms (finish_f32) */
+#define ROWS_F32(R)                                                                         \
+static void dot_f32_##R(const float *x, const float *w, float *y, int64_t K, int64_t ldy) { \
+    vf a[R], b[R];                                                                          \
+    for (int r = 0; r < R; r++) a[r] = b[r] = vzero();                                      \
+    int64_t k = 0;                                                                          \
+    for (; k + 2 * VL <= K; k += 2 * VL) {                                                  \
+        vf w0 = vload(w + k), w1 = vload(w + k + VL);                                       \
+        for (int r = 0; r < R; r++) {                                                       \
+            a[r] = vfma(w0, vload(x + r * K + k), a[r]);                                    \
+            b[r] = vfma(w1, vload(x + r * K + k + VL), b[r]);                               \
+        }                                                                                   \
+    }                                                                                       \
+    if (k + VL <= K) {                                                                      \
+        vf w0 = vload(w + k);                                                               \
+        for (int r = 0; r < R; r++) a[r] = vfma(w0, vload(x + r * K + k), a[r]);            \
+        k += VL;                                                                            \
+    }                                                                                       \
+    for (int r = 0; r < R; r++)                                                             \
+        y[r * ldy] = finish_f32(vsum(a[r], b[r]), x + r * K, w, k, K);                      \
+}
+ROWS_F32(1) ROWS_F32(2) ROWS_F32(4)
+#endif
+
+/* columns n0 .. n1 of y (rows ldy apart) for R rows of x (R = 4, 2 or 1) and a float32
+   weight w (N, K) */
+static void rows_f32(int R, const float *x, const float *w, float *y, int64_t n0, int64_t n1,
+                     int64_t K, int64_t ldy) {
+    for (int64_t n = n0; n < n1; n++) {
+#ifdef AVX2
+        if (R == 4) dot_f32_4(x, w + n * K, y + n, K, ldy);
+        else if (R == 2) dot_f32_2(x, w + n * K, y + n, K, ldy);
+        else dot_f32_1(x, w + n * K, y + n, K, ldy);
+#else
+        for (int r = 0; r < R; r++) y[r * ldy + n] = finish_f32(0, x + r * K, w + n * K, 0, K);
+#endif
+    }
+}
+
+/* asks for a weight row (K floats) to be brought into the cache, without waiting for it */
+static void prefetch_row(const float *w, int64_t K) {
+    for (int64_t k = 0; k < K; k += 16) __builtin_prefetch(w + k, 0, 2);
+}
+
+/* the same for n bytes at p, a cache line (64 bytes) at a time */
+static void prefetch_bytes(const void *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
+}
+
+/* y (M, N) = x (M, K) @ W^T for the W float32 weights w[w] (Ns[w], K) stacked (N = their Ns'
+   sum). Every output is one row of x . one row of w, summed in one order whatever the tile
+   (dot_f32_R's), one weight row at a time: a CPU streams one row fastest. With several rows
+   of x, the weight is read a tile of rows at a time, about 64 KB, so that every 4 rows of x
+   (then 2, 1) pass over it in the cache. While the first rows of x pass over a tile, each
+   weight row computed asks for the same row of the next tile (a prefetch): the memory
+   fetches the next tile while the multiply-adds run on this one, where otherwise the two
+   would take turns */
+void float_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float *x,
+                const float **w, float *y, int threads) {
+    int64_t N = 0;
+    for (int64_t i = 0; i < W; i++) N += Ns[i];
+    for (int64_t i = 0, first = 0; i < W; first += Ns[i++]) {
+        const float *wi = w[i];
+        int64_t Ni = Ns[i], tile = M > 1 ? 1 + 64 * 1024 / (4 * K) : (Ni + threads - 1) / threads;
+        int R = M >= 4 ? 4 : 2;                      /* the rows of x that pass first */
+        for (int64_t n = 0; M > 1 && n < tile && n < Ni; n++) prefetch_row(wi + n * K, K);
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t n0 = 0; n0 < Ni; n0 += tile) {
+            int64_t n1 = n0 + tile < Ni ? n0 + tile : Ni, m = 0;
+            if (M == 1) {
+                rows_f32(1, x, wi, y + first, n0, n1, K, N);
+                continue;
+            }
+            for (int64_t n = n0; n < n1; n++) {
+                if (n + tile < Ni) prefetch_row(wi + (n + tile) * K, K);
+                rows_f32(R, x, wi, y + first, n, n + 1, K, N);
+            }
+            float *ym = y + first;
+            for (m = R; m + 4 <= M; m += 4) rows_f32(4, x + m * K, wi, ym + m * N, n0, n1, K, N);
+            for (; m + 2 <= M; m += 2) rows_f32(2, x + m * K, wi, ym + m * N, n0, n1, K, N);
+            for (; m < M; m++) rows_f32(1, x + m * K, wi, ym + m * N, n0, n1, K, N);
+        }
+    }
+}
+
+/* y (M, N) = x (M, K) @ W^T for the W weights W_w = q[w] (Ns[w], K) int8 times scale[w]
+   (Ns[w]) float16 stacked (N = their Ns' sum: weights that read the same x, as q, k and v
+   do), with each row of x quantized to int8 first, once for all:
+   (xq[m] . q[n]) * (sx[m] * scale[n]) */
+void int8_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float *x,
+               const int8_t **q, const uint16_t **scale, float *y, int threads) {
+    int16_t *xq = malloc(M * K * sizeof(int16_t));
+    float *sx = malloc(M * sizeof(float));
+    int64_t N = 0;
+    for (int64_t w = 0; w < W; w++) N += Ns[w];
+    quantize_groups(x, M, K, NULL, xq, sx, NULL);              /* each row, one step */
+    int64_t ahead = 1 + 2048 / K;                      /* rows ahead, as in int4_gemv */
+    for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
+        const int8_t *qw = q[w];
+        const uint16_t *sw = scale[w];
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t n = 0; n < Ns[w]; n++) {
+            if (n + ahead < Ns[w]) prefetch_bytes(qw + (n + ahead) * K, K);
+            for (int64_t m = 0; m < M; m++)
+                y[m * N + first + n] = (float)dot_q8(xq + m * K, qw + n * K, K)
+                                       * (sx[m] * half_to_float(sw[n]));
+        }
+    }
+    free(xq);
+    free(sx);
+}
+
+/* the integer dot product of a group of 2h 4-bit values (h bytes: the low nibble of byte j is
+   value j, the high one value j + h) with 2h int8 values */
+static int32_t dot_q4(const uint8_t *q, const int8_t *x, int64_t h) {
+    int64_t j = 0;
+    int32_t acc = 0;
+#ifdef AVX2
+    const __m128i low = _mm_set1_epi8(15);
+    if (h % 16 == 0) {
+        __m256i a = _mm256_setzero_si256();
+        for (; j < h; j += 16) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(q + j));
+            __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low),
+                                         _mm_and_si128(b, low));
+            __m256i xv = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(x + h + j)),
+                                          _mm_loadu_si128((const __m128i *)(x + j)));
+            a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(v, xv),
+                                                      _mm256_set1_epi16(1)));
+        }
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+        return _mm_cvtsi128_si32(s);
+    }
+    if (h == 8) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)q);
+        __m128i v = _mm_unpacklo_epi64(_mm_and_si128(b, low),
+                                       _mm_and_si128(_mm_srli_epi16(b, 4), low));
+        __m128i s = _mm_madd_epi16(_mm_maddubs_epi16(v, _mm_loadu_si128((const __m128i *)x)),
+                                   _mm_set1_epi16(1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+        return _mm_cvtsi128_si32(s);
+    }
+#endif
+    for (; j < h; j++) acc += (q[j] & 15) * (int32_t)x[j] + (q[j] >> 4) * (int32_t)x[h + j];
+    return acc;
+}
+
+#ifdef AVX2
+/* a group of 32 4-bit values (16 bytes at q: low nibbles, then high) . 32 int8 values at x,
+   as 8 int32 partial sums */
+static __m256i dot_group_q4(const uint8_t *q, const int8_t *x) {
+    __m128i b = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
+    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)x)),
+                             _mm256_set1_epi16(1));
+}
+#endif
+
+/* one output: row n of a 4-bit weight (G groups, h bytes each; scale and zero (G)) . one row
+   of x quantized by group (xq, sx (G)), plus the zero points times its groups' sums xs (G,
+   of the rounded values) */
+static float row_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
+                    const int8_t *xq, const float *sx, const float *xs, int64_t G, int64_t h) {
+    float acc = 0;
+    int64_t g = 0;
+#ifdef AVX2
+    if (h == 16) {                      /* groups of 32, one 256-bit product each */
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), az = _mm256_setzero_ps();
+        for (; g + 8 <= G; g += 8) {    /* 8 groups: their scales and zeros in one vector */
+            float f[8];                                          /* scale * sx, a group each */
+            __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g)));
+            __m256 z8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zero + g)));
+            _mm256_storeu_ps(f, _mm256_mul_ps(s8, _mm256_loadu_ps(sx + g)));
+            az = _mm256_fmadd_ps(z8, _mm256_loadu_ps(xs + g), az);
+            for (int i = 0; i < 8; i += 2) {
+                __m256i p0 = dot_group_q4(q + (g + i) * 16, xq + (g + i) * 32);
+                __m256i p1 = dot_group_q4(q + (g + i + 1) * 16, xq + (g + i + 1) * 32);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(f[i]), _mm256_cvtepi32_ps(p0), a0);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(f[i + 1]), _mm256_cvtepi32_ps(p1), a1);
+            }
+        }
+        for (; g < G; g++) {                                     /* the last groups, one by one */
+            __m256i p = dot_group_q4(q + g * 16, xq + g * 32);
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(scale[g]) * sx[g]),
+                                 _mm256_cvtepi32_ps(p), a0);
+            acc += half_to_float(zero[g]) * xs[g];
+        }
+        return acc + hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), az));
+    }
+#endif
+    for (; g < G; g++)
+        acc += half_to_float(scale[g]) * sx[g] * (float)dot_q4(q + g * h, xq + g * 2 * h, h)
+             + half_to_float(zero[g]) * xs[g];
+    return acc;
+}
+
+/* y (M, N) = x (M, K) @ W^T for the W weights W_w (Ns[w], K = G * 2h) in 4 bits (q[w]
+   (Ns[w], G, h)) with float16 scale[w] and zero[w] (Ns[w], G) stacked (N = their Ns' sum),
+   x quantized to int8 by group, once for all: y[m, n] = sum over groups g of
+   scale[n, g] sx[m, g] (xq[m]'s group . the group's values) + zero[n, g] sx[m, g] (the sum
+   of xq[m]'s group) */
+void int4_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t h, const float *x,
+               const uint8_t **q, const uint16_t **scale, const uint16_t **zero, float *y,
+               int threads) {
+    int64_t K = G * 2 * h, N = 0;
+    for (int64_t w = 0; w < W; w++) N += Ns[w];
+    int8_t *xq = malloc(M * K);
+    float *sx = malloc(M * G * sizeof(float)), *xs = malloc(M * G * sizeof(float));
+    quantize_groups(x, M * G, 2 * h, xq, NULL, sx, xs);
+    int64_t ahead = 1 + 2048 / (G * h);          /* rows ahead: about 2 KB of nibbles */
+    for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
+        const uint8_t *qw = q[w];
+        const uint16_t *sw = scale[w], *zw = zero[w];
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t n = 0; n < Ns[w]; n++) {
+            if (n + ahead < Ns[w]) {                  /* asked for now, multiplied later */
+                prefetch_bytes(qw + (n + ahead) * G * h, G * h);
+                prefetch_bytes(sw + (n + ahead) * G, 2 * G);
+                prefetch_bytes(zw + (n + ahead) * G, 2 * G);
+            }
+            for (int64_t m = 0; m < M; m++)
+                y[m * N + first + n] = row_q4(qw + n * G * h, sw + n * G, zw + n * G,
+                                              xq + m * K, sx + m * G, xs + m * G, G, h);
+        }
+    }
+    free(xq);
+    free(sx);
+    free(xs);
+}
+
+/* one output: row n of an 8-bit weight in G groups of g (q (G g) int8, scale (G) float16)
+   . one row of x quantized by group (xq (G g) int8 values as int16, sx (G)) */
+static float row_q8(const int8_t *q, const uint16_t *scale, const int16_t *xq,
+                    const float *sx, int64_t G, int64_t g) {
+    float acc = 0;
+    int64_t k = 0;
+#ifdef AVX2
+    if (g == 32) {                      /* groups of 32 (GGUF's Q8_0 blocks) */
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (; k < G; k++) {
+            const int8_t *qk = q + k * 32;
+            const int16_t *xk = xq + k * 32;
+            __m256i p = _mm256_add_epi32(dot16_q8(xk, qk), dot16_q8(xk + 16, qk + 16));
+            __m256 f = _mm256_set1_ps(half_to_float(scale[k]) * sx[k]);
+            if (k & 1) a1 = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), a1);
+            else a0 = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), a0);
+        }
+        return hsum(_mm256_add_ps(a0, a1));
+    }
+#endif
+    for (; k < G; k++)
+        acc += half_to_float(scale[k]) * sx[k] * (float)dot_q8(xq + k * g, q + k * g, g);
+    return acc;
+}
+
+/* y (M, N) = x (M, K) @ W^T for the W weights W_w = q[w] (Ns[w], K = G g) int8 times
+   scale[w] (Ns[w], G) float16 in groups of g (GGUF's Q8_0) stacked (N = their Ns' sum),
+   x quantized to int8 by group, once for all: y[m, n] = sum over groups of
+   scale[n, k] sx[m, k] (xq[m]'s group . the group's integers) */
+void int8g_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t g, const float *x,
+                const int8_t **q, const uint16_t **scale, float *y, int threads) {
+    int64_t K = G * g, N = 0;
+    for (int64_t w = 0; w < W; w++) N += Ns[w];
+    int16_t *xq = malloc(M * K * sizeof(int16_t));
+    float *sx = malloc(M * G * sizeof(float));
+    quantize_groups(x, M * G, g, NULL, xq, sx, NULL);
+    int64_t ahead = 1 + 2048 / K;
+    for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
+        const int8_t *qw = q[w];
+        const uint16_t *sw = scale[w];
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t n = 0; n < Ns[w]; n++) {
+            if (n + ahead < Ns[w]) {                  /* as in int4_gemv */
+                prefetch_bytes(qw + (n + ahead) * K, K);
+                prefetch_bytes(sw + (n + ahead) * G, 2 * G);
+            }
+            for (int64_t m = 0; m < M; m++)
+                y[m * N + first + n] = row_q8(qw + n * K, sw + n * G, xq + m * K, sx + m * G,
+                                              G, g);
+        }
+    }
+    free(xq);
+    free(sx);
+}
+/* decode attention's three loops over a row's W keys, for one query head q and one KV head
+   (its rows at[j] + off), in float32 (AVX2 where it applies) and float64 (plain C). Each key's
+   score, weight and share of y is the same arithmetic wherever the key sits among the W, so a
+   row's result does not depend on the batch. scores: s[j] = q . key * scale + mask[j]
+   (dot_f32_1's order; four keys at a time), -inf where the mask hides the key -> the top */
+#ifdef AVX2
+static void dot4_f32(const float *q, const float *k[4], float *s, int64_t hd) {
+    vf a[4], b[4];
+    for (int r = 0; r < 4; r++) a[r] = b[r] = vzero();
+    int64_t d = 0;
+    for (; d + 2 * VL <= hd; d += 2 * VL) {
+        vf q0 = vload(q + d), q1 = vload(q + d + VL);
+        for (int r = 0; r < 4; r++) {
+            a[r] = vfma(q0, vload(k[r] + d), a[r]);
+            b[r] = vfma(q1, vload(k[r] + d + VL), b[r]);
+        }
+    }
+    if (d + VL <= hd) {
+        vf q0 = vload(q + d);
+        for (int r = 0; r < 4; r++) a[r] = vfma(q0, vload(k[r] + d), a[r]);
+        d += VL;
+    }
+    for (int r = 0; r < 4; r++) s[r] = finish_f32(vsum(a[r], b[r]), q, k[r], d, hd);
+}
+#endif
+
+static float scores_f32(const float *q, const float *kc, const int64_t *at, int64_t off,
+                        const float *mask, int64_t W, int64_t hd, float scale, float *s) {
+    int64_t j = 0;
+#ifdef AVX2
+    for (; j + 4 <= W; j += 4) {
+        const float *k[4];
+        for (int r = 0; r < 4; r++) k[r] = kc + (at[j + r] + off) * hd;
+        dot4_f32(q, k, s + j, hd);
+    }
+    for (; j < W; j++) dot_f32_1(q, kc + (at[j] + off) * hd, s + j, hd, 1);
+#else
+    for (; j < W; j++) s[j] = finish_f32(0, q, kc + (at[j] + off) * hd, 0, hd);
+#endif
+    float top = -INFINITY;
+    for (j = 0; j < W; j++) {
+        s[j] = mask[j] == -INFINITY ? -INFINITY : s[j] * scale + mask[j];
+        top = s[j] > top ? s[j] : top;
+    }
+    return top;
+}
+
+static double scores_f64(const double *q, const double *kc, const int64_t *at, int64_t off,
+                         const double *mask, int64_t W, int64_t hd, double scale, double *s) {
+    double top = -INFINITY;
+    for (int64_t j = 0; j < W; j++) {
+        const double *k = kc + (at[j] + off) * hd;
+        double dot = 0;
+        for (int64_t d = 0; d < hd; d++) dot += q[d] * k[d];
+        s[j] = mask[j] == -INFINITY ? -INFINITY : dot * scale + mask[j];
+        top = s[j] > top ? s[j] : top;
+    }
+    return top;
+}
+
+#ifdef AVX2
+/* e^x for 8 floats: x = n ln 2 + r, e^r by Cephes' polynomial for expf, 2^n in the exponent
+   bits; 0 below -87.3 (and for -inf) */
+static __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), one = _mm256_set1_ps(1.0f);
+    __m256 gone = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, one));
+    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(gone, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+#endif
+
+/* weights: s[j] = e^(s[j] - top), eight at a time (s has room for W rounded up to 8) -> their
+   sum, in the order of j */
+static float weights_f32(float *s, int64_t W, float top) {
+    int64_t j = 0;
+#ifdef AVX2
+    for (int64_t pad = W; pad % 8; pad++) s[pad] = -INFINITY;
+    for (; j < W; j += 8)
+        _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top))));
+#else
+    for (; j < W; j++) s[j] = expf(s[j] - top);
+#endif
+    float sum = 0;
+    for (j = 0; j < W; j++) sum += s[j];
+    return sum;
+}
+
+static double weights_f64(double *s, int64_t W, double top) {
+    double sum = 0;
+    for (int64_t j = 0; j < W; j++) sum += (s[j] = exp(s[j] - top));
+    return sum;
+}
+
+/* values: y (hd) = sum over j of s[j] value j, the keys of weight 0 left out, each of y's
+   values summed in the order of j; float32 with AVX2: 64 values of y at a time, held in
+   registers, then the rest a key at a time (with the multiply-add fused, as the vectors') */
+static void values_f32(const float *s, const float *vc, const int64_t *at, int64_t off,
+                       int64_t W, int64_t hd, float *y) {
+    int64_t d0 = 0;
+#ifdef AVX2
+    for (; d0 + 64 <= hd; d0 += 64) {
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < W; j++) {
+            if (s[j] == 0) continue;
+            const float *v = vc + (at[j] + off) * hd + d0;
+            __m256 p = _mm256_set1_ps(s[j]);
+            for (int r = 0; r < 8; r++)
+                acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * r), acc[r]);
+        }
+        for (int r = 0; r < 8; r++) _mm256_storeu_ps(y + d0 + 8 * r, acc[r]);
+    }
+#endif
+    for (int64_t d = d0; d < hd; d++) y[d] = 0;
+    for (int64_t j = 0; j < W && d0 < hd; j++) {
+        if (s[j] == 0) continue;
+        const float *v = vc + (at[j] + off) * hd;
+        for (int64_t d = d0; d < hd; d++)
+#ifdef AVX2
+            y[d] = fmaf(s[j], v[d], y[d]);
+#else
+            y[d] += s[j] * v[d];
+#endif
+    }
+}
+
+static void values_f64(const double *s, const double *vc, const int64_t *at, int64_t off,
+                       int64_t W, int64_t hd, double *y) {
+    for (int64_t d = 0; d < hd; d++) y[d] = 0;
+    for (int64_t j = 0; j < W; j++)
+        if (s[j] != 0)
+            for (int64_t d = 0; d < hd; d++) y[d] += s[j] * vc[(at[j] + off) * hd + d];
+}
+
+/* A decode step's attention in one layer, one new token a row, with the keys and values read
+   where they lie in the cache kc, vc ((rows, hd)): for each row b and KV head h, the new key
+   and value (k, v (B, n_kv, hd)) go to row write[b, h]; then each of h's g query heads
+   (q (B, n_kv, g, hd)) attends to the W keys at rows read[b, j] + h * hs:
+   y[b, h, i] = sum_j p_j vc[read[b, j] + h hs], p = softmax(q . kc[...] * scale + mask[b, j]),
+   the keys whose mask is -inf left out: a row's keys end at its last visible one (a shorter
+   context than the batch's longest, a prompt's early token), and none after it is read.
+   Returns 0, or 1 (nothing written) where an index lies outside the cache's rows. */
+#define DECODE_ATTENTION(NAME, T, S)                                                           \
+int NAME(int64_t B, int64_t n_kv, int64_t g, int64_t hd, int64_t W, int64_t rows, int64_t hs, \
+         const T *q, const T *k, const T *v, T *kc, T *vc, const int64_t *write,              \
+         const int64_t *read, const T *mask, double scale, T *y, int threads) {               \
+    for (int64_t i = 0; i < B * n_kv; i++)                                                    \
+        if (write[i] < 0 || write[i] >= rows) return 1;                                       \
+    for (int64_t i = 0; i < B * W; i++)                                                       \
+        if (read[i] < 0 || read[i] + (n_kv - 1) * hs >= rows) return 1;                       \
+    for (int64_t i = 0; i < B * n_kv; i++) {                   /* the new tokens, first */    \
+        memcpy(kc + write[i] * hd, k + i * hd, hd * sizeof(T));                               \
+        memcpy(vc + write[i] * hd, v + i * hd, hd * sizeof(T));                               \
+    }                                                                                         \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")        \
+    for (int64_t bh = 0; bh < B * n_kv; bh++) {                                               \
+        int64_t b = bh / n_kv, off = bh % n_kv * hs, n = W;                                   \
+        while (n > 1 && mask[b * W + n - 1] == -INFINITY) n--;   /* the keys it may see end */ \
+        T *s = malloc((W + 8) * sizeof(T));                                                   \
+        for (int64_t i = bh * g; i < (bh + 1) * g; i++) {                                     \
+            T top = scores_##S(q + i * hd, kc, read + b * W, off, mask + b * W, n, hd,        \
+                               (T)scale, s);                                                  \
+            T sum = weights_##S(s, n, top);                                                   \
+            values_##S(s, vc, read + b * W, off, n, hd, y + i * hd);                          \
+            for (int64_t d = 0; d < hd; d++) y[i * hd + d] /= sum;                            \
+        }                                                                                     \
+        free(s);                                                                              \
+    }                                                                                         \
+    return 0;                                                                                 \
+}
+DECODE_ATTENTION(decode_attention_f32, float, f32)
+DECODE_ATTENTION(decode_attention_f64, double, f64)
+
+/* y (M, N) = x (M, K) @ W^T in float64 for the W weights w[i] (Ns[i], K) stacked, in plain C:
+   each output summed in the order of k (the float64 twin of float_gemv, for the oracle) */
+static void double_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const double *x,
+                        const double **w, double *y, int threads) {
+    int64_t N = 0;
+    (void)threads;
+    for (int64_t i = 0; i < W; i++) N += Ns[i];
+    for (int64_t i = 0, first = 0; i < W; first += Ns[i++])
+        for (int64_t n = 0; n < Ns[i]; n++)
+            for (int64_t m = 0; m < M; m++) {
+                double s = 0;
+                for (int64_t k = 0; k < K; k++) s += x[m * K + k] * w[i][n * K + k];
+                y[m * N + first + n] = s;
+            }
+}
+
+/* A decoder layer's decode step, one new token a row, for M rows of the residual stream x
+   (M, d), updated in place: the layer as the model computes it, each step one loop here.
+     h = rms_norm(x) ln1;  q, k, v = h Wq^T, h Wk^T, h Wv^T (one product);  RoPE on q and k;
+     y = decode_attention(q, k, v) in the cache;  x += y Wo^T;
+     h = rms_norm(x) ln2;  g, u = h Wg^T, h Wu^T (one product);  x += (silu(g) u) Wd^T.
+   w: ln1, Wq (H hd, d), Wk, Wv (n_kv hd, d), Wo (d, H hd), ln2, Wg, Wu (ff, d), Wd (d, ff).
+   cos, sin: (rope_rows, hd), a row for each row of x or one for all. The cache's arguments
+   are decode_attention's. Returns 0, or (nothing written, x as it was) 1 where an index of
+   the cache lies outside its rows, 2 where its scratch memory cannot be had. */
+#define DECODE_LAYER(NAME, T, S, GEMV, SQRT, EXP)                                              \
+static void rms_norm_##S(const T *x, const T *w, int64_t M, int64_t d, double eps, T *h) {    \
+    for (int64_t m = 0; m < M; m++) {                                                         \
+        const T *xm = x + m * d;                                                              \
+        T ss = 0;                                                                             \
+        for (int64_t i = 0; i < d; i++) ss += xm[i] * xm[i];                                  \
+        T r = 1 / SQRT(ss / (T)d + (T)eps);                                                   \
+        for (int64_t i = 0; i < d; i++) h[m * d + i] = w[i] * (xm[i] * r);                    \
+    }                                                                                         \
+}                                                                                             \
+static void rope_##S(T *x, int64_t heads, int64_t hd, const T *c, const T *s) {               \
+    int64_t h2 = hd / 2;                                                                      \
+    for (int64_t j = 0; j < heads; j++, x += hd)                                              \
+        for (int64_t i = 0; i < h2; i++) {                                                    \
+            T a = x[i], b = x[i + h2];                                                        \
+            x[i] = a * c[i] - b * s[i];                                                       \
+            x[i + h2] = b * c[i + h2] + a * s[i + h2];                                        \
+        }                                                                                     \
+}                                                                                             \
+int NAME(int64_t M, int64_t d, int64_t H, int64_t n_kv, int64_t hd, int64_t ff, T *x,         \
+         const T **w, const T *cos, const T *sin, int64_t rope_rows, T *kc, T *vc,            \
+         int64_t rows, int64_t hs, const int64_t *write, const int64_t *read, const T *mask,  \
+         int64_t W, double eps, int threads) {                                                \
+    int64_t nq = H * hd, nk = n_kv * hd, nqkv = nq + 2 * nk;                                  \
+    T *h = malloc(M * (d + nqkv + nq + 2 * nk + nq + d + 3 * ff) * sizeof(T));                \
+    if (h == NULL) return 2;                                                                  \
+    T *qkv = h + M * d, *q = qkv + M * nqkv, *k = q + M * nq, *v = k + M * nk;                \
+    T *y = v + M * nk, *o = y + M * nq, *gu = o + M * d, *act = gu + 2 * M * ff;              \
+    int64_t Nqkv[3] = {nq, nk, nk}, Nd[1] = {d}, Ngu[2] = {ff, ff};                           \
+    rms_norm_##S(x, w[0], M, d, eps, h);                                                      \
+    GEMV(M, 3, Nqkv, d, h, w + 1, qkv, threads);                                              \
+    for (int64_t m = 0; m < M; m++) {                                                         \
+        const T *c = cos + (rope_rows > 1 ? m : 0) * hd, *s = sin + (rope_rows > 1 ? m : 0) * hd; \
+        memcpy(q + m * nq, qkv + m * nqkv, nq * sizeof(T));                                   \
+        memcpy(k + m * nk, qkv + m * nqkv + nq, nk * sizeof(T));                              \
+        memcpy(v + m * nk, qkv + m * nqkv + nq + nk, nk * sizeof(T));                         \
+        rope_##S(q + m * nq, H, hd, c, s);                                                    \
+        rope_##S(k + m * nk, n_kv, hd, c, s);                                                 \
+    }                                                                                         \
+    if (decode_attention_##S(M, n_kv, H / n_kv, hd, W, rows, hs, q, k, v, kc, vc, write,      \
+                             read, mask, pow((double)hd, -0.5), y, threads)) {                \
+        free(h);                                                                              \
+        return 1;                                                                             \
+    }                                                                                         \
+    GEMV(M, 1, Nd, nq, y, w + 4, o, threads);                                                 \
+    for (int64_t i = 0; i < M * d; i++) x[i] += o[i];                                         \
+    rms_norm_##S(x, w[5], M, d, eps, h);                                                      \
+    GEMV(M, 2, Ngu, d, h, w + 6, gu, threads);                                                \
+    for (int64_t m = 0; m < M; m++)                                                           \
+        for (int64_t i = 0; i < ff; i++) {                                                    \
+            T g = gu[m * 2 * ff + i];                                                         \
+            act[m * ff + i] = g / (1 + EXP(-g)) * gu[m * 2 * ff + ff + i];                    \
+        }                                                                                     \
+    GEMV(M, 1, Nd, ff, act, w + 8, o, threads);                                               \
+    for (int64_t i = 0; i < M * d; i++) x[i] += o[i];                                         \
+    free(h);                                                                                  \
+    return 0;                                                                                 \
+}
+DECODE_LAYER(decode_layer_f32, float, f32, float_gemv, sqrtf, expf)
+DECODE_LAYER(decode_layer_f64, double, f64, double_gemv, sqrt, exp)

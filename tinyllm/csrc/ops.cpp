@@ -1,0 +1,259 @@
+/* Step 13 - the C kernels of kernels.c as PyTorch operators, in the build's namespace
+   (TINYLLM_NS: tinyllm for library()), loaded by tinyllm/cpu_kernels.py: it compiles this file
+   against torch's headers and links it with kernels.c's object. Each operator checks what it
+   is given (a wrong dtype, shape or layout is an error, not a crash), makes its output and
+   runs the C loop on torch's thread count. A call costs a few microseconds from Python, as
+   any operator of torch's own does. */
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <cmath>
+#include <torch/library.h>
+#include <vector>
+
+extern "C" {
+void float_gemv(int64_t, int64_t, const int64_t *, int64_t, const float *, const float **,
+                float *, int);
+void int8_gemv(int64_t, int64_t, const int64_t *, int64_t, const float *, const int8_t **,
+               const uint16_t **, float *, int);
+void int4_gemv(int64_t, int64_t, const int64_t *, int64_t, int64_t, const float *,
+               const uint8_t **, const uint16_t **, const uint16_t **, float *, int);
+void int8g_gemv(int64_t, int64_t, const int64_t *, int64_t, int64_t, const float *,
+                const int8_t **, const uint16_t **, float *, int);
+int decode_attention_f32(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         const float *, const float *, const float *, float *, float *,
+                         const int64_t *, const int64_t *, const float *, double, float *, int);
+int decode_attention_f64(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         const double *, const double *, const double *, double *, double *,
+                         const int64_t *, const int64_t *, const double *, double, double *, int);
+int decode_layer_f32(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float *, const float **,
+                     const float *, const float *, int64_t, float *, float *, int64_t, int64_t,
+                     const int64_t *, const int64_t *, const float *, int64_t, double, int);
+int decode_layer_f64(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double *,
+                     const double **, const double *, const double *, int64_t, double *,
+                     double *, int64_t, int64_t, const int64_t *, const int64_t *,
+                     const double *, int64_t, double, int);
+}
+
+/* x (M, K) float32 on the CPU, contiguous (a copy where it is not) */
+static at::Tensor input(const at::Tensor &x) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "x must be (M, K) float32 on the CPU, got ", x.scalar_type(), " ", x.sizes());
+    return x.contiguous();
+}
+
+/* the data of each weight ws[i]: a contiguous CPU tensor of dtype, Ns[i] rows of per_row */
+template <typename T>
+static std::vector<const T *> rows(at::TensorList ws, const std::vector<int64_t> &Ns,
+                                   int64_t per_row, at::ScalarType dtype, const char *what) {
+    TORCH_CHECK(ws.size() == Ns.size(), what, ": ", Ns.size(), " tensors expected, got ",
+                ws.size());
+    std::vector<const T *> data;
+    for (size_t i = 0; i < ws.size(); i++) {
+        const at::Tensor &w = ws[i];
+        TORCH_CHECK(w.scalar_type() == dtype, what, "[", i, "] must be ", dtype, ", got ",
+                    w.scalar_type());
+        TORCH_CHECK(w.device().is_cpu() && w.is_contiguous(), what, "[", i,
+                    "] must be a contiguous CPU tensor");
+        TORCH_CHECK(w.dim() >= 1 && w.size(0) == Ns[i] && w.numel() == Ns[i] * per_row, what,
+                    "[", i, "] must hold ", Ns[i], " rows of ", per_row, " values, got ",
+                    w.sizes());
+        data.push_back(static_cast<const T *>(w.data_ptr()));
+    }
+    return data;
+}
+
+/* each weight's rows (N_i), and the output (M, N_1 + N_2 + ...) */
+static std::vector<int64_t> counts(at::TensorList ws) {
+    TORCH_CHECK(!ws.empty(), "the list of weights is empty");
+    std::vector<int64_t> Ns;
+    for (const at::Tensor &w : ws) Ns.push_back(w.dim() ? w.size(0) : 0);
+    return Ns;
+}
+static at::Tensor output(const at::Tensor &x, const std::vector<int64_t> &Ns) {
+    int64_t N = 0;
+    for (int64_t n : Ns) N += n;
+    return at::empty({x.size(0), N}, x.options());
+}
+
+static at::Tensor float_gemv_op(const at::Tensor &x_, at::TensorList w) {
+    at::Tensor x = input(x_);
+    std::vector<int64_t> Ns = counts(w);
+    std::vector<const float *> wd = rows<float>(w, Ns, x.size(1), at::kFloat, "w");
+    at::Tensor y = output(x, Ns);
+    float_gemv(x.size(0), Ns.size(), Ns.data(), x.size(1), x.data_ptr<float>(), wd.data(),
+               y.data_ptr<float>(), at::get_num_threads());
+    return y;
+}
+
+static at::Tensor int8_gemv_op(const at::Tensor &x_, at::TensorList q, at::TensorList scale) {
+    at::Tensor x = input(x_);
+    std::vector<int64_t> Ns = counts(q);
+    std::vector<const int8_t *> qd = rows<int8_t>(q, Ns, x.size(1), at::kChar, "q");
+    std::vector<const uint16_t *> sd = rows<uint16_t>(scale, Ns, 1, at::kHalf, "scale");
+    at::Tensor y = output(x, Ns);
+    int8_gemv(x.size(0), Ns.size(), Ns.data(), x.size(1), x.data_ptr<float>(), qd.data(),
+              sd.data(), y.data_ptr<float>(), at::get_num_threads());
+    return y;
+}
+
+static at::Tensor int4_gemv_op(const at::Tensor &x_, at::TensorList q, at::TensorList scale,
+                               at::TensorList zero) {
+    at::Tensor x = input(x_);
+    std::vector<int64_t> Ns = counts(q);
+    TORCH_CHECK(q[0].dim() == 3, "q must be (N, G, h) bytes, got ", q[0].sizes());
+    int64_t G = q[0].size(1), h = q[0].size(2);
+    TORCH_CHECK(2 * h * G == x.size(1), "x's ", x.size(1), " columns are not the weights' ",
+                2 * h * G);
+    std::vector<const uint8_t *> qd = rows<uint8_t>(q, Ns, G * h, at::kByte, "q");
+    std::vector<const uint16_t *> sd = rows<uint16_t>(scale, Ns, G, at::kHalf, "scale");
+    std::vector<const uint16_t *> zd = rows<uint16_t>(zero, Ns, G, at::kHalf, "zero");
+    at::Tensor y = output(x, Ns);
+    int4_gemv(x.size(0), Ns.size(), Ns.data(), G, h, x.data_ptr<float>(), qd.data(), sd.data(),
+              zd.data(), y.data_ptr<float>(), at::get_num_threads());
+    return y;
+}
+
+static at::Tensor int8g_gemv_op(const at::Tensor &x_, at::TensorList q, at::TensorList scale) {
+    at::Tensor x = input(x_);
+    std::vector<int64_t> Ns = counts(q);
+    int64_t K = x.size(1), G = scale.empty() || scale[0].dim() < 2 ? 0 : scale[0].size(1);
+    TORCH_CHECK(G > 0 && K % G == 0, "scale must be (N, G) with G dividing x's ", K,
+                " columns");
+    std::vector<const int8_t *> qd = rows<int8_t>(q, Ns, K, at::kChar, "q");
+    std::vector<const uint16_t *> sd = rows<uint16_t>(scale, Ns, G, at::kHalf, "scale");
+    at::Tensor y = output(x, Ns);
+    int8g_gemv(x.size(0), Ns.size(), Ns.data(), G, K / G, x.data_ptr<float>(), qd.data(),
+               sd.data(), y.data_ptr<float>(), at::get_num_threads());
+    return y;
+}
+
+/* The cache's arguments of a decode step of B rows, n_kv KV heads of hd values each, as
+   decode_attention and decode_layer take them (their dtype checked by each op) */
+static void check_cache(const at::Tensor &keys, const at::Tensor &values, const at::Tensor &write,
+                        const at::Tensor &read, const at::Tensor &mask, int64_t B, int64_t n_kv,
+                        int64_t hd) {
+    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && hd > 0 &&
+                keys.numel() == values.numel() && keys.numel() % hd == 0,
+                "keys and values must be contiguous rows of ", hd, " values");
+    TORCH_CHECK(write.scalar_type() == at::kLong && write.numel() == B * n_kv,
+                "write must be (B, n_kv) int64");
+    TORCH_CHECK(read.scalar_type() == at::kLong && read.dim() == 2 && read.size(0) == B &&
+                mask.sizes() == read.sizes(), "read and mask must be (B, W), read int64");
+}
+
+static at::Tensor decode_attention_op(const at::Tensor &q_, const at::Tensor &k_,
+                                      const at::Tensor &v_, at::Tensor &keys, at::Tensor &values,
+                                      const at::Tensor &write_, const at::Tensor &read_,
+                                      int64_t head_stride, const at::Tensor &mask_) {
+    at::ScalarType dtype = keys.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+                "decode_attention runs in float32 or float64, not ", dtype);
+    TORCH_CHECK(q_.dim() == 4, "q must be (B, n_kv, g, hd), got ", q_.sizes());
+    int64_t B = q_.size(0), n_kv = q_.size(1), g = q_.size(2), hd = q_.size(3);
+    for (const at::Tensor *t : std::initializer_list<const at::Tensor *>{&q_, &k_, &v_, &keys,
+                                                                       &values, &mask_})
+        TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(),
+                    "q, k, v, the cache and the mask must be CPU tensors of one dtype");
+    check_cache(keys, values, write_, read_, mask_, B, n_kv, hd);
+    TORCH_CHECK(k_.numel() == B * n_kv * hd && v_.numel() == B * n_kv * hd,
+                "k and v must be (B, n_kv, 1, hd) = (", B, ", ", n_kv, ", 1, ", hd, ")");
+    at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+    at::Tensor write = write_.contiguous(), read = read_.contiguous(), mask = mask_.contiguous();
+    at::Tensor y = at::empty(q.sizes(), q.options());
+    int64_t W = read.size(1), cached = keys.numel() / hd, threads = at::get_num_threads();
+    double scale = std::pow((double)hd, -0.5);
+    int outside = dtype == at::kFloat
+        ? decode_attention_f32(B, n_kv, g, hd, W, cached, head_stride, q.data_ptr<float>(),
+                               k.data_ptr<float>(), v.data_ptr<float>(), keys.data_ptr<float>(),
+                               values.data_ptr<float>(), write.data_ptr<int64_t>(),
+                               read.data_ptr<int64_t>(), mask.data_ptr<float>(), scale,
+                               y.data_ptr<float>(), threads)
+        : decode_attention_f64(B, n_kv, g, hd, W, cached, head_stride, q.data_ptr<double>(),
+                               k.data_ptr<double>(), v.data_ptr<double>(),
+                               keys.data_ptr<double>(), values.data_ptr<double>(),
+                               write.data_ptr<int64_t>(), read.data_ptr<int64_t>(),
+                               mask.data_ptr<double>(), scale, y.data_ptr<double>(), threads);
+    TORCH_CHECK_INDEX(!outside, "decode_attention: a row to write or read lies outside the "
+                      "cache's ", cached, " rows");
+    return y;
+}
+
+static at::Tensor decode_layer_op(const at::Tensor &x_, at::TensorList w, const at::Tensor &cos_,
+                                  const at::Tensor &sin_, at::Tensor &keys, at::Tensor &values,
+                                  const at::Tensor &write_, const at::Tensor &read_,
+                                  int64_t head_stride, const at::Tensor &mask_, int64_t n_heads,
+                                  double eps) {
+    at::ScalarType dtype = x_.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+                "decode_layer runs in float32 or float64, not ", dtype);
+    TORCH_CHECK(x_.dim() == 2 && x_.device().is_cpu(), "x must be (M, d) on the CPU, got ",
+                x_.sizes());
+    TORCH_CHECK(w.size() == 9, "w must hold the layer's 9 weights (ln1, q, k, v, o, ln2, gate, "
+                "up, down), got ", w.size());
+    int64_t M = x_.size(0), d = x_.size(1), hd = cos_.size(-1);
+    int64_t n_kv = w[2].dim() == 2 && hd > 0 ? w[2].size(0) / hd : 0;
+    int64_t ff = w[6].dim() == 2 ? w[6].size(0) : 0, H = n_heads;
+    TORCH_CHECK(H > 0 && n_kv > 0 && H % n_kv == 0 && hd > 0 && hd % 2 == 0,
+                "n_heads must be a multiple of n_kv and head_dim even");
+    const std::vector<std::vector<int64_t>> shapes = {{d}, {H * hd, d}, {n_kv * hd, d},
+        {n_kv * hd, d}, {d, H * hd}, {d}, {ff, d}, {ff, d}, {d, ff}};
+    std::vector<const void *> wd;
+    for (size_t i = 0; i < 9; i++) {
+        TORCH_CHECK(w[i].scalar_type() == dtype && w[i].device().is_cpu() &&
+                    w[i].is_contiguous() && w[i].sizes() == at::IntArrayRef(shapes[i]),
+                    "w[", i, "] must be a contiguous CPU tensor of x's dtype, shaped ",
+                    at::IntArrayRef(shapes[i]), ", got ", w[i].scalar_type(), " ", w[i].sizes());
+        wd.push_back(w[i].data_ptr());
+    }
+    for (const at::Tensor *t : std::initializer_list<const at::Tensor *>{&cos_, &sin_, &keys,
+                                                                       &values, &mask_})
+        TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(),
+                    "cos, sin, the cache and the mask must be CPU tensors of x's dtype");
+    at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous();
+    int64_t rope_rows = cos.numel() / hd;
+    TORCH_CHECK(sin.sizes() == cos.sizes() && (rope_rows == 1 || rope_rows == M),
+                "cos and sin must hold one row of head_dim for every row of x, or one for all");
+    check_cache(keys, values, write_, read_, mask_, M, n_kv, hd);
+    at::Tensor x = x_.contiguous().clone(), read = read_.contiguous(), mask = mask_.contiguous();
+    at::Tensor write = write_.contiguous();
+    int64_t W = read.size(1), cached = keys.numel() / hd, threads = at::get_num_threads();
+    int outside = dtype == at::kFloat
+        ? decode_layer_f32(M, d, H, n_kv, hd, ff, x.data_ptr<float>(), (const float **)wd.data(),
+                           cos.data_ptr<float>(), sin.data_ptr<float>(), rope_rows,
+                           keys.data_ptr<float>(), values.data_ptr<float>(), cached,
+                           head_stride, write.data_ptr<int64_t>(), read.data_ptr<int64_t>(),
+                           mask.data_ptr<float>(), W, eps, threads)
+        : decode_layer_f64(M, d, H, n_kv, hd, ff, x.data_ptr<double>(),
+                           (const double **)wd.data(), cos.data_ptr<double>(),
+                           sin.data_ptr<double>(), rope_rows, keys.data_ptr<double>(),
+                           values.data_ptr<double>(), cached, head_stride,
+                           write.data_ptr<int64_t>(), read.data_ptr<int64_t>(),
+                           mask.data_ptr<double>(), W, eps, threads);
+    TORCH_CHECK(outside != 2, "decode_layer: no memory for the step's ", M, " rows");
+    TORCH_CHECK_INDEX(!outside, "decode_layer: a row to write or read lies outside the cache's ",
+                      cached, " rows");
+    return x;
+}
+
+#define DEFINE(ns) TORCH_LIBRARY(ns, m)      /* TINYLLM_NS expanded first */
+#define IMPLEMENT(ns) TORCH_LIBRARY_IMPL(ns, CPU, m)
+DEFINE(TINYLLM_NS) {
+    m.def("float_gemv(Tensor x, Tensor[] w) -> Tensor");
+    m.def("int8_gemv(Tensor x, Tensor[] q, Tensor[] scale) -> Tensor");
+    m.def("int4_gemv(Tensor x, Tensor[] q, Tensor[] scale, Tensor[] zero) -> Tensor");
+    m.def("int8g_gemv(Tensor x, Tensor[] q, Tensor[] scale) -> Tensor");
+    m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, "
+          "Tensor write, Tensor read, int head_stride, Tensor mask) -> Tensor");
+    m.def("decode_layer(Tensor x, Tensor[] w, Tensor cos, Tensor sin, Tensor(a!) keys, "
+          "Tensor(b!) values, Tensor write, Tensor read, int head_stride, Tensor mask, "
+          "int n_heads, float eps) -> Tensor");
+}
+IMPLEMENT(TINYLLM_NS) {
+    m.impl("float_gemv", float_gemv_op);
+    m.impl("int8_gemv", int8_gemv_op);
+    m.impl("int4_gemv", int4_gemv_op);
+    m.impl("int8g_gemv", int8g_gemv_op);
+    m.impl("decode_attention", decode_attention_op);
+    m.impl("decode_layer", decode_layer_op);
+}
