@@ -106,14 +106,17 @@ def test_a_process_compiles_more_decoders_than_torch_compiles_limit(monkeypatch)
     the same code, and past torch.compile's recompile limit a step compiled with fullgraph
     fails. Every new decoder lifts the limit by its buckets, so a process (a long-running
     notebook, a benchmark of many engines) may make as many as it likes."""
-    monkeypatch.setattr("tinyllm.compiled.RECOMPILE_LIMIT", 1)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    entries = len(_debug_get_cache_entry_list(CompiledDecoder.run_eager.__code__))
+    monkeypatch.setattr("tinyllm.compiled.RECOMPILE_LIMIT", 1)  # room for one entry more
     cfg, req = TINY.cfg, Request([1, 2, 3], 3)
-    for W in (8, 9, 10):  # a bucket of its own each: one more compiled entry each
-        slots = SlotKVCache(cfg.n_layers, 1, cfg.n_kv_heads, cfg.head_dim, W, torch.float64)
-        decoder = CompiledDecoder(TINY, slots, (W,))
-        results, _ = run_continuous(TINY, [req], 1, decoder=decoder)
-        assert results[0].tokens == solo(req) and decoder.compile_s
+    with torch._dynamo.config.patch(recompile_limit=entries + 1):
+        for W in (8, 9, 10):  # a bucket of its own each: one more compiled entry each
+            slots = SlotKVCache(cfg.n_layers, 1, cfg.n_kv_heads, cfg.head_dim, W, torch.float64)
+            decoder = CompiledDecoder(TINY, slots, (W,))
+            results, _ = run_continuous(TINY, [req], 1, decoder=decoder)
+            assert results[0].tokens == solo(req) and decoder.compile_s
 
 
 def test_a_compiled_decoder_travels_without_its_compiled_steps(compiled):

@@ -30,7 +30,6 @@ from tinyllm.quant import (
     quantize_int8,
     rounded_activations,
 )
-from tinyllm.requests import Request
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.library() is None, reason="no C compiler: the kernels cannot be built"
@@ -374,41 +373,6 @@ def test_a_machine_where_the_kernels_do_not_compile_is_told_why(tmp_path, monkey
     with pytest.warns(UserWarning, match="did not compile here.*no such instruction set"):
         assert cpu_kernels.library.__wrapped__() is None
     assert not list((tmp_path / "kernels").glob("*.so"))
-
-
-@pytest.mark.parametrize("kv", ["slots", "paged"])
-def test_every_decode_step_attends_in_the_c_kernel_on_slot_and_paged_caches(kv, monkeypatch):
-    """On a CPU in float32 and float64, the engine's steps attend in decode_attention, a call
-    a layer: its decodes, and a packed step (prompts of different lengths, or a newcomer's
-    prompt beside the decodes, in one pass: a query row per new token); prompts of one length,
-    whole rows with no padding, go to the library. Its tokens are the solo ones (the oracle
-    tests, in float64, run the kernel on every workload)."""
-    calls = []
-    kernel = cpu_kernels.decode_attention
-    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
-    same = [Request([1, 2, 3], 5, eos_id=0), Request([4, 5, 6], 7, eos_id=0)]
-    for dtype in (torch.float32, torch.float64):
-        model = make_tiny(seed=4, dtype=dtype)
-        kw = dict(kv=kv, block_size=4) if kv == "paged" else dict(kv=kv)
-        for reqs, whole in ((REQS[:3], 0), (same, 1)):  # REQS[2] joins beside a decode
-            eng = ContinuousEngine(model, 2, **kw)
-            mixed, prefill = [], eng.runner.prefill
-
-            def counted(chunks, decodes=(), prefill=prefill, mixed=mixed):
-                mixed.append(bool(decodes))
-                return prefill(chunks, decodes)
-
-            eng.runner.prefill = counted
-            rids = [eng.add_request(r) for r in reqs]
-            steps = 0
-            while eng.has_work():
-                eng.step()
-                steps += 1
-            got = [eng.results.pop(r).tokens for r in rids]
-            assert got == [solo(model, r).tokens for r in reqs]
-            assert mixed == [False, True][: len(reqs) - 1], "a newcomer joins beside a decode"
-            assert len(calls) == (steps - whole) * model.cfg.n_layers, f"{dtype}: {len(calls)}"
-            calls.clear()
 
 
 def test_the_layers_pick_the_kernels_in_float32_and_agree_across_row_counts():

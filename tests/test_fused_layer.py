@@ -17,6 +17,7 @@ from tests.conftest import MIXED_REQUESTS as REQS
 from tests.conftest import make_tiny
 from tinyllm import cpu_kernels
 from tinyllm.continuous import ContinuousEngine
+from tinyllm.cpu_attention import kernel_rows
 from tinyllm.fused_layer import FusedDecoder, layer_weights
 from tinyllm.generate import solo
 from tinyllm.paged_kv import PagedKVCache
@@ -203,9 +204,9 @@ def test_an_index_outside_the_cache_raises_and_writes_nothing():
         model(torch.tensor([[4, 5, 6]]), cache=cache)
     cache.plan_step([0], [1])
     cos, sin = model.rope(cache.begin_step(1))
-    keys, values, write, read, stride, mask = cache.decode_layout(0, 1)
-    before = [t.clone() for t in (keys, values)]
     x = torch.randn(1, model.cfg.d_model, dtype=torch.float64)
+    keys, values, write, read, stride, mask = kernel_rows(cache, 0, x)
+    before = [t.clone() for t in (keys, values)]
     x0 = x.clone()
     for bad_write, bad_read in [(keys.numel() // keys.size(-1), None), (None, -1)]:
         w, r = write.clone(), read.clone()
@@ -238,8 +239,8 @@ def test_bad_weights_are_named():
     cache.admit(0, 1)
     cache.plan_step([0], [1])
     cos, sin = model.rope(cache.begin_step(1))
-    layout = cache.decode_layout(0, 1)
     x = torch.zeros(1, model.cfg.d_model, dtype=torch.float64)
+    layout = kernel_rows(cache, 0, x)
     run = lambda x, w: cpu_kernels.decode_layer(x, w, cos, sin, *layout, 4, 1e-5)
     with pytest.raises(RuntimeError, match="9 weights"):
         run(x, w[:8])

@@ -17,10 +17,9 @@ counted.
 (tools/oracle.py); COVERED counts it as it goes.
 """
 
+import copy
 import dataclasses
 from collections import Counter
-from contextlib import nullcontext
-from unittest import mock
 
 import pytest
 import torch
@@ -33,11 +32,11 @@ from tests.conftest import make_tiny
 from tinyllm.checkpoints.tokenizer import Tokenizer
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
+from tinyllm.cpu_attention import QUERY_ROWS, install
 from tinyllm.generate import solo
 from tinyllm.quant import quantize
 from tinyllm.requests import Request, Result
 from tinyllm.sampling import Sampling
-from tinyllm.slot_cache import QUERY_ROWS
 from tinyllm.stats import kv_bytes_per_token
 from tinyllm.structured import Constraint, LLGuidance, byte_alphabet
 
@@ -62,6 +61,7 @@ def tiny(seed: int = 41):
 
 
 MODELS = {"float": tiny(), "int8": quantize(tiny(), "int8"), "int4": quantize(tiny(), "int4")}
+C_MODELS = {weights: install(copy.deepcopy(m)) for weights, m in MODELS.items()}  # C attention
 DRAFT = make_tiny(seed=43, n_layers=1)  # a draft of its own, with the targets' vocabulary
 GRAMMARS = LLGuidance(tiny_tokenizer(), V)
 CONSTRAINTS = [
@@ -300,11 +300,6 @@ def check_solo(model, config: EngineConfig, reqs, rids, aborted, results: dict) 
             COVERED["constrained"] += s.constraint is not None
 
 
-def no_c_attention():
-    """The library's attention everywhere (the eager path the C kernel is held to)."""
-    return mock.patch("tinyllm.model.kernel_layout", lambda *args: None)
-
-
 def run_example(data) -> None:
     """One drawn configuration and workload through the engine, every choice against solo."""
     weights, config, c_attention = data.draw(configs())
@@ -313,7 +308,7 @@ def run_example(data) -> None:
         COVERED["refused: " + c_attention.split(":")[0][:60]] += 1
         event("refused by the config")
         return
-    model = MODELS[weights]
+    model = (C_MODELS if c_attention else MODELS)[weights]
     reqs = data.draw(workloads(config))
     config = fitted(config, model, reqs, data)
     own = config.speculate == "draft" and data.draw(st.booleans())  # a draft model of its own
@@ -325,9 +320,8 @@ def run_example(data) -> None:
         COVERED["refused: " + str(e)[:60]] += 1
         event("refused by the engine")
         return
-    with nullcontext() if c_attention else no_c_attention():
-        rids, aborted = drive(eng, reqs, data)
-    check_solo(model, config, reqs, rids, aborted, eng.results)
+    rids, aborted = drive(eng, reqs, data)
+    check_solo(MODELS[weights], config, reqs, rids, aborted, eng.results)  # the plain model
     assert not eng.results, "results of requests nobody added"
     st_ = eng.stats
     COVERED.update(
@@ -373,12 +367,11 @@ def test_newcomers_sharing_a_long_ones_blocks_get_their_solo_logprobs(c_attentio
     tails = ((32, [3]), (36, [5, 6]), (20, [9] * 9))
     reqs = [Request(stem, 6, sampling=s)] + [Request(stem[:n] + t, 6, sampling=s) for n, t in tails]
     config = EngineConfig(4, kv="paged", block_size=4, prefix_cache=True)
-    eng = ContinuousEngine(MODELS["float"], config)
+    eng = ContinuousEngine((C_MODELS if c_attention else MODELS)["float"], config)
     rids = [eng.add_request(r) for r in reqs]
-    with nullcontext() if c_attention else no_c_attention():
+    eng.step()
+    cached = sum(seq.num_cached_tokens for seq in eng._seqs.values())
+    assert cached == 32 + 36 + 20, "the three share the stem in the step that admits them"
+    while eng.has_work():
         eng.step()
-        cached = sum(seq.num_cached_tokens for seq in eng._seqs.values())
-        assert cached == 32 + 36 + 20, "the three share the stem in the step that admits them"
-        while eng.has_work():
-            eng.step()
     check_solo(MODELS["float"], config, reqs, rids, set(), eng.results)

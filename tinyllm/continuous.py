@@ -38,12 +38,12 @@ from tinyllm.model import Transformer, gpu_dtype, unpacked
 from tinyllm.paged_kv import PagedKVCache
 from tinyllm.piecewise import PiecewiseDecoder
 from tinyllm.requests import Event, Request, Result, Sequence, check_request
-from tinyllm.sampling import check_generator
+from tinyllm.sampling import Sampling, check_generator
 from tinyllm.scheduler import Scheduler
 from tinyllm.slot_cache import SlotCache, SlotKVCache
 from tinyllm.speculative import make_speculator
 from tinyllm.stats import Stats, Trace, kv_bytes_per_token, sync_device
-from tinyllm.structured import new_matchers
+from tinyllm.token_stage import new_matchers
 
 
 def make_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks: int | None,
@@ -300,9 +300,11 @@ def record_decode_step(stats: Stats, cache: SlotCache, n_rows: int, ragged: bool
                       used / cache.reserved_tokens(), used / max(1, cache.allocated_tokens()))
 
 
-def fitting(req: Request, cache: SlotCache) -> Request:
-    """A checked request, if its prompt and new tokens can fit the cache alone; else a
-    ValueError saying why not."""
+def fitting(req: Request, model: Transformer, cache: SlotCache, default: Sampling) -> Request:
+    """The request checked (check_request, against the model; its sampling the request's or
+    default), if its prompt and new tokens can fit the cache alone (whose max_len may be less
+    than the model's); else a ValueError saying why not."""
+    req = check_request(req, model.cfg.vocab_size, model.cfg.max_seq_len, default)
     n = len(req.prompt) + req.max_new_tokens
     if (why := cache.never_fits(n)) is not None:
         raise ValueError(f"prompt of {len(req.prompt)} tokens + {req.max_new_tokens} new "
@@ -361,10 +363,8 @@ class ContinuousEngine:
 
     def add_request(self, req: Request) -> int:
         """Queue a request; returns its id. Raises at once (and changes nothing) if it is
-        malformed or can never fit the cache (whose max_len may be less than the model's)."""
-        cfg = self.model.cfg
-        req = fitting(check_request(req, cfg.vocab_size, cfg.max_seq_len, self.sampling),
-                      self.cache)
+        malformed or can never fit the cache."""
+        req = fitting(req, self.model, self.cache, self.sampling)
         choices, now, first = req.sampling.choices(), self.now(), None
         matchers = new_matchers(self.grammars, choices)    # a constraint's, or None (12)
         for s, matcher in zip(choices, matchers):       # n > 1: rids rid, rid + 1, ...

@@ -30,7 +30,7 @@ activations too and multiply integers, as llama.cpp's products do:
   memory take turns. On one core of an Intel Xeon with AVX-512, SmolLM2's int4 layers at one
   row went from 15.6 to 9 ms a step that way.
 - `decode_attention`: a decode step's attention in one layer, read where the cache holds the
-  keys and values (a slot's rows, a paged pool's blocks: the cache's `decode_layout`), as
+  keys and values (a slot's rows, a paged pool's blocks: the cache's `layout`), as
   vLLM's paged attention reads them, with no gather: the new key and value written, then for
   each query head the scores four keys at a time, their exponentials eight at a time, and the
   weighted values with the output in registers. One call a layer replaces the update's writes

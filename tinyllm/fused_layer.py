@@ -16,7 +16,7 @@ library's blocked products do more of it a cycle, so a step of more than FUSED_R
 runs the model as it is, as GemvLinear hands such products to the library.
 
 It serves a model of float weights (float32, or float64 for the oracle tests) without biases on
-a CPU, with a cache that says where its keys lie (`decode_layout`: slots, a paged pool, a prefix
+a CPU, with a cache that says where its keys lie (`layout`: slots, a paged pool, a prefix
 cache), the continuous engine's decoder="fused"; a model it cannot compute is refused by name
 (`FusedDecoder.refusal`). A step of several tokens a row, or a cache without a layout or in
 another dtype, runs the model as it is.
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from tinyllm import cpu_kernels
+from tinyllm.cpu_attention import kernel_rows
 from tinyllm.model import Transformer
 from tinyllm.quant import FUSED_ROWS, QuantLinear
 
@@ -79,13 +80,13 @@ class FusedDecoder:
     @torch.no_grad()
     def __call__(self, idx: Tensor, cache) -> tuple[Tensor, None]:
         m, (B, T) = self.model, idx.shape
-        if (T != 1 or B > FUSED_ROWS or not hasattr(cache, "decode_layout")
+        if (T != 1 or B > FUSED_ROWS or not hasattr(cache, "layout")
                 or cache.k[0].dtype != m.embed_tokens.weight.dtype):
             return m(idx, cache=cache)                                  # the library's GEMMs
         cos, sin = m.rope(cache.begin_step(1))                          # (B or 1, 1, 1, hd)
         x = m.embed_tokens(idx).view(B, -1)                             # (B, d)
         for i, w in enumerate(self.weights):                            # x (B, d) a layer
-            x = cpu_kernels.decode_layer(x, w, cos, sin, *cache.decode_layout(i, B),
+            x = cpu_kernels.decode_layer(x, w, cos, sin, *kernel_rows(cache, i, x),
                                          m.cfg.n_heads, m.cfg.norm_eps)
         cache.end_step()
         return m.compute_logits(x).view(B, 1, -1), None                 # (B, 1, V)

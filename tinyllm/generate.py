@@ -30,7 +30,7 @@ from tinyllm.requests import (
     finish_reason,
 )
 from tinyllm.sampling import Sampling, check_generator, check_sampling, sample_next
-from tinyllm.structured import new_matchers
+from tinyllm.token_stage import new_matchers
 
 
 def autocast_for(device: torch.device):

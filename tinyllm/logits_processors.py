@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from tinyllm.sampling import Sampling
-from tinyllm.structured import unpack_bitmask
 
 
 @dataclass
@@ -138,6 +137,12 @@ class Penalties(LogitsProcessor):
                                            dtype=logits.dtype, device=logits.device)  # (B, 1)
         return apply_penalties(logits, counts, seen, column("presence_penalty"),
                                column("frequency_penalty"), column("repetition_penalty"))
+
+
+def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """(B, W) int32 words -> (B, vocab_size) bool: token 32 w + j is bit j of word w."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, device=bitmask.device)) & 1  # (B, W, 32)
+    return bits.flatten(1)[:, :vocab_size].bool()
 
 
 def apply_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:

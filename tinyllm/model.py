@@ -10,10 +10,9 @@ The model never knows which KV cache it is given: a forward pass begins a step o
 ends the step (`kv_cache.Cache`). With no cache it is plain causal attention over the whole
 input: the slow reference every fast path is checked against. A ragged step with padding
 (slot_cache.py) is packed: the layers compute its new tokens alone, as one row of N tokens, and
-attention puts them back in their sequences (`Attention.packed`). On a CPU, with a slot or paged
-cache, a decode step's tokens, and a packed step's tokens of short rows, attend in one C call a
-layer where the cache keeps their keys (`Attention.decode`, step 13); a packed step's long rows
-(prompt chunks) attend through `scaled_dot_product_attention`.
+attention puts them back in their sequences (`Attention.packed`). Attention is one module a
+layer, so a faster one can take its place on a loaded model (step 13's C attention, as
+`quantize` puts quantized layers in the place of the linear ones).
 """
 
 import math
@@ -22,8 +21,6 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from tinyllm import cpu_kernels
 
 
 def gpu_dtype(device) -> torch.dtype:
@@ -143,13 +140,9 @@ class Attention(nn.Module):
         """x (B, T, d) -> (B, T, d). In a packed step (cache.packing, see layers_pass) x is
         (1, N, d), the step's N new tokens; attention alone sees them in their rows."""
         B, T, _ = x.shape
-        hd = self.head_dim
         if getattr(cache, "packing", None) is not None:
             return self.o_proj(self.packed(x, cos, sin, cache))               # (1, N, d)
-        q = self.q_proj(x).view(B, T, self.n_heads, hd).transpose(1, 2)       # (B, H, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, hd).transpose(1, 2)    # (B, n_kv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, hd).transpose(1, 2)    # (B, n_kv, T, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.qkv(x, cos, sin)                 # (B, H, T, hd), (B, n_kv, T, hd) twice
         if T == 1 and cache is not None:
             y = self.decode(q, k, v, cache)                                   # (B, H, 1, hd)
         else:
@@ -160,63 +153,66 @@ class Attention(nn.Module):
                 causal = False
             k, v = repeat_kv(k, self.n_heads), repeat_kv(v, self.n_heads)     # (B, H, S, hd)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, H * hd)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)     # (B, T, H * hd)
         return self.o_proj(y)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The queries, keys and values of x (B, T, d), rotated to their positions: q (B, H, T,
+        hd), k and v (B, n_kv, T, hd)."""
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q = self.q_proj(x).view(B, T, self.n_heads, hd).transpose(1, 2)       # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, hd).transpose(1, 2)    # (B, n_kv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, hd).transpose(1, 2)    # (B, n_kv, T, hd)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def packed(self, x: Tensor, cos: Tensor, sin: Tensor, cache) -> Tensor:
         """Attention of a packed step: x (1, N, d), the N new tokens of the step's B rows in
         row order, cos and sin at their positions (1, 1, N, hd) -> (1, N, H * hd). The
-        products and RoPE run on the N tokens. On a CPU (kernel_layout) the tokens of the rows
-        of few tokens (a decode, a short prompt: cache.packing.decodes) attend in one
-        decode_attention call, a query row each, as in a decode step. The longer rows go back
-        into their (rows, T) columns for scaled_dot_product_attention, the cache's mask hiding
-        what each may not see; where the kernel does not run, the rows of one token go there
-        too, as a group of their own, so that no decode is padded to a prompt's width. Every
-        row's new keys and values are in the cache before any row attends (cache.store, then
-        cache.read): rows of one step may share blocks (08)."""
-        N, hd, packing = x.size(1), self.head_dim, cache.packing
-        q = self.q_proj(x).view(1, N, self.n_heads, hd).transpose(1, 2)       # (1, H, N, hd)
-        k = self.k_proj(x).view(1, N, self.n_kv_heads, hd).transpose(1, 2)    # (1, n_kv, N, hd)
-        v = self.v_proj(x).view(1, N, self.n_kv_heads, hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))       # (N, h, hd): a token a row
-        y, few = qt.new_empty(N, self.n_heads, hd), packing.decodes
-        layout = kernel_layout(cache, self.layer, vt[few][:, :, None]) if len(few) else None
-        groups = packing.library_rows(kernel=layout is not None)
-        for rows in groups:     # 1) every new key stored before any row reads: a newcomer may
-            among = packing.tokens(rows)[0]     # attend to blocks another one writes now (08)
+        products and RoPE run on the N tokens; attention takes the rows in groups
+        (cache.packing.groups: the rows of one token, then the others), each back in its
+        (rows, T) columns for scaled_dot_product_attention, the cache's mask hiding what each
+        may not see. Every row's new keys and values are in the cache before any row attends
+        (store, then attend): rows of one step may share blocks (08)."""
+        q, k, v = self.qkv(x, cos, sin)                 # (1, H, N, hd), (1, n_kv, N, hd) twice
+        groups = cache.packing.groups()
+        self.store(k, v, cache, groups)
+        y = self.attend(q, cache, groups, q.new_empty(x.size(1), self.n_heads, self.head_dim))
+        return y.view(1, x.size(1), self.n_heads * self.head_dim)            # (1, N, H * hd)
+
+    def store(self, k: Tensor, v: Tensor, cache, groups: list[list[int]]) -> None:
+        """A packed step's new keys and values k, v (1, n_kv, N, hd), the tokens of each group
+        of rows stored in the cache (cache.store)."""
+        for rows in groups:
+            among = cache.packing.tokens(rows)[0]                            # of the N
             cache.store(self.layer, k[:, :, among], v[:, :, among], rows)
-        if layout is not None:                  # 2) the short rows' tokens, in C (13): their
-            y[few] = cpu_kernels.decode_attention(          # keys stored, then they attend
-                qt[few].reshape(len(few), self.n_kv_heads, -1, hd), kt[few][:, :, None],
-                vt[few][:, :, None], *layout).view(len(few), self.n_heads, hd)
-        for rows in groups:                     # 3) the others, in groups
-            among, cols, T = packing.tokens(rows)       # their tokens: of the N, of (R * T)
+
+    def attend(self, q: Tensor, cache, groups: list[list[int]], y: Tensor) -> Tensor:
+        """Each group of a packed step's rows attends, its queries q (1, H, N, hd) back in its
+        (rows, T) columns, to the keys and mask the cache reads for it; its tokens' outputs go
+        to their places in y (N, H, hd), which is returned."""
+        qt = q[0].transpose(0, 1)                                             # (N, H, hd)
+        H, hd = self.n_heads, self.head_dim
+        for rows in groups:
+            among, cols, T = cache.packing.tokens(rows)  # their tokens: of the N, of (R * T)
             keys, values, mask = cache.read(self.layer, rows)
             R = len(rows)                               # keys (R, n_kv, W, hd), mask (R, 1, _, W)
-            grid = qt.new_zeros(R * T, self.n_heads, hd).index_copy_(0, cols, qt[among])
-            keys, values = repeat_kv(keys, self.n_heads), repeat_kv(values, self.n_heads)
-            out = F.scaled_dot_product_attention(grid.view(R, T, self.n_heads, hd).transpose(1, 2),
+            grid = qt.new_zeros(R * T, H, hd).index_copy_(0, cols, qt[among])
+            keys, values = repeat_kv(keys, H), repeat_kv(values, H)           # (R, H, W, hd)
+            out = F.scaled_dot_product_attention(grid.view(R, T, H, hd).transpose(1, 2),
                                                  keys, values, attn_mask=mask[:, :, :T])
-            y[among] = out.transpose(1, 2).reshape(R * T, self.n_heads, hd)[cols]  # (R, H, T, hd)
-        return y.view(1, N, self.n_heads * hd)                                # (1, N, H * hd)
+            y[among] = out.transpose(1, 2).reshape(R * T, H, hd)[cols]       # (R, H, T, hd)
+        return y
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, cache) -> Tensor:
         """Attention for one new token a row: q (B, H, 1, hd), k and v (B, n_kv, 1, hd) -> y
         (B, H, 1, hd). The g query heads of each KV head become g query rows of that head, (B,
-        n_kv, g, hd), so the keys and values need no repeat per query head. On a CPU in float32
-        or float64, a slot or paged cache (04, 05) says where they lie and one C call writes the
-        new ones and attends there (kernel_layout, cpu_kernels.decode_attention: 13); otherwise
-        the cache's update returns them (a view, or a gather) and scaled_dot_product_attention
-        attends."""
+        n_kv, g, hd), so the keys and values need no repeat per query head: the cache's update
+        returns them (a view, or a gather) and scaled_dot_product_attention attends."""
         B, hd = v.size(0), self.head_dim     # v's rows: RoPE's positions may broadcast q and k
-        layout = kernel_layout(cache, self.layer, v)
+        k, v, mask = cache.update(self.layer, k, v)           # (B, n_kv, S, hd), mask (B, 1, 1, S)
         q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads, hd)  # (B, n_kv, g, hd)
-        if layout is not None:
-            y = cpu_kernels.decode_attention(q, k, v, *layout)
-        else:
-            k, v, mask = cache.update(self.layer, k, v)       # (B, n_kv, S, hd), mask (B, 1, 1, S)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return y.reshape(B, self.n_heads, 1, hd)
 
 
@@ -227,17 +223,6 @@ def unpacked(x: Tensor, where: Tensor | None, B: int, T: int) -> Tensor:
         return x
     out = x.new_zeros((B * T,) + x.shape[2:]).index_copy_(0, where, x[0])
     return out.view(B, T, *x.shape[2:])
-
-
-def kernel_layout(cache, layer: int, v: Tensor) -> tuple | None:
-    """The cache's decode_layout(layer) where cpu_kernels.decode_attention can run this step:
-    a cache that has one, the new values v (B, n_kv, 1, hd) on a CPU, in float32 or float64,
-    the cache's dtype, and the C kernels built; else None."""
-    if (not hasattr(cache, "decode_layout") or v.device.type != "cpu"
-            or v.dtype not in (torch.float32, torch.float64) or not cpu_kernels.available()):
-        return None
-    layout = cache.decode_layout(layer, v.size(0))
-    return layout if layout is not None and layout[0].dtype == v.dtype else None
 
 
 class MLP(nn.Module):

@@ -329,7 +329,7 @@ class PagedKVCache(SlotCache):
 
     # ---- the step: write and read through the block tables ---------------------------------
     def _index(self, rows: list[int], positions: Tensor) -> None:
-        B, W = len(rows), self._mask.W                                  # keys any row may see
+        B, W = len(rows), self.mask.W                                  # keys any row may see
         tables = table_tensor([self.tables[s] for s in rows], self.device)   # (B, n_table)
         keys = torch.arange(W, device=self.device).expand(B, W)         # (B, W)
         at = self.new_columns(slot_mapping(tables, positions, self.block_size))   # (N,)
@@ -337,7 +337,7 @@ class PagedKVCache(SlotCache):
         self._write = (at[:, None] * n_kv + torch.arange(n_kv, device=self.device)).view(-1)
         self._reads = slot_mapping(tables, keys, self.block_size)       # (B, W)
 
-    def _kernel_rows(self) -> tuple[Tensor, Tensor, int]:
+    def _where(self) -> tuple[Tensor, Tensor, int]:
         n_kv = self.k[0].size(1)
         return self._write.view(-1, n_kv), self._reads * n_kv, 1         # (N, n_kv), (B, W)
 

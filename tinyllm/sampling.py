@@ -6,14 +6,14 @@ tokens it would draw alone whatever shares its batch. Draws are by inverse CDF w
 uniform number per row: the same generator state gives the same token alone or in any batch.
 """
 
+import json
 import math
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from tinyllm.structured import Constraint
-
+KINDS = ("json_schema", "json_object", "regex", "lark")     # what a Constraint may be (12)
 GREEDY_BELOW = 1e-5     # a temperature this small is greedy: dividing by it would overflow
 
 
@@ -45,6 +45,31 @@ def _is_number(x) -> bool:
 
 def _is_count(x) -> bool:
     return not isinstance(x, bool) and isinstance(x, int) and x >= 0
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match (step 12's structured output, applied by a grammar
+    backend): kind (one of KINDS) and spec, the schema (as JSON
+    text), the regular expression or the Lark grammar ("" for json_object: any JSON object).
+    Frozen and hashable, so equal constraints share one compiled grammar."""
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(KINDS)}, got "
+                             f"{self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"a constraint's spec is text (a schema as JSON), got "
+                             f"{type(self.spec).__name__}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> "Constraint":
+        """A JSON schema, given as a dict or as JSON text, kept as compact JSON text in its own
+        key order (the order in which the answer writes an object's properties)."""
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
 @dataclass(frozen=True)

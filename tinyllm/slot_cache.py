@@ -19,12 +19,12 @@ write and what to read, built once for every layer), calls `update` in each laye
 (`end_step`: each row's length grows by its new tokens). A step whose rows bring different
 numbers of tokens is **packed** (`packing`, a PackedStep: the new tokens' places among the
 (B, T) columns): the model computes those N tokens alone, and only attention sees them in
-their rows. A decode step on a CPU, and a packed step's rows of few tokens, ask `decode_layout`
-instead of calling `update`: where the keys lie, so that one C call (13) writes and attends in
-place, a query row per new token. A packed step's other rows store their own new tokens
-(`store(layer, k, v, rows)`, (1, n_kv, n, hd)) before anything attends, then read the keys and
-mask of those rows (`read(layer, rows)`): a layer writes every new token of its step before any
-row reads, since two newcomers of one step may share blocks (08).
+their rows: in a packed step a layer stores its rows' new tokens, a group of rows at a time
+(`store(layer, k, v, rows)`, (1, n_kv, n, hd)), before any group reads the keys and mask it
+attends to (`read(layer, rows)`): a layer writes every new token of its step before any row
+reads, since two newcomers of one step may share blocks (08). A cache also says where its keys
+lie (`layout`), for attention that writes and reads them in place (step 13's C kernel), and
+keeps what the step's layers share (`memo`, made at the first layer that asks).
 """
 
 import torch
@@ -78,17 +78,12 @@ class StepMask:
         return additive(self.bool.index_select(0, picked), self.dtype)
 
 
-QUERY_ROWS = 32     # a packed row of at most this many new tokens attends a query at a time
-
-
 class PackedStep:
     """A ragged step with padding, packed: its N new tokens in row order (row b's q_lens[b]
     tokens, then row b + 1's), and where they sit among its (B, T) columns (`places`, (N,)).
-    On a CPU the kernel attends a query at a time, and a row of a few tokens (a decode, a
-    speculation's guesses, a short prompt) is done fastest that way, each token a query row of
-    its own: `decodes`, those rows' tokens among the N. A row of more than QUERY_ROWS tokens (a
-    prefill) goes to the library's attention, which multiplies its queries with its keys as
-    matrices (`chunk_rows`), as vLLM's backends split a step's decodes from its prefills."""
+    Attention takes its rows in groups, each padded to its own longest row (`groups`): the rows
+    of one token (decodes), then the others (prompts, chunks, guesses), so that no decode is
+    padded to a prompt's width, as vLLM's backends split a step's decodes from its prefills."""
 
     def __init__(self, q_lens: list[int], device):
         T, starts = max(q_lens), [0]
@@ -99,19 +94,13 @@ class PackedStep:
         self._tokens: dict = {}                         # rows -> their tokens (tokens)
         self.places = torch.tensor([b * T + i for b, q in enumerate(q_lens) for i in range(q)],
                                    device=device)                       # (N,)
-        few = [b for b, q in enumerate(q_lens) if q <= QUERY_ROWS]
-        self.chunk_rows = [b for b, q in enumerate(q_lens) if q > QUERY_ROWS]
-        self.decodes = self.tokens(few)[0] if few else torch.zeros(0, dtype=torch.long,
-                                                                    device=device)   # (D,)
 
-    def library_rows(self, kernel: bool) -> list[list[int]]:
-        """The groups of rows the library's attention takes, each padded to its own longest
-        row: the rows of many tokens when the kernel takes the others; else the rows of one
-        token (a decode is not padded to a prompt's width) and the rest."""
-        groups = [self.chunk_rows] if kernel else [
-            [b for b, q in enumerate(self.q_lens) if q == 1],
-            [b for b, q in enumerate(self.q_lens) if q > 1]]
-        return [rows for rows in groups if rows]
+    def groups(self, rows: list[int] | None = None) -> list[list[int]]:
+        """These rows (default: all of them) in attention's groups: those of one token, then
+        the others; empty groups left out."""
+        rows = range(len(self.q_lens)) if rows is None else rows
+        groups = [[b for b in rows if self.q_lens[b] == 1], [b for b in rows if self.q_lens[b] > 1]]
+        return [g for g in groups if g]
 
     def picked(self, rows: list[int], pick) -> tuple:
         """A cache's indices for these rows' store and read: pick(their new tokens among the
@@ -134,21 +123,6 @@ class PackedStep:
             self._tokens[key] = (torch.tensor(among, device=self.device),
                                  torch.tensor(cols, device=self.device), T)
         return self._tokens[key]
-
-
-def kernel_rows(write: Tensor, read: Tensor, stride: int, step_mask: "StepMask",
-                packing: PackedStep | None) -> tuple[Tensor, Tensor, int, Tensor]:
-    """decode_layout's rows: write (N, n_kv), each new token's rows; read (B, W), each row's
-    keys; the step's mask. A decode step's rows are its query rows; a packed step's are the
-    tokens of its rows of few tokens (packing.decodes), each with its row's keys and its own
-    column of the mask: causal, so a token sees its row's new tokens up to itself, which the
-    kernel writes before it attends. -> (write, read, stride, additive mask (D, W))."""
-    mask = step_mask.bool.view(-1, step_mask.W)                         # (B * T, W)
-    if packing is not None:
-        cols = packing.places[packing.decodes]                          # (D,) of B * T
-        rows = torch.div(cols, packing.T, rounding_mode="floor")
-        write, read, mask = write[packing.decodes], read[rows], mask[cols]
-    return write, read, stride, additive(mask, step_mask.dtype)
 
 
 def check_slot(cache: "SlotCache", slot) -> None:
@@ -207,9 +181,10 @@ def slots_problem(cache: "SlotCache", idle: bool) -> str | None:
 
 class RaggedStep:
     """The model's half of a slot cache: one ragged step at a time (`plan_step`, then the
-    forward pass's `begin_step`, `update` or `store` and `read` in each layer, or
-    `decode_layout`, and `end_step`), over the slots' lengths (`lens`) and the keys and values
-    a subclass keeps. SlotCache is the engine's half."""
+    forward pass's `begin_step`, `update` or `store` and `read` in each layer, or `layout`,
+    and `end_step`), over the slots' lengths (`lens`) and the keys and values a subclass keeps.
+    During a step: `mask` (a StepMask), `packing` (a PackedStep, or None when no column is
+    padding) and `memo`, what the step's layers share. SlotCache is the engine's half."""
 
     def plan_step(self, rows: list[int], q_lens: list[int]) -> None:
         """The next forward pass runs these busy slots, in this order (batch row i is slot
@@ -228,23 +203,19 @@ class RaggedStep:
             raise ValueError(f"the step was planned for {max(q_lens)} columns, the batch has {T}")
         lens = [self.lens[s] for s in rows]
         positions, mask = ragged_mask(lens, q_lens, self.device)       # (B, T), (B, 1, T, W)
-        self._mask = StepMask(mask, self.k[0].dtype)
+        self.mask = StepMask(mask, self.k[0].dtype)
         self.packing = None if min(q_lens) == T else PackedStep(q_lens, self.device)
-        self._B, self._n, self._layout = len(rows), sum(q_lens), None
+        self._B, self._n, self._layout, self.memo = len(rows), sum(q_lens), None, {}
         self._index(rows, positions)
         return positions
 
-    def decode_layout(self, layer: int, B: int) -> tuple | None:
-        """Where a step's B query rows find their keys, for cpu_kernels.decode_attention to
-        write and read them in place (a decode step's rows, a packed step's short rows' tokens:
-        kernel_rows): the layer's keys and values, rows of hd; write (B, n_kv), the new tokens'
-        rows; read (B, W), KV head 0's keys each may see (head h's + h * stride); stride; the
-        mask (B, W). None for whole rows of several tokens."""
-        if self._mask.T != 1 and self.packing is None:
-            return None
-        self._layout = self._layout or kernel_rows(*self._kernel_rows(), self._mask, self.packing)
-        if B != self._layout[0].size(0):
-            raise ValueError(f"the step has {self._layout[0].size(0)} query rows, not {B}")
+    def layout(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+        """Where the step's keys lie, for code that writes and reads them in place (a C kernel,
+        13): the layer's keys and values (contiguous: rows of hd); write (N, n_kv), the row each
+        new token's key and value go to, for each KV head; read (B, W), the row of KV head 0's
+        key at each position a row may see (head h's: + h * stride); stride. Made at the step's
+        first layer and kept for the others."""
+        self._layout = self._layout or self._where()
         return (self.k[layer], self.v[layer], *self._layout)
 
     def new_tokens(self, x: Tensor, n: int | None = None) -> Tensor:
@@ -266,7 +237,7 @@ class RaggedStep:
         rows, q_lens = self._planned()
         for s, q in zip(rows, q_lens):
             self.lens[s] += q
-        self._plan, self.packing = None, None
+        self._plan, self.packing, self.memo = None, None, {}
 
     def _index(self, rows: list[int], positions: Tensor) -> None:
         """Where the step writes and reads: `_write` (N * n_kv,), each new token's row for each
@@ -280,7 +251,7 @@ class RaggedStep:
         n_kv = self.k[0].size(1)
         return self.packing.picked(rows, lambda tokens, picked: (
             self._write.view(-1, n_kv).index_select(0, tokens).view(-1),
-            self._reads.index_select(0, picked), self._mask.rows(picked)))
+            self._reads.index_select(0, picked), self.mask.rows(picked)))
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Cache.update: the step's new keys and values stored, then every row's read."""
@@ -303,7 +274,7 @@ class RaggedStep:
              ) -> tuple[Tensor, Tensor, Tensor | None]:
         """What the step's rows (or a packed step's `rows`) attend to, once every new token is
         stored: keys and values (R, n_kv, W, hd) and the additive mask (R, 1, T, W)."""
-        reads, mask = (self._reads, self._mask.whole()) if rows is None else self._picked(rows)[1:]
+        reads, mask = (self._reads, self.mask.whole()) if rows is None else self._picked(rows)[1:]
         return (*self._gather(layer, reads, rows is None), mask)
 
     def _gather(self, layer: int, reads: Tensor, whole: bool) -> tuple[Tensor, Tensor]:
@@ -315,7 +286,7 @@ class SlotCache(RaggedStep):
     model's half, the step, is RaggedStep's): `active[s]`, `lens[s]` (tokens stored), and the
     step in progress. Subclasses store the keys and values
     (in lists `k` and `v`, a tensor per layer; `_index`: where a step writes and reads;
-    `_gather`: the keys a read returns; `_kernel_rows`: where decode_layout's rows are) and say
+    `_gather`: the keys a read returns; `_where`: the rows of `layout`) and say
     how much memory a slot may use (`capacity`, `reserve`)."""
 
     def __init__(self, n_layers: int, n_slots: int, max_len: int, device=None):
@@ -324,6 +295,7 @@ class SlotCache(RaggedStep):
         self.lens = [0] * n_slots                     # tokens stored per slot
         self._plan: tuple[list[int], list[int]] | None = None
         self.packing: PackedStep | None = None        # a step's new tokens among its columns
+        self.memo: dict = {}                          # what a step's layers share
 
     # ---- slots ----------------------------------------------------------------------------
     def free_slots(self) -> list[int]:
@@ -420,14 +392,14 @@ class SlotKVCache(SlotCache):
         self._write = ((slot[:, None] * n_kv + heads) * self.max_len
                        + self.new_columns(positions)[:, None]).view(-1)  # (N * n_kv,)
 
-    def _kernel_rows(self) -> tuple[Tensor, Tensor, int]:
-        W, n_kv = self._mask.W, self.k[0].size(1)          # a row per slot, head h max_len on
+    def _where(self) -> tuple[Tensor, Tensor, int]:
+        W, n_kv = self.mask.W, self.k[0].size(1)          # a row per slot, head h max_len on
         first = self._reads[:, None] * (n_kv * self.max_len)                         # (B, 1)
         read = first + torch.arange(W, device=self.device)                           # (B, W)
         return self._write.view(-1, n_kv), read, self.max_len                        # (N, n_kv)
 
     def _gather(self, layer: int, slots: Tensor, whole: bool) -> tuple[Tensor, Tensor]:
-        W = self._mask.W                                                 # keys any row may see
+        W = self.mask.W                                                 # keys any row may see
         ck, cv = self.k[layer][:, :, :W], self.v[layer][:, :, :W]
         if whole and self._prefix:
             return ck[:self._B], cv[:self._B]

@@ -45,33 +45,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-KINDS = ("json_schema", "json_object", "regex", "lark")
+from tinyllm.logits_processors import unpack_bitmask
+from tinyllm.sampling import KINDS, Constraint  # noqa: F401 (a constraint's names, here too)
+
 MAX_COMPILED = 256      # compiled grammars kept per backend, the least recently used dropped
 PROBE_TOKENS = 8        # tokens a new grammar is walked along before it is taken (LLGuidance)
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """What a request's output must match: kind (one of KINDS) and spec, the schema (as JSON
-    text), the regular expression or the Lark grammar ("" for json_object: any JSON object).
-    Frozen and hashable, so equal constraints share one compiled grammar."""
-    kind: str
-    spec: str = ""
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"constraint kind must be one of {', '.join(KINDS)}, got "
-                             f"{self.kind!r}")
-        if not isinstance(self.spec, str):
-            raise ValueError(f"a constraint's spec is text (a schema as JSON), got "
-                             f"{type(self.spec).__name__}")
-
-    @classmethod
-    def json_schema(cls, schema: dict | str) -> "Constraint":
-        """A JSON schema, given as a dict or as JSON text, kept as compact JSON text in its own
-        key order (the order in which the answer writes an object's properties)."""
-        schema = json.loads(schema) if isinstance(schema, str) else schema
-        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
 class LLGuidanceMatcher:
@@ -384,15 +362,6 @@ def first_items(s: dict) -> list:
     return prefix[:least] + ([rest] if least > len(prefix) else [])
 
 
-def new_matchers(grammars: LLGuidance | None, samplings: list) -> list:
-    """A fresh matcher for each constrained sampling (None for the others). Raises ValueError
-    when one has a constraint and there is no backend, or the backend refuses it."""
-    if any(s.constraint is not None for s in samplings) and grammars is None:
-        raise ValueError("constraint: this engine has no grammar backend; give it one: "
-                         "ContinuousEngine(..., grammars=LLGuidance(tokenizer, vocab_size))")
-    return [None if s.constraint is None else grammars.matcher(s.constraint) for s in samplings]
-
-
 # ---- a grammar by hand ------------------------------------------------------------------------
 def pack_bitmask(allowed: Tensor) -> Tensor:
     """(V,) bool -> (ceil(V / 32),) int32: token 32 w + j is bit j of word w (the low bit
@@ -401,12 +370,6 @@ def pack_bitmask(allowed: Tensor) -> Tensor:
     bits = torch.cat([allowed.long(), allowed.new_zeros(pad, dtype=torch.long)]).view(-1, 32)
     words = (bits << torch.arange(32)).sum(-1)                       # (W,) in [0, 2^32)
     return torch.where(words >= 2**31, words - 2**32, words).int()
-
-
-def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
-    """(B, W) int32 words -> (B, vocab_size) bool: token 32 w + j is bit j of word w."""
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, device=bitmask.device)) & 1  # (B, W, 32)
-    return bits.flatten(1)[:, :vocab_size].bool()
 
 
 def byte_alphabet() -> dict[str, int]:

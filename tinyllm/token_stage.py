@@ -57,3 +57,12 @@ def select(logits: Tensor, rows: list[History], generators: list[torch.Generator
             out[i] = lp
     return tokens, out
 
+
+def new_matchers(grammars, samplings: list) -> list:
+    """A fresh matcher for each constrained sampling (None for the others), from a grammar
+    backend (step 12's: grammars.matcher(constraint)). Raises ValueError when one has a
+    constraint and there is no backend, or the backend refuses it."""
+    if any(s.constraint is not None for s in samplings) and grammars is None:
+        raise ValueError("constraint: this engine has no grammar backend; give it one: "
+                         "ContinuousEngine(..., grammars=LLGuidance(tokenizer, vocab_size))")
+    return [None if s.constraint is None else grammars.matcher(s.constraint) for s in samplings]

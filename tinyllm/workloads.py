@@ -9,8 +9,7 @@ import it, and it imports only the requests, the sampling settings and the const
 import random
 
 from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
-from tinyllm.structured import Constraint
+from tinyllm.sampling import Constraint, Sampling
 
 WORKLOADS = ("uniform", "longtail", "eos", "poisson", "shared-prefix", "long-prompt", "chat",
              "quote", "json")

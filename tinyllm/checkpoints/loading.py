@@ -21,6 +21,7 @@ from tinyllm.checkpoints.checkpoint import (
 )
 from tinyllm.checkpoints.gguf_file import load_gguf
 from tinyllm.checkpoints.tokenizer import Tokenizer
+from tinyllm.cpu_attention import install
 from tinyllm.huge_pages import place
 from tinyllm.model import Transformer
 from tinyllm.quant import MODES, quantize
@@ -48,7 +49,8 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
 
     huge_pages (step 13): on a CPU, the weights are moved into memory that asked for 2 MB
     pages (huge_pages.place), which a decode step streams faster; False leaves them where the
-    loader put them."""
+    loader put them. On a CPU each layer attends through step 13's C attention
+    (cpu_attention.install), where the kernels build."""
     device, dtype = pick_device_dtype(device, dtype)
     check_max_seq_len(max_seq_len)
     if not isinstance(huge_pages, bool):
@@ -62,8 +64,10 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
     model, tok = load_float(path, device, dtype, max_seq_len, download, quant == "gguf")
     if quant in ("float", "int8", "int4"):
         quantize(model, quant)
-    if huge_pages and device.type == "cpu":
-        place(model)
+    if device.type == "cpu":
+        install(model)
+        if huge_pages:
+            place(model)
     return model, tok
 
 

@@ -40,8 +40,7 @@ from dataclasses import dataclass, fields
 from jinja2.exceptions import TemplateError
 
 from tinyllm.requests import Request, check_token_stage
-from tinyllm.sampling import Sampling
-from tinyllm.structured import Constraint
+from tinyllm.sampling import Constraint, Sampling
 
 COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE = "completions", "chat", "tokenize", "detokenize"
 GENERATE = {COMPLETIONS, CHAT}
