@@ -13,8 +13,9 @@ prompt, and after a preemption the tokens it had made), `context_len()`, `comput
 of those tokens its slot holds) and `left()` (context_len() - computed).
 
 Check your work with `make check EX=07` (or `check_exercise("07")` in notebook 07). The tests
-plug your functions into `ContinuousEngine(max_step_tokens=N)`, on slots and on a paged pool
-small enough to preempt, and compare every request's tokens with solo generate().
+plug your functions into the engine of `tinyllm.build.make_engine(max_step_tokens=N)`, on slots
+and on a paged pool small enough to preempt, and compare every request's tokens with solo
+generate().
 """
 
 from collections.abc import Callable

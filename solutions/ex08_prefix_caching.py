@@ -19,8 +19,9 @@ the least recently released first), `allocator` (the pool's free list: `allocate
 `free(blocks)`, `n_free()`) and `n_free()` (free and evictable blocks).
 
 Check your work with `make check EX=08` (or `check_exercise("08")` in notebook 08). The tests
-plug your functions into `ContinuousEngine(kv="paged", prefix_cache=True)`, under pools small
-enough to evict and preempt, and compare every request's tokens with solo generate().
+plug your functions into the engine of `tinyllm.build.make_engine(kv="paged",
+prefix_cache=True)`, under pools small enough to evict and preempt, and compare every request's
+tokens with solo generate().
 """
 
 import hashlib

@@ -20,9 +20,9 @@ row's verdict position by position, your accept_greedy for a greedy row, your ac
 each guess of a sampled row; then your roll_back, row by row, with what the row fed and kept.
 
 Check your work with `make check EX=11` (or `check_exercise("11")` in notebook 11). The tests
-plug your functions into `ContinuousEngine(speculate="ngram" | "draft")`, on slots and on a
-paged pool, and compare every greedy request's tokens with solo(), and every seeded sampled
-request's tokens with the package's own run of the same seed.
+plug your functions into the engine of `tinyllm.build.make_engine(speculate="ngram" |
+"draft")`, on slots and on a paged pool, and compare every greedy request's tokens with solo(),
+and every seeded sampled request's tokens with the package's own run of the same seed.
 """
 
 from torch import Tensor

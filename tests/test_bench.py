@@ -12,8 +12,8 @@ matplotlib.use("Agg")
 
 from tests.conftest import make_tiny  # noqa: E402
 from tinyllm import cuda_graph, workloads  # noqa: E402
+from tinyllm.build import make_engine  # noqa: E402
 from tinyllm.config import EngineConfig  # noqa: E402
-from tinyllm.continuous import ContinuousEngine  # noqa: E402
 from tinyllm.course import bench, viz  # noqa: E402
 from tinyllm.cuda_graph import SlotGraphDecoder  # noqa: E402
 from tinyllm.engine import Request, Trace, run_continuous, run_static  # noqa: E402
@@ -280,7 +280,7 @@ def test_the_compiled_decoder_in_the_bench(bundled, tiny, monkeypatch):
             return {W: 0.5 for W in buckets}
 
     def compiled_stand_in(model, config):
-        decoder = ContinuousEngine(model, replace(config, decoder="graphs")).decoder
+        decoder = make_engine(model, replace(config, decoder="graphs")).decoder
         decoder.compile_s = {W: 0.5 for W in decoder.buckets}
         built.append(config)
         return decoder

@@ -9,12 +9,20 @@ from hypothesis import strategies as st
 
 from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
 from tests.test_paged_and_graphs import drive, need_blocks
-from tinyllm import chunked_prefill, prefix_cache
+from tinyllm import prefix_cache
 from tinyllm.chunked_prefill import next_chunk, plan_step
-from tinyllm.engine import ContinuousEngine, EngineConfig, Request, Sampling, Trace, run_continuous
+from tinyllm.engine import (
+    EngineConfig,
+    Request,
+    Sampling,
+    Trace,
+    make_engine,
+    run_continuous,
+)
 from tinyllm.paged_kv import BlockAllocator, PagedKVCache
 from tinyllm.prefix_cache import PrefixCache, block_hashes, match_prefix
 from tinyllm.requests import Sequence
+from tinyllm.scheduler import WholeContexts
 
 
 def check_prefix_pool(cache: PagedKVCache) -> None:
@@ -133,7 +141,7 @@ def test_chunked_engine_online_with_preemption_aborts_and_sampling(
     n_blocks = max(need_blocks(r, block_size) for r in reqs) + data.draw(st.integers(0, 4))
     budget = n_slots + data.draw(st.integers(0, 6))
     trace = Trace()
-    eng = ContinuousEngine(
+    eng = make_engine(
         TINY,
         n_slots,
         kv="paged",
@@ -171,7 +179,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode():
     prompt takes the rest of the budget, a chunk a step."""
     reqs = [Request([1 + i, 2, 3], 12) for i in range(3)] + [Request(list(range(1, 61)), 4)]
     trace = Trace()
-    eng = ContinuousEngine(TINY, 4, max_step_tokens=16, trace=trace)
+    eng = make_engine(TINY, 4, max_step_tokens=16, trace=trace)
     for r in reqs[:3]:
         eng.add_request(r)
     eng.step()  # the short prompts' prefill
@@ -262,7 +270,7 @@ def test_prefix_cache_matches_solo_generate(systems, block_size, n_slots, data):
         )
     n_blocks = max(need_blocks(r, block_size) for r in reqs) + data.draw(st.integers(0, 24))
     budget = data.draw(st.sampled_from([None, n_slots + 3]))
-    eng = ContinuousEngine(
+    eng = make_engine(
         TINY,
         n_slots,
         kv="paged",
@@ -285,7 +293,7 @@ def test_later_requests_reuse_the_system_prompt_and_a_whole_conversation():
     finds every full block of the first turn, its answer's too."""
     system = [(5 * j) % (V - 1) + 1 for j in range(32)]
     first = Request(system + [7, 8, 9], 10)
-    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
+    eng = make_engine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
     rid = eng.add_request(first)
     while eng.has_work():
         eng.step()
@@ -313,7 +321,7 @@ def test_newcomers_of_one_step_share_a_prefix_without_a_budget():
     requests with a 3-block system prompt, added together, both done after ONE step, the
     second served 12 prompt tokens from the cache; and both get their solo tokens."""
     reqs = [Request(SYSTEM + [20 + i, 30 + i], 1) for i in range(2)]
-    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
+    eng = make_engine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
     rids = [eng.add_request(r) for r in reqs]
     eng.step()
     assert not eng.has_work(), "both prefilled and sampled in one step"
@@ -338,7 +346,7 @@ def test_under_a_budget_newcomers_of_one_step_compute_their_prefix_each():
     shared prefix, and one admitted a step later shares it; solo tokens throughout."""
     reqs = [Request(SYSTEM + [20 + i], 3) for i in range(3)]
     trace = Trace()
-    eng = ContinuousEngine(
+    eng = make_engine(
         TINY, 3, kv="paged", block_size=4, prefix_cache=True, max_step_tokens=40, trace=trace
     )
     rids = [eng.add_request(r) for r in reqs[:2]]
@@ -362,13 +370,13 @@ def test_with_no_budget_a_plan_computes_every_context_whole(monkeypatch):
     pass to write: a plan that leaves part of a context, or a whole newcomer, for later is
     refused by name."""
 
+    plan = WholeContexts.plan
+
     def planned(change):
         monkeypatch.setattr(
-            chunked_prefill,
-            "plan_step",
-            lambda running, budget, admit: change(*plan_step(running, budget, admit)),
+            WholeContexts, "plan", lambda self, running, admit: change(*plan(self, running, admit))
         )
-        eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
+        eng = make_engine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
         for i in range(2):
             eng.add_request(Request(SYSTEM + [20 + i], 3))
         eng.step()
@@ -393,7 +401,7 @@ def prefix_pool(n_blocks: int, n_slots: int = 2, **kw) -> PagedKVCache:
         4,
         32,
         torch.float64,
-        prefix_cache=True,
+        prefix_cache=PrefixCache,
         **kw,
     )
 
@@ -403,7 +411,7 @@ def prefill(cache: PagedKVCache, slot: int, context: list[int]) -> None:
     cache.plan_step([slot], [len(context) - cache.lens[slot]])
     with torch.no_grad():
         TINY(torch.tensor([context[cache.lens[slot] :]]), cache=cache)
-    cache.cache_blocks(slot, context)
+    cache.cache_blocks(slot, lambda: context)
 
 
 def books(cache: PagedKVCache) -> tuple:

@@ -14,9 +14,10 @@ from tests.conftest import make_tiny
 from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
 from tinyllm.compiled import CompiledDecoder, CompiledSteps
 from tinyllm.course.check import divergence, near_tie
-from tinyllm.engine import ContinuousEngine, Request, run_continuous
+from tinyllm.engine import Request, make_engine, run_continuous
 from tinyllm.generate import generate
 from tinyllm.paged_kv import PagedKVCache
+from tinyllm.prefix_cache import PrefixCache
 from tinyllm.slot_cache import SlotKVCache
 from tinyllm.static import run_static
 
@@ -62,7 +63,7 @@ def compiled_paged(request):
         4,
         48,
         torch.float64,
-        prefix_cache=request.param,
+        prefix_cache=PrefixCache if request.param else None,
     )
     return CompiledDecoder(TINY, pool, BUCKETS)
 
@@ -131,22 +132,22 @@ def test_a_compiled_decoder_travels_without_its_compiled_steps(compiled):
 
 def test_compiled_decoder_settings_are_checked(compiled):
     with pytest.raises(ValueError, match="decoder must be one of 'eager', 'graphs', 'compiled'"):
-        ContinuousEngine(TINY, 2, decoder="fast")
+        make_engine(TINY, 2, decoder="fast")
     with pytest.raises(TypeError, match="cuda_graph"):  # one keyword per idea: decoder=
-        ContinuousEngine(TINY, 2, cuda_graph=True)
+        make_engine(TINY, 2, cuda_graph=True)
     with pytest.raises(
         ValueError, match="compile_mode must be one of 'default', 'max-autotune', got 'fast'"
     ):
-        ContinuousEngine(TINY, 2, decoder="compiled", compile_mode="fast")
+        make_engine(TINY, 2, decoder="compiled", compile_mode="fast")
     with pytest.raises(ValueError, match="compile_mode is the compiled decoder's"):
-        ContinuousEngine(TINY, 2, compile_mode="max-autotune")
+        make_engine(TINY, 2, compile_mode="max-autotune")
     with pytest.raises(ValueError, match="compiled in mode 'default'"):
-        ContinuousEngine(TINY, 3, decoder=compiled, compile_mode="max-autotune")
+        make_engine(TINY, 3, decoder=compiled, compile_mode="max-autotune")
     with pytest.raises(ValueError, match="mode must be one of"):
         CompiledDecoder(TINY, compiled.slots, mode="max_autotune")
     with pytest.raises(KeyError, match="not a bucket"):
         compiled.graphs[12]
-    eng = ContinuousEngine(TINY, 3, decoder=compiled)
+    eng = make_engine(TINY, 3, decoder=compiled)
     assert eng.config.decoder == "compiled" and eng.decoder is compiled
     eng.add_request(Request([1, 2], 5))
     eng.step()

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tests.conftest import MIXED_REQUESTS, make_tiny
 from tests.test_ragged import KINDS, MODEL, ragged_steps, seqs_st
 from tinyllm import cpu_attention, cpu_kernels
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.generate import solo
 from tinyllm.model import Attention
 from tinyllm.requests import Request
@@ -82,7 +82,7 @@ def test_every_decode_step_attends_in_the_c_kernel_on_slot_and_paged_caches(kv, 
         model = cpu_attention.install(make_tiny(seed=4, dtype=dtype))
         kw = dict(kv=kv, block_size=4) if kv == "paged" else dict(kv=kv)
         for reqs, whole in ((REQS[:3], 0), (same, 1)):  # REQS[2] joins beside a decode
-            eng = ContinuousEngine(model, 2, **kw)
+            eng = make_engine(model, 2, **kw)
             mixed, prefill = [], eng.runner.prefill
 
             def counted(chunks, decodes=(), prefill=prefill, mixed=mixed):

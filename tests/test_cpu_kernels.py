@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import MIXED_REQUESTS, make_tiny
 from tinyllm import cpu_kernels
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.generate import solo
 from tinyllm.quant import (
     GemvLinear,
@@ -436,7 +436,7 @@ def test_engines_on_the_c_kernels_give_the_solo_tokens_in_float32(mode, kw):
             if isinstance(layer, QuantLinear):
                 setattr(parent, name, grouped(layer))
     want = [solo(model, r).tokens for r in REQS]
-    eng = ContinuousEngine(model, 2, **kw)
+    eng = make_engine(model, 2, **kw)
     rids = [eng.add_request(r) for r in REQS]
     while eng.has_work():
         eng.step()

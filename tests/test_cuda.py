@@ -8,7 +8,7 @@ import torch
 import tinyllm
 from tinyllm.course.check import near_tie
 from tinyllm.cuda_graph import SlotGraphDecoder
-from tinyllm.engine import ContinuousEngine, Request, run_continuous
+from tinyllm.engine import Request, make_engine, run_continuous
 from tinyllm.generate import generate
 from tinyllm.model import gpu_dtype
 from tinyllm.slot_cache import SlotKVCache
@@ -80,7 +80,7 @@ def test_graphs_are_captured_and_replayed(gpu):
 
 def test_graphed_engine_serves_arrivals(gpu):
     model, tok = gpu
-    eng = ContinuousEngine(model, 4, decoder="graphs")
+    eng = make_engine(model, 4, decoder="graphs")
     reqs = requests(tok, 8)
     rids = []
     while len(rids) < len(reqs) or eng.has_work():
@@ -95,7 +95,7 @@ def test_compiled_decoder_on_cuda(gpu):
     request's solo tokens up to near-ties, every bucket compiled once."""
     model, tok = gpu
     reqs = requests(tok, 12)
-    eng = ContinuousEngine(model, 8, decoder="compiled", max_len=256, buckets=(128, 256))
+    eng = make_engine(model, 8, decoder="compiled", max_len=256, buckets=(128, 256))
     results, _ = run_continuous(model, reqs, 8, decoder=eng.decoder)
     assert_solo_up_to_ties(model, reqs, results, "compiled")
     assert set(eng.decoder.compile_s) <= {128, 256}

@@ -17,6 +17,7 @@ from tinyllm.engine import (
     Request,
     Sampling,
     Trace,
+    make_engine,
     prefill_padded,
     run_continuous,
     run_static,
@@ -146,7 +147,7 @@ def test_online_engine_with_arrivals_aborts_and_mixed_sampling(requests, n_slots
         )
         for i, r in enumerate(requests)
     ]
-    eng = ContinuousEngine(TINY, n_slots)
+    eng = make_engine(TINY, n_slots)
     pending = list(enumerate(reqs))
     rid_of, aborted, streamed = {}, set(), {}
     while pending or eng.has_work():
@@ -199,7 +200,7 @@ def test_bundled_model_static_and_continuous(bundled64):
     ],
 )
 def test_bad_requests_are_rejected_and_others_still_served(req, words):
-    eng = ContinuousEngine(TINY, 2)
+    eng = make_engine(TINY, 2)
     good = Request([4, 5, 6], 8)
     rid = eng.add_request(good)
     with pytest.raises(ValueError, match=words):
@@ -229,11 +230,11 @@ def test_bad_sampling_is_named(kw, words):
 
 def test_engine_settings_are_checked():
     with pytest.raises(ValueError, match="n_slots"):
-        ContinuousEngine(TINY, 0)
+        make_engine(TINY, 0)
     with pytest.raises(ValueError, match="kv must be"):
-        ContinuousEngine(TINY, 2, kv="blocks")
+        make_engine(TINY, 2, kv="blocks")
     with pytest.raises(ValueError, match="max_seq_len"):
-        ContinuousEngine(TINY, 2, max_len=1000)
+        make_engine(TINY, 2, max_len=1000)
     with pytest.raises(ValueError, match="batch_size"):
         run_static(TINY, [Request([1], 1)], 0)
     with pytest.raises(ValueError, match="padded prompt 60 \\+ new 40"):
@@ -246,12 +247,10 @@ def test_the_kv_cache_stays_within_its_budget():
     a request longer than the budgeted max_len is refused and the engine serves the rest."""
     per_token = kv_bytes_per_token(TINY, torch.device("cpu"))
     mib = 40 * 4 * per_token / 2**20  # room for 4 slots of 40 positions
-    eng = ContinuousEngine(TINY, 4, kv_mib=mib)
+    eng = make_engine(TINY, 4, kv_mib=mib)
     assert eng.max_len == 40 and eng.cache.reserved_tokens() == 160
-    assert ContinuousEngine(TINY, 4).max_len == TINY.cfg.max_seq_len, (
-        "the default budget is ample here"
-    )
-    paged = ContinuousEngine(TINY, 4, kv="paged", block_size=8, kv_mib=mib)
+    assert make_engine(TINY, 4).max_len == TINY.cfg.max_seq_len, "the default budget is ample here"
+    paged = make_engine(TINY, 4, kv="paged", block_size=8, kv_mib=mib)
     assert paged.cache.n_blocks == 20 and paged.max_len == TINY.cfg.max_seq_len
     with pytest.raises(ValueError, match="prompt of 30 tokens \\+ 20 new tokens"):
         eng.add_request(Request([1] * 30, 20))
@@ -263,16 +262,16 @@ def test_the_kv_cache_stays_within_its_budget():
         with pytest.raises(
             ValueError, match=r"needs [\d.]+ MiB, over kv_mib=[\d.e-]+ \(160 positions"
         ):
-            ContinuousEngine(TINY, 4, kv_mib=mib, **kw)
+            make_engine(TINY, 4, kv_mib=mib, **kw)
     for bad in (0, -1.0, "64", True, float("inf"), float("nan")):  # inf was an OverflowError
         with pytest.raises(ValueError, match="kv_mib must be a finite number of MiB > 0"):
-            ContinuousEngine(TINY, 4, kv_mib=bad)
+            make_engine(TINY, 4, kv_mib=bad)
     results, summary = run_continuous(TINY, [Request([1, 2], 4)], 4, kv_mib=mib)
     assert summary["kv_reserved_mib"] == pytest.approx(160 * per_token / 2**20)
 
 
 def test_abort_unknown_or_finished_returns_false():
-    eng = ContinuousEngine(TINY, 2)
+    eng = make_engine(TINY, 2)
     assert eng.abort(123) is False
     rid = eng.add_request(Request([1, 2], 2))
     while eng.has_work():
@@ -287,7 +286,7 @@ def test_abort_unknown_or_finished_returns_false():
 def test_step_of_an_engine_that_never_had_a_request():
     """step() of a new, idle engine returns no events, as it does once requests have come and
     gone."""
-    eng = ContinuousEngine(TINY, 2)
+    eng = make_engine(TINY, 2)
     assert eng.step() == [] and eng.request_counts() == (0, 0)
 
 
@@ -335,7 +334,7 @@ def assert_refused_without_trace(kind: str, bad_call, exc, words: str) -> None:
     """An engine with one request decoding and one waiting: bad_call(eng) raises exc matching
     words and leaves the engine as it was. The next request gets the next id, everything is
     served as solo, and no slot or block is held at the end."""
-    eng = ContinuousEngine(TINY, 1, **ENGINE_KINDS[kind])
+    eng = make_engine(TINY, 1, **ENGINE_KINDS[kind])
     good = [Request([4, 5, 6], 8), Request([7, 8], 5, eos_id=11)]
     rids = [eng.add_request(good[0])]
     eng.step()
@@ -388,7 +387,7 @@ def test_a_prompt_given_as_an_iterable_is_served_like_the_list(make):
     for kind in ENGINE_KINDS:
         assert serve_all(kind, [Request(make(p), 9, 40)]) == [want], kind
         assert serve_all(kind, [Request(make(p), 9, 40), other]) == [want, solo(other)], kind
-        eng = ContinuousEngine(TINY, 2, **ENGINE_KINDS[kind])
+        eng = make_engine(TINY, 2, **ENGINE_KINDS[kind])
         rid = eng.add_request(Request(make(p), 9, 40))
         while eng.has_work():
             eng.step()
@@ -518,7 +517,7 @@ def test_a_bad_eos_id_is_named(eos_id):
 def test_a_bad_max_len_is_named(max_len):
     """max_len 0 (never read as 'the default'), negative, a fraction, a bool or a string."""
     with pytest.raises(ValueError, match=f"max_len must be an int >= 1, got {max_len!r}"):
-        ContinuousEngine(TINY, 2, max_len=max_len)
+        make_engine(TINY, 2, max_len=max_len)
     with pytest.raises(ValueError, match="max_len must be an int >= 1"):
         EngineConfig(2, max_len=max_len)
     with pytest.raises(ValueError, match="max_len must be an int >= 1"):
@@ -527,7 +526,7 @@ def test_a_bad_max_len_is_named(max_len):
 
 def test_max_len_is_used_when_given():
     """A small max_len is the engine's: a request that does not fit it is refused."""
-    eng = ContinuousEngine(TINY, 2, max_len=8)
+    eng = make_engine(TINY, 2, max_len=8)
     assert eng.max_len == 8 and eng.cache.max_len == 8
     with pytest.raises(ValueError, match="exceeds a slot's 8 positions"):
         eng.add_request(Request([1] * 5, 4))
@@ -546,7 +545,7 @@ def test_a_bad_generator_is_named(generator):
         run_static(TINY, [Request([1], 2)], 1, generator=generator)
     for kind in ENGINE_KINDS:
         with pytest.raises(ValueError, match=words):
-            ContinuousEngine(TINY, 2, generator=generator, **ENGINE_KINDS[kind])
+            make_engine(TINY, 2, generator=generator, **ENGINE_KINDS[kind])
         with pytest.raises(ValueError, match=words):
             run_continuous(TINY, [Request([1], 2)], 2, generator=generator, **ENGINE_KINDS[kind])
 
@@ -580,7 +579,7 @@ def test_run_continuous_names_the_bad_request(bad, exc, words):
 def test_a_long_lived_engines_stats_stay_the_same_size(kind):
     """Stats keep running sums, not per-step lists: 200 steps of a steady stream of requests
     leave every field a single number (and the same fields), and every answer is solo's."""
-    eng = ContinuousEngine(TINY, 3, **ENGINE_KINDS[kind])
+    eng = make_engine(TINY, 3, **ENGINE_KINDS[kind])
 
     def shape():
         fields = dataclasses.astuple(eng.stats)

@@ -395,10 +395,11 @@ def test_an_engine_that_stops_answering_fails_its_requests_and_health(bundled64)
 ENGINE_ALONE = """
 import asyncio, tinyllm
 from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.serving.server import EngineLoop
 
 async def main():
-    loop = EngineLoop(ContinuousEngine(tinyllm.load(device="cpu")[0], 2))
+    loop = EngineLoop(make_engine(tinyllm.load(device="cpu")[0], 2))
     await loop.start()
     print(loop.engine.process.pid, loop.engine.dir, flush=True)
     await asyncio.sleep(60)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from tests.conftest import MIXED_REQUESTS as REQS
 from tests.conftest import make_tiny
 from tinyllm import cpu_kernels
+from tinyllm.build import make_engine
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.cpu_attention import kernel_rows
 from tinyllm.fused_layer import FusedDecoder, layer_weights
@@ -120,7 +121,7 @@ ENGINES = {
 
 
 def serve(model, reqs, n_slots=2, **kw) -> tuple[list[list[int]], ContinuousEngine]:
-    eng = ContinuousEngine(model, n_slots, decoder="fused", **kw)
+    eng = make_engine(model, n_slots, decoder="fused", **kw)
     rids = [eng.add_request(r) for r in reqs]
     while eng.has_work():
         eng.step()
@@ -263,7 +264,7 @@ def test_models_it_cannot_compute_are_refused_by_name():
         with pytest.raises(ValueError, match=f"decoder='fused' cannot run this model: {why}"):
             FusedDecoder(model)
         with pytest.raises(ValueError, match=why):
-            ContinuousEngine(model, 2, decoder="fused")
+            make_engine(model, 2, decoder="fused")
 
 
 def test_a_fused_decoder_sent_to_another_process_finds_its_weights_again():

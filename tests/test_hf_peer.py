@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tinyllm.build import make_engine
 from tinyllm.checkpoints.checkpoint import DEFAULT
 from tinyllm.generate import generate
 
@@ -54,14 +55,13 @@ def test_peer_benchmark_agrees_with_solo(bundled, monkeypatch):
     row gets the graph decoder's eager bucketed step in place of a compiled one: what is tested
     here is the row (a decoder built before the clock, its compile_s reported); the compiled
     step's tokens are test_compiled's, on tiny shapes, where compiling is quick."""
-    from tinyllm.continuous import ContinuousEngine
     from tinyllm.course import peers
     from tinyllm.workloads import workload
 
     model, tok = bundled
 
     def eager_stand_in(m, config):
-        decoder = ContinuousEngine(m, config, decoder="graphs", compile_mode="default").decoder
+        decoder = make_engine(m, config, decoder="graphs", compile_mode="default").decoder
         decoder.compile_s = {W: 0.5 for W in decoder.buckets}
         return decoder
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from tests.test_server import Running
+from tinyllm.build import make_engine
 from tinyllm.checkpoints.checkpoint import resolve
-from tinyllm.continuous import ContinuousEngine
 from tinyllm.serving import loadgen
 
 
@@ -43,7 +43,7 @@ def test_percentile_and_summary_count_right():
 @pytest.fixture(scope="module")
 def served(bundled):
     model, tok = bundled
-    srv = Running(ContinuousEngine(model, 4), tok)
+    srv = Running(make_engine(model, 4), tok)
     yield srv
     srv.stop()
 

@@ -29,6 +29,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from tests.conftest import make_tiny
+from tinyllm.build import make_engine
 from tinyllm.checkpoints.tokenizer import Tokenizer
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
@@ -313,7 +314,7 @@ def run_example(data) -> None:
     config = fitted(config, model, reqs, data)
     own = config.speculate == "draft" and data.draw(st.booleans())  # a draft model of its own
     try:
-        eng = ContinuousEngine(model, config, grammars=GRAMMARS, draft=DRAFT if own else None)
+        eng = make_engine(model, config, grammars=GRAMMARS, draft=DRAFT if own else None)
     except ValueError as e:  # a decoder or draft that cannot serve these weights: by name
         named = [f.name for f in dataclasses.fields(EngineConfig)] + ["decoder=", "draft"]
         assert any(n in str(e) for n in named), f"refused without naming the setting: {e}"
@@ -367,7 +368,7 @@ def test_newcomers_sharing_a_long_ones_blocks_get_their_solo_logprobs(c_attentio
     tails = ((32, [3]), (36, [5, 6]), (20, [9] * 9))
     reqs = [Request(stem, 6, sampling=s)] + [Request(stem[:n] + t, 6, sampling=s) for n, t in tails]
     config = EngineConfig(4, kv="paged", block_size=4, prefix_cache=True)
-    eng = ContinuousEngine((C_MODELS if c_attention else MODELS)["float"], config)
+    eng = make_engine((C_MODELS if c_attention else MODELS)["float"], config)
     rids = [eng.add_request(r) for r in reqs]
     eng.step()
     cached = sum(seq.num_cached_tokens for seq in eng._seqs.values())

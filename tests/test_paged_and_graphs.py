@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
 from tinyllm.course.check import leaks
 from tinyllm.cuda_graph import SlotGraphDecoder, WindowCache, choose_bucket, default_buckets
-from tinyllm.engine import ContinuousEngine, Request, Sampling, run_continuous
+from tinyllm.engine import ContinuousEngine, Request, Sampling, make_engine, run_continuous
 from tinyllm.kv_cache import KVCache
 from tinyllm.paged_kv import BlockAllocator, PagedKVCache
 from tinyllm.requests import Sequence
@@ -91,7 +91,7 @@ def test_paged_engine_matches_solo_generate(requests, n_slots, block_size, slack
     """Any block size, pools from 'the largest request only' up: solo tokens, books balanced,
     every block back in the pool at the end."""
     n_blocks = max(need_blocks(r, block_size) for r in requests) + slack
-    eng = ContinuousEngine(TINY, n_slots, kv="paged", block_size=block_size, kv_blocks=n_blocks)
+    eng = make_engine(TINY, n_slots, kv="paged", block_size=block_size, kv_blocks=n_blocks)
     done, _ = drive(eng, requests)
     for i, req in enumerate(requests):
         assert done[i] == solo(req), f"request {i}"
@@ -128,7 +128,7 @@ def test_paged_engine_online_with_preemption_aborts_and_sampling(
         for i, r in enumerate(requests)
     ]
     n_blocks = max(need_blocks(r, block_size) for r in reqs) + data.draw(st.integers(0, 4))
-    eng = ContinuousEngine(
+    eng = make_engine(
         TINY,
         n_slots,
         kv="paged",
@@ -166,7 +166,7 @@ def test_repeated_preemption_under_a_small_pool(block_size):
 
 def test_abort_of_a_preempted_request_frees_nothing_twice():
     reqs = pressure_workload(8)
-    eng = ContinuousEngine(
+    eng = make_engine(
         TINY, 4, kv="paged", block_size=2, kv_blocks=max(need_blocks(r, 2) for r in reqs) + 1
     )
     rids = [eng.add_request(r) for r in reqs]
@@ -188,7 +188,7 @@ def test_abort_of_a_preempted_request_frees_nothing_twice():
 
 
 def test_a_request_larger_than_the_pool_is_refused_at_once():
-    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, kv_blocks=5)
+    eng = make_engine(TINY, 2, kv="paged", block_size=4, kv_blocks=5)
     good = Request([1, 2, 3], 10)  # 13 positions: 4 blocks
     rid = eng.add_request(good)
     with pytest.raises(ValueError, match="needs 6 blocks of 4, but the whole KV pool has 5"):
@@ -206,7 +206,7 @@ def test_paged_settings_are_checked():
         (dict(block_size=2.5), "block_size"),
     ]:
         with pytest.raises(ValueError, match=words):
-            ContinuousEngine(TINY, 2, kv="paged", **kw)
+            make_engine(TINY, 2, kv="paged", **kw)
 
 
 def test_paged_memory_is_allocated_as_sequences_grow():
@@ -280,7 +280,7 @@ def test_check_integrity_names_each_broken_book_of_the_pool():
 def test_leaks_names_what_an_idle_engine_still_holds():
     """check.leaks asks the scheduler and the cache's check_integrity(idle=True): None once
     every request gave everything back, else a sentence naming what is held."""
-    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, kv_blocks=8)
+    eng = make_engine(TINY, 2, kv="paged", block_size=4, kv_blocks=8)
     eng.add_request(Request([1, 2, 3], 4))
     while eng.has_work():
         eng.step()
@@ -364,15 +364,15 @@ def test_rows_that_decode_nothing_write_only_the_pad_block():
 
 
 def test_a_paged_graph_decoder_is_reused_only_by_a_pool_like_its_own():
-    eng = ContinuousEngine(TINY, 3, kv="paged", block_size=4, kv_blocks=20, decoder="graphs")
+    eng = make_engine(TINY, 3, kv="paged", block_size=4, kv_blocks=20, decoder="graphs")
     reqs = [Request([1, 2, 3], 9), Request([4], 14)]
     first, _ = run_continuous(TINY, reqs, 3, decoder=eng.decoder)
     assert [r.tokens for r in first] == [solo(r) for r in reqs]
-    again = ContinuousEngine(TINY, 3, decoder=eng.decoder)
+    again = make_engine(TINY, 3, decoder=eng.decoder)
     assert again.cache is eng.cache and again.config.kv == "paged"
     for kw in (dict(kv_blocks=21), dict(block_size=2), dict(prefix_cache=True), dict(kv="slots")):
         with pytest.raises(ValueError, match="the decoder serves another model"):
-            ContinuousEngine(TINY, 3, decoder=eng.decoder, **kw)
+            make_engine(TINY, 3, decoder=eng.decoder, **kw)
 
 
 def test_graph_decoder_settings_are_checked():
@@ -385,7 +385,7 @@ def test_graph_decoder_settings_are_checked():
         SlotGraphDecoder(TINY, KVCache(2, 32))
     for bad in [(8.5,), (0, 16), ()]:  # named when made, not at the first step
         with pytest.raises(ValueError, match="bucket"):
-            ContinuousEngine(TINY, 2, decoder="graphs", buckets=bad)
+            make_engine(TINY, 2, decoder="graphs", buckets=bad)
         with pytest.raises(ValueError, match="buckets must"):
             SlotGraphDecoder(TINY, slots, buckets=bad)
     assert default_buckets(512) == [32, 64, 128, 256, 512] and default_buckets(96) == [32, 64, 96]
@@ -393,18 +393,18 @@ def test_graph_decoder_settings_are_checked():
 
 
 def test_a_decoder_is_reused_by_a_second_engine():
-    eng = ContinuousEngine(TINY, 3, decoder="graphs")
+    eng = make_engine(TINY, 3, decoder="graphs")
     reqs = [Request([1, 2, 3], 9), Request([4], 14)]
     first, _ = run_continuous(TINY, reqs, 3, decoder=eng.decoder)
     second, _ = run_continuous(TINY, reqs, 3, decoder=eng.decoder)
     assert [r.tokens for r in first] == [r.tokens for r in second] == [solo(r) for r in reqs]
-    busy = ContinuousEngine(TINY, 3, decoder=eng.decoder)
+    busy = make_engine(TINY, 3, decoder=eng.decoder)
     busy.add_request(Request([1], 5))
     busy.step()
     with pytest.raises(ValueError, match="idle slots"):
-        ContinuousEngine(TINY, 3, decoder=eng.decoder)
+        make_engine(TINY, 3, decoder=eng.decoder)
     with pytest.raises(ValueError, match="idle slots"):
-        ContinuousEngine(
+        make_engine(
             TINY, 4, decoder=SlotGraphDecoder(TINY, SlotKVCache(2, 2, 2, 16, 96, torch.float64))
         )
 

@@ -13,6 +13,7 @@ from tests.conftest import MIXED_REQUESTS as REQS
 from tests.conftest import make_tiny
 from tests.test_fused_layer import RANDOM_ENGINES, requests_st
 from tinyllm import piecewise
+from tinyllm.build import make_engine
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import solo
@@ -28,7 +29,7 @@ MODELS = {
 
 
 def serve(model, reqs, **kw) -> tuple[list[list[int]], ContinuousEngine]:
-    eng = ContinuousEngine(model, 2, decoder="pieces", **kw)  # programs for 1 and 2 rows
+    eng = make_engine(model, 2, decoder="pieces", **kw)  # programs for 1 and 2 rows
     rids = [eng.add_request(r) for r in reqs]
     while eng.has_work():
         eng.step()
@@ -117,7 +118,7 @@ def test_warm_up_compiles_every_bucket_ahead():
     PiecewiseDecoder(model).warm_up(3)
     programs = dict(piecewise.PROGRAMS[model])
     assert sorted(rows for _, rows in programs) == [1, 1, 1, 2, 2, 2, 4, 4, 4]
-    eng = ContinuousEngine(model, 3, decoder="pieces")
+    eng = make_engine(model, 3, decoder="pieces")
     rids = [eng.add_request(r) for r in REQS[:3]]
     while eng.has_work():
         eng.step()

@@ -21,7 +21,7 @@ from tests.test_gguf import (
     tiny_peer,
     write_gguf,
 )
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.generate import solo
 from tinyllm.quant import (
     GemvLinear,
@@ -197,7 +197,7 @@ def test_every_engine_on_a_quantized_model_gives_the_solo_tokens(mode, reqs, n_s
         need = max(math.ceil((len(r.prompt) + r.max_new_tokens + 1) / 4) for r in reqs)
         kw.update(block_size=4, kv_blocks=need + data.draw(st.integers(0, 3)),
                   prefix_cache=data.draw(st.booleans()))  # fmt: skip
-    eng = ContinuousEngine(model, n_slots, **kw)
+    eng = make_engine(model, n_slots, **kw)
     rids = [eng.add_request(r) for r in reqs]
     while eng.has_work():
         eng.step()

@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 
+from tinyllm.build import make_engine
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import generate
 from tinyllm.quant import quantize
@@ -91,7 +92,7 @@ class Running:
 @pytest.fixture(scope="module")
 def running(bundled64):
     model, tok = bundled64
-    srv = Running(ContinuousEngine(model, 8), tok)
+    srv = Running(make_engine(model, 8), tok)
     yield srv
     srv.stop()
 
@@ -253,7 +254,7 @@ def test_bad_json_an_unknown_model_and_bad_messages(running):
 
 def test_a_full_server_answers_429_and_serves_the_rest(bundled64):
     model, tok = bundled64
-    srv = Running(ContinuousEngine(model, 1), tok, max_waiting=2)
+    srv = Running(make_engine(model, 1), tok, max_waiting=2)
     try:
 
         async def go():
@@ -316,7 +317,7 @@ def test_kv_cache_books_gone_wrong_show_in_health_and_metrics(bundled64, monkeyp
     """The engine asks its cache for its books when idle; a problem makes /health 'degraded'
     (the server still serves) with the cache's sentence, and the integrity gauge 0."""
     model, tok = bundled64
-    engine = ContinuousEngine(model, 2, kv="paged")
+    engine = make_engine(model, 2, kv="paged")
     monkeypatch.setattr(engine.cache, "check_integrity", books_gone_wrong)
     srv = Running(engine, tok)
     try:
@@ -449,7 +450,7 @@ def test_a_speculating_server_streams_the_solo_text_and_counts_its_guesses(bundl
     counts the guesses proposed and accepted."""
     model, tok = bundled64
     for spec in ("ngram", "draft"):
-        srv = Running(ContinuousEngine(model, 4, kv="paged", speculate=spec, spec_tokens=3), tok)
+        srv = Running(make_engine(model, 4, kv="paged", speculate=spec, spec_tokens=3), tok)
         try:
             cl = srv.client()
             for prompt in PROMPTS[:3]:
@@ -483,7 +484,7 @@ def test_a_compiled_decoder_over_a_paged_pool_is_served(bundled64):
     its compiled steps and compiles its bucket there before the first request; a stream carries
     solo's text, and the pool's books are sound when the server is idle."""
     model, tok = bundled64
-    eng = ContinuousEngine(model, 3, kv="paged", decoder="compiled", max_len=96, buckets=(64,))
+    eng = make_engine(model, 3, kv="paged", decoder="compiled", max_len=96, buckets=(64,))
     srv = Running(eng, tok)
     try:
         cl = srv.client()
@@ -502,7 +503,7 @@ def test_a_model_served_with_its_decoder_streams_its_solo_text(bundled64, quant,
     model, tok = bundled64
     if quant is not None:
         model = quantize(copy.deepcopy(model), quant)
-    srv = Running(ContinuousEngine(model, 4, kv="paged", decoder=decoder), tok)
+    srv = Running(make_engine(model, 4, kv="paged", decoder=decoder), tok)
     try:
         cl = srv.client()
         for prompt in PROMPTS[:2]:

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.test_server import NAME, PROMPTS, Running, solo_text
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.generate import generate
 from tinyllm.serving import api
 
@@ -21,7 +21,7 @@ from tinyllm.serving import api
 @pytest.fixture(scope="module")
 def running(bundled64):
     model, tok = bundled64
-    srv = Running(ContinuousEngine(model, 4), tok)
+    srv = Running(make_engine(model, 4), tok)
     yield srv
     srv.stop()
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.test_server import NAME, PROMPTS, Running
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.generate import solo
 from tinyllm.requests import Request
 from tinyllm.sampling import Sampling
@@ -27,7 +27,7 @@ LOGPROB_TOL = 1e-5
 @pytest.fixture(scope="module")
 def running(bundled):
     model, tok = bundled
-    srv = Running(ContinuousEngine(model, 4), tok)
+    srv = Running(make_engine(model, 4), tok)
     yield srv
     srv.stop()
 
@@ -356,7 +356,7 @@ def test_a_full_server_counts_each_choice(bundled):
     """With 1 slot and 2 sequences waiting at most, n=3 is refused with a 429 at once; n=2
     is served, each choice equal to solo."""
     model, tok = bundled
-    srv = Running(ContinuousEngine(model, 1), tok, max_waiting=2)
+    srv = Running(make_engine(model, 1), tok, max_waiting=2)
     try:
         cl = srv.client()
         with pytest.raises(openai.RateLimitError):

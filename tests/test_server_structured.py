@@ -19,7 +19,7 @@ import tinyllm
 from tests.test_server import NAME, Running
 from tests.test_server_api import post, refused
 from tests.test_structured import PERSON  # closed and bounded: the bundled model ends it
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.generate import solo
 from tinyllm.requests import Request
 from tinyllm.sampling import Sampling
@@ -56,7 +56,7 @@ def grammars(bundled64):
 @pytest.fixture(scope="module")
 def running(bundled64, grammars):
     model, tok = bundled64
-    srv = Running(ContinuousEngine(model, 4, grammars=grammars), tok)
+    srv = Running(make_engine(model, 4, grammars=grammars), tok)
     yield srv
     srv.stop()
 
@@ -347,7 +347,7 @@ def test_smollm2_answers_a_json_request_in_its_schema(smollm2):
         **PERSON,
         "properties": {**PERSON["properties"], "name": {"type": "string", "maxLength": 20}},
     }
-    srv = Running(ContinuousEngine(model, 2, grammars=LLGuidance(tok, model.cfg.vocab_size)), tok)
+    srv = Running(make_engine(model, 2, grammars=LLGuidance(tok, model.cfg.vocab_size)), tok)
     try:
         as_person = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
         for temperature in (0.0, 0.7):

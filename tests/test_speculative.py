@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import SMALL_CFG, chi_square_bound, make_tiny
 from tests.test_engine import TINY, V
+from tinyllm.build import make_engine
 from tinyllm.config import EngineConfig
-from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import solo
 from tinyllm.requests import Request
 from tinyllm.sampling import Sampling
@@ -116,7 +116,7 @@ def test_greedy_speculation_gives_the_solo_tokens(reqs, n_slots, data):
             kv_blocks=need + data.draw(st.integers(0, 4)),
             prefix_cache=data.draw(st.booleans()),
         )
-    eng = ContinuousEngine(TINY, n_slots, **kw)
+    eng = make_engine(TINY, n_slots, **kw)
     pending, rids, aborted = list(enumerate(reqs)), {}, set()
     while pending or eng.has_work():
         for _ in range(data.draw(st.integers(0, 3))):
@@ -147,7 +147,7 @@ def test_speculation_counts_what_it_proposed_and_kept():
     prompt = [5, 6, 7, 8] * 5
     results = {}
     for spec in (None, "ngram", "draft"):
-        eng = ContinuousEngine(TINY, 2, speculate=spec, spec_tokens=4)
+        eng = make_engine(TINY, 2, speculate=spec, spec_tokens=4)
         rid = eng.add_request(Request(prompt, 16))
         while eng.has_work():
             eng.step()
@@ -189,7 +189,7 @@ def test_sampled_speculation_keeps_the_targets_distribution(spec):
     prompt, n = [1, 2, 1, 2, 1], 6000
     other = make_tiny(seed=7, **SMALL_CFG)  # a draft of its own, far from the target
     draft = other if spec == "draft" else None
-    eng = ContinuousEngine(SMALL, 16, speculate=spec, spec_tokens=3, draft=draft)
+    eng = make_engine(SMALL, 16, speculate=spec, spec_tokens=3, draft=draft)
     rids = [eng.add_request(Request(prompt, 3, sampling=Sampling(1.0, seed=s))) for s in range(n)]
     while eng.has_work():
         eng.step()
@@ -215,12 +215,12 @@ def test_a_seeded_sampled_request_is_reproducible_alone_or_batched():
     for spec in ("ngram", "draft"):
         alone = []
         for r in reqs:
-            eng = ContinuousEngine(TINY, 1, speculate=spec)
+            eng = make_engine(TINY, 1, speculate=spec)
             rid = eng.add_request(r)
             while eng.has_work():
                 eng.step()
             alone.append(eng.results.pop(rid).tokens)
-        eng = ContinuousEngine(TINY, 4, speculate=spec, kv="paged", block_size=4)
+        eng = make_engine(TINY, 4, speculate=spec, kv="paged", block_size=4)
         rids = [eng.add_request(r) for r in reqs]
         while eng.has_work():
             eng.step()
@@ -230,13 +230,13 @@ def test_a_seeded_sampled_request_is_reproducible_alone_or_batched():
 def test_a_draft_of_its_own_proposes_and_a_bad_one_is_named():
     """A separately given draft (here the target itself: every greedy guess stands) proposes;
     one with another vocabulary, or given without speculate='draft', is refused."""
-    eng = ContinuousEngine(TINY, 2, speculate="draft", spec_tokens=3, draft=make_tiny(seed=3))
+    eng = make_engine(TINY, 2, speculate="draft", spec_tokens=3, draft=make_tiny(seed=3))
     rid = eng.add_request(Request([5, 6, 7, 8] * 3, 12))
     while eng.has_work():
         eng.step()
     assert eng.results[rid].tokens == solo(TINY, Request([5, 6, 7, 8] * 3, 12)).tokens
     assert eng.stats.spec_accepted == eng.stats.spec_proposed > 0
     with pytest.raises(ValueError, match="a draft shares the tokenizer"):
-        ContinuousEngine(TINY, 2, speculate="draft", draft=SMALL)
+        make_engine(TINY, 2, speculate="draft", draft=SMALL)
     with pytest.raises(ValueError, match="a draft model proposes only with speculate='draft'"):
-        ContinuousEngine(TINY, 2, draft=TINY)
+        make_engine(TINY, 2, draft=TINY)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.generate import solo
 from tinyllm.logits_processors import unpack_bitmask
 from tinyllm.requests import Request
@@ -59,12 +59,12 @@ def test_the_backend_names_what_it_refuses_and_the_engine_is_unchanged(bundled64
     model, tok = bundled64
     assert grammars.check(Constraint.json_schema({"type": "objectz"})) == "Invalid type: objectz"
     assert "unclosed group" in grammars.check(Constraint("regex", "(ab"))
-    eng = ContinuousEngine(model, 2, kv="paged", block_size=4, grammars=grammars)
+    eng = make_engine(model, 2, kv="paged", block_size=4, grammars=grammars)
     bad = Sampling(constraint=Constraint.json_schema({"type": "objectz"}))
     with pytest.raises(ValueError, match="constraint: the json_schema is refused: Invalid type"):
         eng.add_request(Request(tok.encode("Ham.\n"), 8, sampling=bad))
     assert not eng.has_work() and eng.cache.check_integrity(idle=True) is None
-    plain = ContinuousEngine(model, 2)
+    plain = make_engine(model, 2)
     with pytest.raises(ValueError, match="constraint: this engine has no grammar backend"):
         plain.add_request(Request([1, 2], 4, sampling=Sampling(constraint=CONSTRAINTS[1])))
 
@@ -81,7 +81,7 @@ def test_constrained_outputs_validate_and_end_with_their_grammar(bundled64, gram
     """The bundled model, sampled with 12 seeds under the schema: every output is JSON that
     the schema accepts, ended by EOS where the grammar completes ("stop")."""
     model, tok = bundled64
-    eng = ContinuousEngine(model, 4, grammars=grammars)
+    eng = make_engine(model, 4, grammars=grammars)
     s = lambda seed: Sampling(0.9, seed=seed, constraint=CONSTRAINTS[0])
     rids = [
         eng.add_request(Request(tok.encode(PROMPTS[i % 4]), 60, tok.eos_id, s(i)))
@@ -145,7 +145,7 @@ def test_every_engine_gives_a_constrained_request_its_solo_masked_run(bundled64,
             prefix_cache=data.draw(st.booleans()),
         )
     kw["max_step_tokens"] = data.draw(st.sampled_from([None, n_slots + 4]))
-    eng = ContinuousEngine(model, n_slots, grammars=grammars, **kw)
+    eng = make_engine(model, n_slots, grammars=grammars, **kw)
     rids = [eng.add_request(r) for r in reqs]
     while eng.has_work():
         eng.step()
@@ -170,7 +170,7 @@ def test_matchers_follow_their_requests_through_preemption_and_speculation(bundl
         for i in range(6)
     ]
     for speculate in ("draft", "ngram"):
-        eng = ContinuousEngine(
+        eng = make_engine(
             model, 3, kv="paged", block_size=4, kv_blocks=10, speculate=speculate, grammars=grammars
         )
         rids = [eng.add_request(r) for r in reqs]
@@ -240,7 +240,7 @@ def test_guesses_past_a_complete_grammar_under_ignore_eos_keep_solos_tokens(bund
         for c in (YES_NO, CONSTRAINTS[3])
     ]
     for speculate in ("draft", "ngram"):
-        eng = ContinuousEngine(model, 3, speculate=speculate, grammars=grammars)
+        eng = make_engine(model, 3, speculate=speculate, grammars=grammars)
         rids = [eng.add_request(r) for r in reqs]
         while eng.has_work():
             eng.step()
@@ -301,7 +301,7 @@ def test_a_constraint_llguidance_cannot_enforce_is_refused_up_front(bundled64, g
     model, tok = bundled64
     why = grammars.check(c)
     assert why is not None and says in why, f"{c.spec}: check says {why!r}, not {says!r}"
-    eng = ContinuousEngine(model, 2, grammars=grammars)
+    eng = make_engine(model, 2, grammars=grammars)
     with pytest.raises(ValueError, match="constraint: the .* is refused"):
         eng.add_request(Request(tok.encode("Ham.\n"), 8, sampling=Sampling(constraint=c)))
     assert c not in grammars.compiled and not eng.has_work()

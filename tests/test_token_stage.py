@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.test_engine import TINY, V
+from tinyllm.build import make_engine
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import solo
 from tinyllm.logits_processors import History, apply_penalties, penalize_row, process
@@ -46,7 +47,7 @@ def test_a_bad_setting_is_refused_by_name(kw, field):
 
 
 def test_ids_outside_the_vocabulary_are_refused_and_the_engine_is_unchanged():
-    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4)
+    eng = make_engine(TINY, 2, kv="paged", block_size=4)
     for s, field in [
         (Sampling(logit_bias={V: 1.0}), "logit_bias"),
         (Sampling(stop_token_ids=[-1]), "stop_token_ids"),
@@ -185,7 +186,7 @@ def test_a_prefill_runs_the_head_only_where_it_samples_unless_a_prompt_wants_log
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     for asks in (None, 1):
         shapes.clear()
-        eng = ContinuousEngine(TINY, 3)
+        eng = make_engine(TINY, 3)
         reqs = [
             Request(p, 3, sampling=Sampling(prompt_logprobs=asks if i == 1 else None))
             for i, p in enumerate(prompts)
@@ -319,7 +320,7 @@ def test_every_choice_equals_its_solo_run_tokens_and_logprobs(reqs, n_slots, dat
             prefix_cache=data.draw(st.booleans()),
         )
     budget = data.draw(st.sampled_from([None, n_slots + 3, n_slots + 9]))
-    eng = ContinuousEngine(TINY, n_slots, kv=kv, max_step_tokens=budget, **kw)
+    eng = make_engine(TINY, n_slots, kv=kv, max_step_tokens=budget, **kw)
     done, aborted = drive(eng, reqs, data, abort_odds=10)
     wants = {i: solo_choices(r) for i, r in enumerate(reqs)}
     for (i, c), got in done.items():
@@ -357,7 +358,7 @@ def test_n_choices_share_the_prompts_blocks_computed_once():
     for it and are served its 5 full blocks (20 tokens) by the prefix cache."""
     prompt = list(range(1, 23))
     for budget in (None, 8):
-        eng = ContinuousEngine(
+        eng = make_engine(
             TINY, 4, kv="paged", block_size=4, prefix_cache=True, max_step_tokens=budget
         )
         rid = eng.add_request(Request(prompt, 6, sampling=Sampling(0.9, seed=5, n=4)))
@@ -377,7 +378,7 @@ def test_a_request_for_prompt_logprobs_is_not_served_by_the_prefix_cache():
     """As vLLM: a cached block has no logits, so a request that asks for its prompt's
     logprobs computes its whole prompt; its blocks are cached for later requests all the same."""
     prompt = list(range(30, 50))
-    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
+    eng = make_engine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
     plain = Request(prompt, 3)
     asking = Request(prompt, 3, sampling=Sampling(prompt_logprobs=1))
     for r in (plain, asking, plain):
@@ -402,7 +403,7 @@ def test_preempted_choices_keep_their_prompt_logprobs_and_logprobs():
         for i in range(4)
     ]
     for prefix_cache in (False, True):
-        eng = ContinuousEngine(
+        eng = make_engine(
             TINY,
             4,
             kv="paged",
@@ -422,7 +423,7 @@ def test_preempted_choices_keep_their_prompt_logprobs_and_logprobs():
 
 
 def test_aborting_the_first_choice_lets_the_others_run():
-    eng = ContinuousEngine(TINY, 1, kv="paged", block_size=4, prefix_cache=True, max_step_tokens=4)
+    eng = make_engine(TINY, 1, kv="paged", block_size=4, prefix_cache=True, max_step_tokens=4)
     rid = eng.add_request(Request(list(range(1, 20)), 4, sampling=Sampling(n=3)))
     eng.step()
     assert eng.scheduler.held, "the others wait for the first's prompt"

@@ -15,8 +15,10 @@ one rule covers prefill, chunks, decode, and the recompute of a preempted reques
 
 The decode rows and the chunk rows run in one forward pass. The cache packs it: the model's
 products run on the step's new tokens alone (layers_pass), not on a (B, T) batch padded to
-the widest chunk, as vLLM packs a step's tokens into one flat row; on a CPU the tokens of its
-short rows (the decodes) are then query rows of their own in the attention kernel.
+the widest chunk, as vLLM packs a step's tokens into one flat row.
+
+`TokenBudget` is the scheduler's planner of a budgeted engine, in the place of step 04's
+WholeContexts (scheduler.py): tinyllm.build makes it for `max_step_tokens`.
 
 Seams: `plan_step` and `next_chunk` (exercise 07).
 """
@@ -78,3 +80,18 @@ def next_chunk(seq: Sequence, n: int) -> tuple[list[int], bool]:
     context = seq.context()
     return (context[seq.num_computed_tokens:seq.num_computed_tokens + n],
             seq.num_computed_tokens + n == len(context))
+
+
+class TokenBudget:
+    """A budgeted engine's planner: each step's plan within max_step_tokens (plan_step), and
+    each sequence's next chunk (next_chunk)."""
+
+    def __init__(self, max_step_tokens: int | None):
+        self.max_step_tokens = max_step_tokens
+
+    def plan(self, running: list[Sequence], admit: Callable[[], list[Sequence]]
+             ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        return plan_step(running, self.max_step_tokens, admit)
+
+    def next_chunk(self, seq: Sequence, n: int) -> tuple[list[int], bool]:
+        return next_chunk(seq, n)

@@ -9,7 +9,7 @@ The config is checked when it is made, so a bad setting is named before any memo
 
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from tinyllm.requests import check_positive_int
@@ -97,6 +97,10 @@ class EngineConfig:
                              f"{self.buckets!r}")
         for b in self.buckets:
             check_positive_int("each bucket", b)
+
+    def changed(self, **settings) -> "EngineConfig":
+        """This config with the given fields changed (checked anew), or itself when none is."""
+        return replace(self, **settings) if settings else self
 
     @property
     def sampling(self) -> Sampling:

@@ -2,236 +2,84 @@
 
 Static batching (03) waits for a batch's longest request. Here a finished request frees its
 slot at once and a waiting one takes it in the next step, so no row computes for nobody and
-nobody waits for a stranger's long answer. Requests may arrive while others decode; the offline
-run is the same loop with every request arriving at 0.
+nobody waits for a stranger's long answer. Requests may arrive while others decode
+(`run_engine` feeds them at their arrival times); the offline run is the same loop with every
+request arriving at 0.
 
 One step of `ContinuousEngine` reads as its four calls: 1) reserve (room for every running
 request's next token; scheduler.py), 2) admit the newcomers and plan the step (a token for
 every decoding request, the newcomers' contexts), 3) one forward pass for both (the contexts go
-straight into their slots), 4) retire what finished. The pass is one ragged step of the cache
-(slot_cache.py), packed: its products run on the step's new tokens alone, so a decode row
-costs one token beside a long prompt (Orca's iteration-level batching, vLLM's one batch a
-step). A decode step of its own is the bucketed decoder's (06) or speculation's (11).
-With kv="paged" (05) the memory is a pool of blocks, and requests may be
-preempted; with decoder="graphs" (06) the decode step is a replayed CUDA graph, with
-decoder="compiled" a step compiled by torch.compile (any device), with decoder="pieces" (13)
-each of its layers compiled in pieces around attention (any cache), with decoder="fused" (13)
-each layer one C call (float weights on a CPU); with max_step_tokens (07) contexts are
-prefilled a chunk at a time; with prefix_cache (08) requests share the blocks of a common
-prefix.
+straight into their slots; model_runner.py), 4) retire what finished. The pass is one ragged
+step of the cache (slot_cache.py), packed: its products run on the step's new tokens alone, so
+a decode row costs one token beside a long prompt (Orca's iteration-level batching, vLLM's one
+batch a step).
+
+The engine is made of parts, each behind a small interface, and never asks which kind it
+holds: the cache (this step's SlotKVCache), the decode step (the model), the planner (every
+context whole: scheduler.WholeContexts); later steps bring other parts through the same
+interfaces, and `tinyllm.build.make_engine` makes them from an EngineConfig. Given no parts,
+the engine makes this step's own.
 """
 
-import dataclasses
-import itertools
 import time
 
 import torch
 from torch import Tensor
 
-from tinyllm import chunked_prefill, token_stage
-from tinyllm.compiled import CompiledDecoder
+from tinyllm import token_stage
 from tinyllm.config import EngineConfig
-from tinyllm.cuda_graph import SlotGraphDecoder
-from tinyllm.fused_layer import FusedDecoder
-from tinyllm.generate import autocast_for
-from tinyllm.model import Transformer, gpu_dtype, unpacked
-from tinyllm.paged_kv import PagedKVCache
-from tinyllm.piecewise import PiecewiseDecoder
+from tinyllm.model import Transformer, gpu_dtype
+from tinyllm.model_runner import ModelRunner, wants_prompt_logprobs
 from tinyllm.requests import Event, Request, Result, Sequence, check_request
 from tinyllm.sampling import Sampling, check_generator
 from tinyllm.scheduler import Scheduler
 from tinyllm.slot_cache import SlotCache, SlotKVCache
-from tinyllm.speculative import make_speculator
-from tinyllm.stats import Stats, Trace, kv_bytes_per_token, sync_device
+from tinyllm.stats import Stats, Trace, kv_bytes_per_token
 from tinyllm.token_stage import new_matchers
 
+LATER = {"kv": "slots", "decoder": "eager", "max_step_tokens": None, "prefix_cache": False,
+         "speculate": None}     # what this step's engine makes itself; other values, the builder
 
-def make_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks: int | None,
-               device) -> SlotCache:
-    """The engine's cache: config.n_slots slots of max_len positions, or (kv="paged") a pool
-    of n_blocks blocks shared by them, in the model's dtype (a GPU's compute dtype on CUDA).
-    With a prefix cache and no token budget every admitted context is computed whole in its
-    admission step, so its blocks are named at admission (a newcomer of the same step shares
-    them); under a budget a block is named after the step that writes it (mark_computed)."""
-    cfg = model.cfg
+
+def slot_cache(model: Transformer, config: EngineConfig, device=None) -> SlotKVCache:
+    """This step's cache for the model: config.n_slots slots of the config's max_len (within
+    its KV budget), in the model's dtype (a GPU's compute dtype on CUDA)."""
+    device = device or next(model.parameters()).device
+    max_len, _ = config.kv_sizes(model.cfg.max_seq_len, kv_bytes_per_token(model, device))
     dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
-    if config.kv == "slots":
-        return SlotKVCache(cfg.n_layers, config.n_slots, cfg.n_kv_heads, cfg.head_dim,
-                           max_len, dtype, device)
-    return PagedKVCache(cfg.n_layers, config.n_slots, cfg.n_kv_heads, cfg.head_dim, n_blocks,
-                        config.block_size, max_len, dtype, device, config.prefix_cache,
-                        name_at_admission=config.max_step_tokens is None)
+    cfg = model.cfg
+    return SlotKVCache(cfg.n_layers, config.n_slots, cfg.n_kv_heads, cfg.head_dim, max_len,
+                       dtype, device)
 
 
-def _settings(config: EngineConfig | int, settings: dict):
-    """The EngineConfig of ContinuousEngine's arguments (n_slots and keywords, or a config and
-    keywords to change), and the decoder passed to reuse, if one was: `decoder` names a kind
-    ("eager", "graphs", "compiled") or passes a built decoder (SlotGraphDecoder,
-    CompiledDecoder), whose kind, compile mode and cache (max_len; a paged pool's blocks and
-    prefix cache) the config then takes."""
-    decoder = settings.pop("decoder", None)
-    if isinstance(decoder, SlotGraphDecoder):
-        settings["decoder"] = "compiled" if isinstance(decoder, CompiledDecoder) else "graphs"
-        if isinstance(decoder, CompiledDecoder):
-            if settings.setdefault("compile_mode", decoder.mode) != decoder.mode:
-                raise ValueError(f"compile_mode {settings['compile_mode']!r}: the decoder "
-                                 f"given was compiled in mode {decoder.mode!r}")
-        cache = decoder.slots                           # by default, its cache's settings
-        settings.setdefault("max_len", cache.max_len)
-        if isinstance(cache, PagedKVCache):
-            for name, value in (("kv", "paged"), ("kv_blocks", cache.n_blocks),
-                                ("block_size", cache.block_size),
-                                ("prefix_cache", cache.prefix is not None)):
-                settings.setdefault(name, value)
-    elif decoder is not None:
-        settings["decoder"], decoder = decoder, None
-    if isinstance(config, EngineConfig):
-        return dataclasses.replace(config, **settings), decoder
-    return EngineConfig(config, **settings), decoder
+def config_and_cache(model: Transformer, config: EngineConfig | int, settings: dict,
+                     cache: SlotCache | None, device) -> tuple[EngineConfig, SlotCache]:
+    """The engine's config (n_slots, or a config; `settings` change fields) and its cache: the
+    one given, or this step's own (slot_cache) for a config that asks for no later step's."""
+    config = config if isinstance(config, EngineConfig) else EngineConfig(config)
+    config = config.changed(**settings)
+    if cache is None:
+        check_own_settings(config)
+        cache = slot_cache(model, config, device)
+    return config, cache
 
 
-def _cache_and_decoder(model: Transformer, config: EngineConfig, max_len: int,
-                       n_blocks: int | None, device, decoder: SlotGraphDecoder | None):
-    """The engine's cache, and its bucketed decoder (06) when it has one: a new pair, or the
-    given decoder with its own cache (and its graphs or compiled steps), reused if it fits
-    these settings and is idle."""
-    if decoder is None:
-        cache = make_cache(model, config, max_len, n_blocks, device)
-        if config.decoder == "pieces":                  # the decode step in pieces (13)
-            return cache, PiecewiseDecoder(model)
-        if config.decoder == "fused":                   # each layer in one C call (13)
-            return cache, FusedDecoder(model)
-        if config.decoder == "compiled":
-            return cache, CompiledDecoder(model, cache, config.buckets, config.compile_mode)
-        if config.decoder == "graphs":
-            return cache, SlotGraphDecoder(model, cache, config.buckets)
-        return cache, None
-    cache, wanted = decoder.slots, ["slots", max_len, None, config.n_slots]
-    if config.kv == "paged":
-        wanted = ["paged", max_len, n_blocks, config.n_slots, config.block_size,
-                  config.prefix_cache]
-    naming = getattr(cache, "name_at_admission", False)     # safe only without a budget (08)
-    if decoder.model is not model or cache_sizes(cache) != wanted or any(cache.active) or \
-            (naming and config.max_step_tokens is not None):
-        raise ValueError(f"the decoder serves another model, or its cache is not the "
-                         f"{config.kv} cache of these settings ({config.n_slots} idle slots of "
-                         f"{max_len} positions)")
-    return cache, decoder
+def check_own_settings(config: EngineConfig) -> None:
+    """Raise ValueError naming a setting of a later step, which this step's engine cannot make
+    itself: tinyllm.build.make_engine makes the parts of any EngineConfig."""
+    for name, own in LATER.items():
+        if getattr(config, name) != own:
+            raise ValueError(f"{name}={getattr(config, name)!r} is a later step's: make the "
+                             f"engine with tinyllm.build.make_engine(model, config), which "
+                             f"builds its parts, or pass them")
 
 
-def cache_sizes(cache: SlotCache) -> list:
-    """What a cache was made with: its kind, max_len, blocks (None for slots), slots, and a
-    paged pool's block size and whether it has a prefix cache."""
-    if isinstance(cache, PagedKVCache):
-        return ["paged", cache.max_len, cache.n_blocks, cache.n_slots, cache.block_size,
-                cache.prefix is not None]
-    return ["slots", cache.max_len, None, cache.n_slots]
-
-
-class ModelRunner:
-    """A step's forward passes on the engine's cache: the decode rows alone (one token each,
-    through the model or a decoder: 06, 13), or the prefill chunks (a ragged batch) with the
-    decode rows in the same pass. Each returns the logits to sample from; the time inside the
-    model of a pass with decode rows is added to stats.forward_s."""
-
-    def __init__(self, model: Transformer, cache: SlotCache, decoder, stats: Stats, device):
-        self.model, self.cache, self.decoder, self.stats, self.device = \
-            model, cache, decoder, stats, device
-
-    def decode(self, seqs: list[Sequence]) -> Tensor:
-        """Each sequence's last token (or, after its prefill, its prompt's) -> logits (B, V)."""
-        rows = [s.slot for s in seqs]
-        last = [last_token(s) for s in seqs]
-        t0 = time.perf_counter()
-        self.cache.plan_step(rows, [1] * len(rows))
-        if not isinstance(self.decoder, SlotGraphDecoder):   # the model, in pieces or fused (13)
-            idx = torch.tensor(last, device=self.device)[:, None]       # (B, 1)
-            with autocast_for(self.device):
-                forward = self.model if self.decoder is None else self.decoder
-                logits, _ = forward(idx, cache=self.cache)              # (B, 1, V)
-        else:                                           # every slot, one graph replay (06)
-            idx = torch.zeros(self.cache.n_slots, 1, dtype=torch.long, device=self.device)
-            idx[rows, 0] = torch.tensor(last, device=self.device)
-            logits = self.decoder.step(idx)[rows]                       # (S, 1, V) -> (B, 1, V)
-        sync_device(self.device)
-        self.stats.forward_s += time.perf_counter() - t0
-        return logits[:, -1]                                            # (B, V)
-
-    def verify(self, seqs: list[Sequence], inputs: list[list[int]]) -> Tensor:
-        """Speculation's target pass (11): each sequence's last token and its guesses (inputs,
-        1 or more a row) in one ragged batch -> every position's logits (B, T, V)."""
-        q_lens = [len(t) for t in inputs]
-        T = max(q_lens)
-        idx = torch.tensor([t + [0] * (T - len(t)) for t in inputs], device=self.device)
-        t0 = time.perf_counter()
-        self.cache.plan_step([s.slot for s in seqs], q_lens)
-        with autocast_for(self.device):
-            logits, _ = self.model(idx, cache=self.cache)               # (B, T, V)
-        sync_device(self.device)
-        self.stats.forward_s += time.perf_counter() - t0
-        return logits
-
-    def prefill(self, chunks: list[tuple[Sequence, int]], decodes: list[Sequence] = ()
-                ) -> tuple[Tensor | None, list[int], Tensor | None, Tensor | None]:
-        """Each sequence's next chunk of its context (next_chunk) in one ragged batch, and
-        after them, in the same pass, one token of each decoding sequence in `decodes` (a
-        mixed step). The cache packs the ragged batch: the products run on its new tokens
-        alone (model.layers_pass). Returns the decode rows' logits (D, V) (None without
-        them); the indices of the chunks that end their contexts, their last logits (E, V):
-        only those give a token to sample (None when no chunk ends its context); and every
-        chunk position's logits (C, T, V) when a sequence still collects its prompt's
-        logprobs, else None: the head then runs at the sampled positions alone (vLLM's logits
-        indices)."""
-        planned = [chunked_prefill.next_chunk(s, n) for s, n in chunks]
-        for (seq, n), (toks, _) in zip(chunks, planned):
-            if len(toks) != n:
-                raise ValueError(f"next_chunk gave {len(toks)} token{'s' * (len(toks) != 1)} "
-                                 f"for request {seq.rid}'s chunk of {n}")
-        inputs = [t for t, _ in planned] + [[last_token(s)] for s in decodes]
-        q_lens = [len(t) for t in inputs]
-        T, C = max(q_lens), len(chunks)
-        idx = torch.tensor([t + [0] * (T - len(t)) for t in inputs], device=self.device)  # (B, T)
-        t0 = time.perf_counter()
-        self.cache.plan_step([s.slot for s, _ in chunks] + [s.slot for s in decodes], q_lens)
-        ends = [i for i, (_, done) in enumerate(planned) if done]
-        with autocast_for(self.device):
-            x, where = self.model.layers_pass(idx, cache=self.cache)    # (1, N, d) or (B, T, d)
-            # each row's last new token: rows follow each other, packed or all of T tokens
-            last = x.reshape(-1, x.size(-1))[[n - 1 for n in itertools.accumulate(q_lens)]]
-            every = None
-            if any(wants_prompt_logprobs(seq) for seq, _ in chunks):
-                every = self.model.compute_logits(unpacked(x, where, len(inputs), T)[:C])
-            # the sampled positions: each ending chunk's last token, then each decode row's
-            picks = ends + list(range(C, len(inputs)))
-            if every is None:
-                sampled = self.model.compute_logits(last[picks]) if picks else None  # (P, V)
-            else:                                                       # every (C, T, V)
-                sampled = torch.cat([every[ends, [q_lens[i] - 1 for i in ends]]] + (
-                    [self.model.compute_logits(last[C:])] if decodes else []))  # (E + D, V)
-        if decodes:
-            sync_device(self.device)
-            self.stats.forward_s += time.perf_counter() - t0
-        E = len(ends)
-        return (sampled[E:] if decodes else None), ends, (sampled[:E] if ends else None), every
-
-
-def last_token(seq: Sequence) -> int:
-    """The token a decoding sequence brings to its next step: its last, or its prompt's last
-    (the first step after a prefill whose last token's logits were not kept)."""
-    return seq.tokens[-1] if seq.tokens else seq.request.prompt[-1]
-
-
-def mixes(speculator, decoder) -> bool:
-    """Whether a step's decode rows join its prefill chunks' pass (Orca's iteration-level
-    batching: one pass a step), as they do unless they have a pass of their own: a speculating
-    step's guesses (11), or a graph decoder's replay of every slot (06)."""
-    return speculator is None and not isinstance(decoder, SlotGraphDecoder)
-
-
-def wants_prompt_logprobs(seq: Sequence) -> bool:
-    """Whether the sequence asked for its prompt's logprobs and has not all of them yet."""
-    got = seq.prompt_logprobs
-    return got is not None and len(got) < len(seq.request.prompt)
+def sample(seqs: list[Sequence], logits: Tensor, shared: torch.Generator | None):
+    """Each sequence's next token from logits (B, V) through the token stage, as one-token
+    lists (a speculating step keeps several), with its logprobs (None where not asked)."""
+    tokens, logprobs = token_stage.select(logits, [s.history() for s in seqs],
+                                          [s.generator for s in seqs], shared)
+    return [[t] for t in tokens], [[lp] for lp in logprobs]
 
 
 def collect_prompt_logprobs(chunks: list[tuple[Sequence, int]], logits: Tensor | None) -> None:
@@ -250,40 +98,29 @@ def collect_prompt_logprobs(chunks: list[tuple[Sequence, int]], logits: Tensor |
                                               prompt[lo + 1:hi + 1], seq.sampling.prompt_logprobs)
 
 
-def sample(seqs: list[Sequence], logits: Tensor, shared: torch.Generator | None):
-    """Each sequence's next token from logits (B, V) through the token stage, as one-token
-    lists (a speculating step keeps several), with its logprobs (None where not asked)."""
-    tokens, logprobs = token_stage.select(logits, [s.history() for s in seqs],
-                                          [s.generator for s in seqs], shared)
-    return [[t] for t in tokens], [[lp] for lp in logprobs]
-
-
-def mark_computed(seqs: list[Sequence], n: list[int], cache: SlotCache, config: EngineConfig,
-                  scheduler: Scheduler, ahead: list[list[int]] | None = None) -> None:
-    """The step wrote n[i] tokens of seqs[i]: it holds more of its context, and a prefix cache
-    (08) names the blocks that are full now and not named yet (only when a block filled up:
-    building the context every step would cost more than the step's own bookkeeping; with no
-    budget a newcomer's context was named at its admission already). ahead[i]: tokens written
-    that join the context only when retired (a speculating step's kept guesses, 11). A first
-    choice whose prompt is computed lets its other choices queue (they share its blocks)."""
-    bs = config.block_size
+def mark_computed(seqs: list[Sequence], n: list[int], cache: SlotCache, scheduler: Scheduler,
+                  ahead: list[list[int]] | None = None) -> None:
+    """The step wrote n[i] tokens of seqs[i]: it holds more of its context, which the cache may
+    keep for later requests (cache_blocks: a prefix cache names the blocks that filled up, 08).
+    ahead[i]: tokens written that join the context only when retired (a speculating step's kept
+    guesses, 11). A first choice whose prompt is computed lets its other choices queue (a
+    cache that shares prefixes serves them its blocks)."""
     for i, (seq, k) in enumerate(zip(seqs, n)):
-        filled = (seq.num_computed_tokens + k) // bs > seq.num_computed_tokens // bs
         prompt_done = seq.num_computed_tokens < len(seq.request.prompt) <= \
             seq.num_computed_tokens + k
         seq.num_computed_tokens += k
-        if config.prefix_cache and filled:
-            cache.cache_blocks(seq.slot, seq.context() + (ahead[i] if ahead else []))
+        cache.cache_blocks(seq.slot, lambda seq=seq, i=i: seq.context() + (ahead[i] if ahead
+                                                                            else []))
         if prompt_done:
             scheduler.release(seq)
 
 
 def computed_chunks(chunks: list[tuple[Sequence, int]], every: Tensor | None, cache: SlotCache,
-                    config: EngineConfig, scheduler: Scheduler) -> None:
+                    scheduler: Scheduler) -> None:
     """A step's prefill chunks are computed: their prompt logprobs collected from every (C, T,
     V) (None when none asks), their tokens counted (mark_computed)."""
     collect_prompt_logprobs(chunks, every)
-    mark_computed([s for s, _ in chunks], [n for _, n in chunks], cache, config, scheduler)
+    mark_computed([s for s, _ in chunks], [n for _, n in chunks], cache, scheduler)
 
 
 def leftover(budget: int | None, decodes: list[Sequence], chunks: list[tuple[Sequence, int]]
@@ -292,11 +129,13 @@ def leftover(budget: int | None, decodes: list[Sequence], chunks: list[tuple[Seq
     return None if budget is None else budget - len(decodes) - sum(n for _, n in chunks)
 
 
-def record_decode_step(stats: Stats, cache: SlotCache, n_rows: int, ragged: bool) -> None:
+def record_decode_step(stats: Stats, cache: SlotCache, n_rows: int, decoder) -> None:
     """A decode step of n_rows requests in Stats: the rows computed (the requests', or every
-    slot's for a bucketed decoder), and the cache's use of what it reserves and allocates."""
+    slot's for a decoder that computes every slot), and the cache's use of what it reserves and
+    allocates."""
     used = cache.used_tokens()
-    stats.record_step(n_rows if ragged else cache.n_slots, n_rows, cache.n_slots,
+    every = getattr(decoder, "computes_every_slot", False)
+    stats.record_step(cache.n_slots if every else n_rows, n_rows, cache.n_slots,
                       used / cache.reserved_tokens(), used / max(1, cache.allocated_tokens()))
 
 
@@ -323,35 +162,48 @@ def record_trace(trace: Trace, cache: SlotCache, holders: list[int | None],
                  computed)
 
 
+def decodes_apart(speculator, decoder) -> bool:
+    """Whether a step's decode rows have a pass of their own rather than joining its prefill
+    chunks' (Orca's iteration-level batching: one pass a step): a speculating step's guesses
+    (11), or a decoder that replays every slot (06's graphs)."""
+    return speculator is not None or getattr(decoder, "computes_every_slot", False)
+
+
+def chunk_tokens(planner, chunks: list[tuple[Sequence, int]]) -> list[tuple]:
+    """Each chunk as (sequence, the tokens it computes, whether they end its context), as the
+    planner says (next_chunk); a chunk of the wrong length is named."""
+    out = []
+    for seq, n in chunks:
+        tokens, ends = planner.next_chunk(seq, n)
+        if len(tokens) != n:
+            raise ValueError(f"next_chunk gave {len(tokens)} token{'s' * (len(tokens) != 1)} "
+                             f"for request {seq.rid}'s chunk of {n}")
+        out.append((seq, tokens, ends))
+    return out
+
+
 class ContinuousEngine:
-    """Continuous batching over a SlotCache, one step() at a time.
+    """Continuous batching over a SlotCache, one step() at a time, of parts: this step's own
+    for `ContinuousEngine(model, n_slots or EngineConfig)`, or a later step's as keywords
+    (`cache`, `decoder`, `planner`, `speculator`, `grammars`: tinyllm.build.make_engine). A
+    request added at any time (add_request) gets its tokens as step()'s Events, and its Result in
+    `results` (pop it); times are on the engine clock, from the request's arrival. `generator`
+    serves every request without a seed; a Trace records every step."""
 
-    `ContinuousEngine(model, EngineConfig(...))` or `ContinuousEngine(model, n_slots, kv="paged",
-    ...)`. add_request() queues a request at any time; step() runs one step and returns the new
-    tokens as Events; a finished request's Result waits in `results` (pop it). Times are on the
-    engine clock, TTFT and latency from the request's arrival. `generator` serves every request
-    without a seed; a built `decoder` lends its cache and steps (06); `draft` proposes (11),
-    `grammars` constrain (12); a Trace records every step."""
-
-    def __init__(self, model: Transformer, config: EngineConfig | int, *, generator=None,
-                 trace: Trace | None = None, draft=None, grammars=None, **settings):
-        config, decoder = _settings(config, settings)
+    def __init__(self, model: Transformer, config: EngineConfig | int, *, cache=None,
+                 decoder=None, planner=None, speculator=None, grammars=None, generator=None,
+                 trace: Trace | None = None, **settings):
         check_generator(generator)
         device = next(model.parameters()).device
-        per_token = kv_bytes_per_token(model, device)
-        max_len, n_blocks = config.kv_sizes(model.cfg.max_seq_len, per_token)
+        config, cache = config_and_cache(model, config, settings, cache, device)
         model.eval()
-        self.model, self.config, self.max_len, self.device = model, config, max_len, device
-        self.cache, self.decoder = _cache_and_decoder(model, config, max_len, n_blocks, device,
-                                                      decoder)
-        self.scheduler = Scheduler(self.cache)
-        self.sampling, self.generator, self.trace, self.grammars = \
-            config.sampling, generator, trace, grammars
-        self.stats = Stats(kv_bytes_per_token=per_token,
-                           kv_reserved_tokens=self.cache.reserved_tokens())
-        self.runner = ModelRunner(model, self.cache, self.decoder, self.stats, device)
-        self.speculator = make_speculator(model, config, max_len, device, draft, self.cache,
-                                          self.runner, self.stats)
+        self.model, self.config, self.cache, self.device = model, config, cache, device
+        self.max_len, self.decoder, self.speculator = cache.max_len, decoder, speculator
+        self.scheduler = Scheduler(cache, planner)
+        self.generator, self.trace, self.grammars = generator, trace, grammars
+        self.stats = Stats(kv_bytes_per_token=kv_bytes_per_token(model, device),
+                           kv_reserved_tokens=cache.reserved_tokens())
+        self.runner = ModelRunner(model, cache, decoder or model, self.stats, device)
         self.results: dict[int, Result] = {}
         self._seqs: dict[int, Sequence] = {}            # unfinished requests, by id
         self._next_id, self._t0 = 0, time.perf_counter()
@@ -364,14 +216,14 @@ class ContinuousEngine:
     def add_request(self, req: Request) -> int:
         """Queue a request; returns its id. Raises at once (and changes nothing) if it is
         malformed or can never fit the cache."""
-        req = fitting(req, self.model, self.cache, self.sampling)
+        req = fitting(req, self.model, self.cache, self.config.sampling)
         choices, now, first = req.sampling.choices(), self.now(), None
         matchers = new_matchers(self.grammars, choices)    # a constraint's, or None (12)
         for s, matcher in zip(choices, matchers):       # n > 1: rids rid, rid + 1, ...
             seq = Sequence(self._next_id, req, now, s, s.generator(self.device), matcher)
             self._next_id += 1
             self._seqs[seq.rid] = seq
-            self.scheduler.add(seq, first if self.config.prefix_cache else None)
+            self.scheduler.add(seq, first if self.cache.shares_prefixes else None)
             first = first or seq
         self._start = now if self._start is None else self._start
         return first.rid
@@ -386,7 +238,7 @@ class ContinuousEngine:
     def holders(self) -> list[int | None]:
         """The request id each slot is serving now (None: a free slot)."""
         running = self.scheduler.running
-        return [running[s].rid if s in running else None for s in range(self.config.n_slots)]
+        return [running[s].rid if s in running else None for s in range(self.cache.n_slots)]
 
     def kv_used_frac(self) -> float:
         return self.cache.used_tokens() / max(1, self.cache.reserved_tokens())
@@ -399,8 +251,13 @@ class ContinuousEngine:
             return False
         self.scheduler.finish(seq)
         if self.speculator is not None:                 # its draft slot too (11)
-            self.speculator.proposer.sync(self.scheduler.running)
+            self.speculator.sync(self.scheduler.running)
         return True
+
+    def warm_up(self) -> None:
+        """A decoder that compiles (06, 13) compiles now, before any request waits for it."""
+        if hasattr(self.decoder, "warm_up"):
+            self.decoder.warm_up()
 
     @torch.no_grad()
     def step(self) -> list[Event]:
@@ -409,27 +266,26 @@ class ContinuousEngine:
         if not self.scheduler.has_work():
             return []
         self.stats.preemptions += len(self.scheduler.reserve())
-        decodes, chunks = self.scheduler.plan(self.config.max_step_tokens)
+        decodes, chunks = self.scheduler.plan()
         if self.trace is not None:
             record_trace(self.trace, self.cache, self.holders(), decodes, chunks)
-        room, t_step = leftover(self.config.max_step_tokens, decodes, chunks), time.perf_counter()
+        t_step, planner = time.perf_counter(), self.scheduler.planner
         if decodes:
-            record_decode_step(self.stats, self.cache, len(decodes),
-                               not isinstance(self.decoder, SlotGraphDecoder))
-        if decodes and chunks and mixes(self.speculator, self.decoder):   # one pass for both
-            logits, *prefilled = self.runner.prefill(chunks, decodes)
-            events = self._decode(decodes, room, t_step, logits)
+            record_decode_step(self.stats, self.cache, len(decodes), self.decoder)
+        room = leftover(planner.max_step_tokens, decodes, chunks)
+        if decodes and chunks and not decodes_apart(self.speculator, self.decoder):  # one pass
+            prefilled = self.runner.prefill(chunk_tokens(planner, chunks), decodes)
+            events = self._decode(decodes, room, t_step, prefilled.decodes)
         else:
             events = self._decode(decodes, room, t_step) if decodes else []
-            prefilled = self.runner.prefill(chunks)[1:] if chunks else None
+            prefilled = self.runner.prefill(chunk_tokens(planner, chunks)) if chunks else None
         if chunks:
-            ends, logits, every = prefilled
-            computed_chunks(chunks, every, self.cache, self.config, self.scheduler)
-            if ends:
-                seqs = [chunks[i][0] for i in ends]
-                events += self._retire(seqs, *sample(seqs, logits, self.generator))
+            computed_chunks(chunks, prefilled.every, self.cache, self.scheduler)
+            if prefilled.ends:
+                seqs = [chunks[i][0] for i in prefilled.ends]
+                events += self._retire(seqs, *sample(seqs, prefilled.ended, self.generator))
         if self.speculator is not None:
-            self.speculator.proposer.sync(self.scheduler.running)
+            self.speculator.sync(self.scheduler.running)
         self.stats.wall_s = self.now() - self._start
         self.stats.kv_allocated_at_end = self.cache.allocated_tokens()
         return events
@@ -444,9 +300,10 @@ class ContinuousEngine:
         elif self.speculator is None:
             tokens, logprobs = sample(seqs, self.runner.decode(seqs), self.generator)
         else:                                           # guesses, verified in one pass (11)
-            verdicts = self.speculator.decode(seqs, room, self.generator)
+            verdicts = self.speculator.decode(seqs, room, self.generator, self.runner)
+            self.stats.record_speculation(verdicts)
             tokens, logprobs = [v.tokens for v in verdicts], [v.logprobs for v in verdicts]
-        mark_computed(seqs, [len(t) for t in tokens], self.cache, self.config, self.scheduler,
+        mark_computed(seqs, [len(t) for t in tokens], self.cache, self.scheduler,
                       [t[:-1] for t in tokens])
         events = self._retire(seqs, tokens, logprobs)
         self.stats.decode_s += time.perf_counter() - t_step
@@ -474,45 +331,42 @@ class ContinuousEngine:
         return events
 
 
-def compiled_decoder(model: Transformer, config: EngineConfig) -> CompiledDecoder:
-    """A compiled decoder (06) over the slots ContinuousEngine(model, config) would have,
-    every bucket compiled now, before any clock starts: pass it as `decoder=` to the engines
-    that time it. Its compile_s says what the compilation took."""
-    config = dataclasses.replace(config, decoder="compiled")
-    decoder = ContinuousEngine(model, config).decoder
-    decoder.warm_up()
-    return decoder
-
-
 @torch.no_grad()
-def run_continuous(model: Transformer, requests: list[Request], config: EngineConfig | int,
-                   arrivals: list[float] | None = None, *, generator=None,
-                   trace: Trace | None = None, progress=None,
-                   **settings) -> tuple[list[Result], dict]:
-    """Continuous batching of `requests`: each joins the engine when the clock since the start
-    reaches its arrival time (in seconds; None: all at 0, the offline run), and the engine steps
-    until every request is done. Returns the Results in request order and the summary. config
-    and settings as ContinuousEngine's; progress (a tqdm bar, or anything with .update(n)) is
-    told of finished requests."""
-    eng = ContinuousEngine(model, config, generator=generator, trace=trace, **settings)
+def run_engine(engine: ContinuousEngine, requests: list[Request],
+               arrivals: list[float] | None = None, progress=None) -> tuple[list[Result], dict]:
+    """Serve `requests` with an engine: each joins it when the clock since the start reaches its
+    arrival time (in seconds; None: all at 0, the offline run), and the engine steps until every
+    request is done. Returns the Results in request order and the summary. progress (a tqdm bar,
+    or anything with .update(n)) is told of finished requests."""
     arrivals = [0.0] * len(requests) if arrivals is None else list(arrivals)
     if len(arrivals) != len(requests) or arrivals != sorted(arrivals):
         raise ValueError(f"arrivals must be {len(requests)} times in increasing order, "
                          "one per request")
     t0 = time.perf_counter()
     rids: list[int] = []
-    while len(rids) < len(requests) or eng.has_work():
+    while len(rids) < len(requests) or engine.has_work():
         now = time.perf_counter() - t0
         while len(rids) < len(requests) and arrivals[len(rids)] <= now:
             try:
-                rids.append(eng.add_request(requests[len(rids)]))
+                rids.append(engine.add_request(requests[len(rids)]))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"request {len(rids)}: {e}") from None
-        if eng.has_work():
-            finished = sum(ev.done for ev in eng.step())
+        if engine.has_work():
+            finished = sum(ev.done for ev in engine.step())
             if progress is not None and finished:
                 progress.update(finished)
         elif len(rids) < len(requests):
             time.sleep(min(0.01, arrivals[len(rids)] - now))
-    results = [eng.results.pop(r) for r in rids]
-    return results, eng.stats.summary(results)
+    results = [engine.results.pop(r) for r in rids]
+    return results, engine.stats.summary(results)
+
+
+def run_continuous(model: Transformer, requests: list[Request], config: EngineConfig | int,
+                   arrivals: list[float] | None = None, *, generator=None,
+                   trace: Trace | None = None, progress=None,
+                   **settings) -> tuple[list[Result], dict]:
+    """Continuous batching of `requests` on this step's engine (ContinuousEngine(model, config,
+    generator=..., trace=..., **settings)), as run_engine serves them: the Results in request
+    order and the summary. tinyllm.build.run_continuous takes any EngineConfig."""
+    engine = ContinuousEngine(model, config, generator=generator, trace=trace, **settings)
+    return run_engine(engine, requests, arrivals, progress)

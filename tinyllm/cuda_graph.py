@@ -265,6 +265,17 @@ class SlotGraphDecoder:
             self.graphs[W] = graph
         torch.cuda.synchronize(self.device)
 
+    computes_every_slot = True      # its step is every slot's: the engine gives it its own pass
+
+    def __call__(self, idx: Tensor, cache=None) -> tuple[Tensor, None]:
+        """The planned decode step as the model computes it: idx (B, 1), a token for each of
+        the step's rows (the cache's planned slots) -> (logits (B, 1, V), None). Every slot is
+        computed; a slot that decodes nothing brings token 0."""
+        rows = self.slots._planned()[0]
+        tokens = torch.zeros(self.slots.n_slots, 1, dtype=torch.long, device=idx.device)
+        tokens[rows] = idx
+        return self.step(tokens)[rows], None                            # (S, 1, V) -> (B, 1, V)
+
     @torch.no_grad()
     def step(self, tokens: Tensor) -> Tensor:
         """The planned decode step, computed for every slot: tokens (S, 1) -> logits (S, 1, V)."""

@@ -3,11 +3,13 @@
 A re-export module and nothing else; nothing inside the package imports it. Each name lives in
 the module of its idea: requests.py (Request, Result, Event, TokenLogprobs), sampling.py
 (Sampling), generate.py (solo, the oracle of a Request), stats.py (Stats, Trace), padded.py
-(02), static.py (03), config.py (EngineConfig), continuous.py (04-08).
+(02), static.py (03), config.py (EngineConfig), continuous.py (04: the engine of parts,
+run_engine), build.py (make_engine and run_continuous: an engine of any EngineConfig).
 """
 
+from tinyllm.build import make_engine, run_continuous
 from tinyllm.config import EngineConfig
-from tinyllm.continuous import ContinuousEngine, run_continuous
+from tinyllm.continuous import ContinuousEngine, run_engine
 from tinyllm.generate import solo
 from tinyllm.padded import prefill_padded
 from tinyllm.requests import Event, Request, Result, TokenLogprobs
@@ -17,4 +19,4 @@ from tinyllm.stats import Stats, Trace
 
 __all__ = ["Sampling", "Request", "Result", "Stats", "Event", "TokenLogprobs", "Trace",
            "EngineConfig", "solo", "prefill_padded", "run_static", "ContinuousEngine",
-           "run_continuous"]
+           "make_engine", "run_engine", "run_continuous"]

@@ -34,7 +34,6 @@ import math
 import torch
 from torch import Tensor
 
-from tinyllm.prefix_cache import PrefixCache
 from tinyllm.slot_cache import SlotCache, check_admission
 
 
@@ -209,27 +208,34 @@ class PagedKVCache(SlotCache):
     and reads each row's first W positions (`slot_mapping`: a gather, or in place on a CPU's decode
     step). `pool`, the BlockAllocator or the PrefixCache, hands blocks out and back.
 
-    prefix_cache (08): blocks are counted by the tables holding them, hashes[s] names slot s's
-    full blocks in order, a newcomer admitted with its context starts with the cached blocks of
-    its longest cached prefix, and a block is named once written (`cache_blocks`), or with
-    name_at_admission as its newcomer is admitted (see `admit`).
+    prefix_cache (08: prefix_cache.PrefixCache, or any class of its interface, made here over
+    the pool's allocator as prefix_cache(allocator, block_size)): blocks are counted by the
+    tables holding them, hashes[s] names slot s's full blocks in order, a newcomer admitted
+    with its context starts with the cached blocks of its longest cached prefix, and a block
+    is named once written (`cache_blocks`), or with name_at_admission as its newcomer is
+    admitted (see `admit`).
     """
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int,
                  n_blocks: int, block_size: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device=None, prefix_cache: bool = False,
+                 dtype: torch.dtype = torch.float32, device=None, prefix_cache=None,
                  name_at_admission: bool = False):
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need n_blocks, block_size >= 1, got {n_blocks}, {block_size}")
+        if isinstance(prefix_cache, bool):
+            raise ValueError("prefix_cache takes a prefix cache's class (08: "
+                             "prefix_cache.PrefixCache) or None, not a bool: tinyllm.build makes "
+                             "the pool of EngineConfig(prefix_cache=True)")
         super().__init__(n_layers, n_slots, max_len, device)
         self.n_blocks, self.block_size, self.pad = n_blocks, block_size, n_blocks
         shape = ((n_blocks + 1) * block_size, n_kv_heads, head_dim)     # ((N + 1) * bs, n_kv, hd)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.allocator = BlockAllocator(n_blocks)
-        self.prefix = PrefixCache(self.allocator, block_size) if prefix_cache else None
+        self.prefix = None if prefix_cache is None else prefix_cache(self.allocator, block_size)
         self.pool = self.allocator if self.prefix is None else self.prefix
-        self.name_at_admission = name_at_admission and prefix_cache
+        self.name_at_admission = name_at_admission and self.prefix is not None
+        self.shares_prefixes = self.prefix is not None
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.hashes: list[list[bytes]] = [[] for _ in range(n_slots)]
 
@@ -299,10 +305,12 @@ class PagedKVCache(SlotCache):
         self.pool.free(self.tables[slot][keep:])
         del self.tables[slot][keep:]
 
-    def cache_blocks(self, slot: int, context: list[int]) -> None:
-        """Name the slot's full blocks (their tokens are context's), for later requests."""
-        if self.prefix is not None:
-            self.prefix.name_blocks(self.tables[slot], self.hashes[slot], context, self.lens[slot])
+    def cache_blocks(self, slot: int, context) -> None:
+        """Name the slot's full blocks not named yet, for later requests: context() gives the
+        tokens they hold (asked only when a block has filled since the last naming)."""
+        if self.prefix is not None and self.lens[slot] // self.block_size > len(self.hashes[slot]):
+            self.prefix.name_blocks(self.tables[slot], self.hashes[slot], context(),
+                                    self.lens[slot])
 
     def check_integrity(self, idle: bool = False) -> str | None:
         """As SlotCache.check_integrity, then the tables (tables_problem) and the pool's books

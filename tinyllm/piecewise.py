@@ -144,12 +144,12 @@ class PiecewiseDecoder:
     the model as it is at their first use (its layers' kernels included), in the process that
     uses them: a decoder sent to the server's engine process compiles there."""
 
-    def __init__(self, model: Transformer):
-        self.model = model
+    def __init__(self, model: Transformer, max_rows: int = 1):
+        self.model, self.max_rows = model, max_rows     # the rows warm_up compiles for
         self._ready = False
 
-    def __getstate__(self):
-        return {"model": self.model, "_ready": False}        # the programs stay in this process
+    def __getstate__(self):                             # the programs stay in this process
+        return {"model": self.model, "max_rows": self.max_rows, "_ready": False}
 
     def _prepare(self) -> None:
         m = self.model
@@ -174,9 +174,11 @@ class PiecewiseDecoder:
         return run(*held, *args)
 
     @torch.no_grad()
-    def warm_up(self, max_rows: int) -> float:
-        """Compile the pieces now for every bucket of rows up to max_rows (1, 2, 4, ...), on
-        zeros, so that no request waits for a compilation -> the seconds it took."""
+    def warm_up(self, max_rows: int | None = None) -> float:
+        """Compile the pieces now for every bucket of rows up to max_rows (default: the
+        decoder's, its engine's slots) (1, 2, 4, ...), on zeros, so that no request waits for a
+        compilation -> the seconds it took."""
+        max_rows = max_rows or self.max_rows
         m, attn = self.model, self.model.layers[0].self_attn
         p = m.embed_tokens.weight
         t0 = time.perf_counter()

@@ -7,9 +7,9 @@ dry), it preempts the youngest running sequence: its slot and memory go back, an
 in arrival order, to be recomputed from its prompt and the tokens it has made
 (`reserve_or_preempt`). Then it moves waiting sequences into free slots, first come first
 served (`admit_waiting`, 04); a sequence that finishes or is aborted leaves its slot at once
-(`leave_slot`, 04). Last it plans the step (`plan`): one token for each decoding sequence, and
-the contexts of the others, whole or in chunks within a token budget (`plan_step`,
-chunked_prefill.py, 07).
+(`leave_slot`, 04). Last it plans the step (`plan`) with its planner: one token for each
+decoding sequence, and the contexts of the others, whole (`WholeContexts`, this step's), or in
+chunks within a token budget (step 07's planner, chunked_prefill.py).
 It asks the cache questions (`can_admit`, `reserve`) and gives it each newcomer's context to
 admit, so that a prefix cache (08) starts the newcomer with what it holds already; it never
 asks which kind of cache it holds.
@@ -18,8 +18,8 @@ Seams: `admit_waiting` and `leave_slot` (exercise 04), `reserve_or_preempt` (exe
 """
 
 from collections import deque
+from collections.abc import Callable
 
-from tinyllm import chunked_prefill
 from tinyllm.requests import Sequence
 from tinyllm.slot_cache import SlotCache
 
@@ -122,11 +122,32 @@ def check_plan(decoding: list[Sequence], decodes: list[Sequence],
                          f"{[n for _, n in chunks]}), over the step's budget of {budget}")
 
 
-class Scheduler:
-    """The waiting queue and the running sequences (by slot) of one SlotCache."""
+class WholeContexts:
+    """The step's plan without a budget: every decoding sequence's token, then the contexts of
+    the others, newcomers admitted, each computed whole (its chunk: all it has left)."""
 
-    def __init__(self, cache: SlotCache):
-        self.cache = cache
+    max_step_tokens = None                              # no budget: every context at once
+
+    def plan(self, running: list[Sequence], admit: Callable[[], list[Sequence]]
+             ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """(decodes, chunks) of the sequences in slots (slot order) and those admit() brings."""
+        prefilling = [s for s in running if s.left() > 1] + admit()
+        chunks = [(s, s.left()) for s in sorted(prefilling, key=lambda s: s.rid)]
+        return [s for s in running if s.left() == 1], chunks
+
+    def next_chunk(self, seq: Sequence, n: int) -> tuple[list[int], bool]:
+        """The n tokens seq computes next (from seq.num_computed_tokens on), and whether they
+        end its context (only then do their last logits give its next token)."""
+        start, context = seq.num_computed_tokens, seq.context()
+        return context[start:start + n], start + n == len(context)
+
+
+class Scheduler:
+    """The waiting queue and the running sequences (by slot) of one SlotCache, and the planner
+    of its steps (WholeContexts, or step 07's token budget)."""
+
+    def __init__(self, cache: SlotCache, planner=None):
+        self.cache, self.planner = cache, planner or WholeContexts()
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}          # slot -> the sequence it holds
         self.held: dict[int, list[Sequence]] = {}       # a first choice's rid -> the others (n > 1)
@@ -189,17 +210,15 @@ class Scheduler:
             seq.num_prefilled_tokens += seq.left()
         return admitted
 
-    def plan(self, max_step_tokens: int | None
-             ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-        """This step's work within a budget of max_step_tokens (EngineConfig's; None: no limit;
-        07): a token for every decoding sequence, then the contexts being computed, newcomers
-        admitted only if the budget has room for them (chunked_prefill.plan_step). Returns the
-        decodes and the chunks (sequence, tokens it computes); a plan that breaks the rules, or
-        computes nothing while requests wait, is named."""
+    def plan(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """This step's work, as the planner plans it: a token for every decoding sequence, then
+        the contexts being computed, newcomers admitted (within the planner's budget, if it
+        has one). Returns the decodes and the chunks (sequence, tokens it computes); a plan
+        that breaks the rules, or computes nothing while requests wait, is named."""
         running = self.in_slot_order()
         decoding = [s for s in running if s.left() == 1]
-        decodes, chunks = chunked_prefill.plan_step(running, max_step_tokens, self.admit)
-        check_plan(decoding, decodes, chunks, max_step_tokens, self.running)
+        decodes, chunks = self.planner.plan(running, self.admit)
+        check_plan(decoding, decodes, chunks, self.planner.max_step_tokens, self.running)
         if not decodes and not chunks:                  # unreachable with the reference seams
             raise RuntimeError(
                 f"a step with nothing to compute: {len(self.waiting)} requests wait, the running "

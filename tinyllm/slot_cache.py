@@ -296,6 +296,7 @@ class SlotCache(RaggedStep):
         self._plan: tuple[list[int], list[int]] | None = None
         self.packing: PackedStep | None = None        # a step's new tokens among its columns
         self.memo: dict = {}                          # what a step's layers share
+        self.shares_prefixes = False                  # admitted contexts share blocks (08)
 
     # ---- slots ----------------------------------------------------------------------------
     def free_slots(self) -> list[int]:
@@ -338,9 +339,10 @@ class SlotCache(RaggedStep):
                              f"tokens")
         self.lens[slot] -= n
 
-    def cache_blocks(self, slot: int, context: list[int]) -> None:
-        """After a step: the slot's stored tokens (context's first lens[slot]) may serve later
-        requests (a prefix cache names its full blocks, 08; a slot keeps nothing)."""
+    def cache_blocks(self, slot: int, context) -> None:
+        """After a step: the slot's stored tokens (the first lens[slot] of context(), a callable
+        asked only when needed) may serve later requests (a prefix cache names its full
+        blocks, 08; a slot keeps nothing)."""
 
     def never_fits(self, n_tokens: int) -> str | None:
         """Why a sequence of n_tokens can never be held, even alone; None when it can."""

@@ -341,17 +341,18 @@ class DraftProposer:
             self.cache.rollback(seq.slot, extra)
 
 
-def make_speculator(model: Transformer, config, max_len: int, device,
-                    draft: Transformer | None, cache, runner, stats) -> "Speculator | None":
-    """The engine's speculator (None without config.speculate); a draft model is given only
-    to speculate with (speculate='draft')."""
+def make_speculator(model: Transformer, config, cache, draft: Transformer | None
+                    ) -> "Speculator | None":
+    """The engine's speculator over its cache (None without config.speculate); a draft model
+    is given only to speculate with (speculate='draft')."""
     if draft is not None and config.speculate != "draft":
         raise ValueError(f"a draft model proposes only with speculate='draft' (got "
                          f"speculate={config.speculate!r})")
     if config.speculate is None:
         return None
-    return Speculator(make_proposer(model, config, max_len, device, draft), config.spec_tokens,
-                      cache, runner, stats)
+    device = cache.k[0].device
+    return Speculator(make_proposer(model, config, cache.max_len, device, draft),
+                      config.spec_tokens, cache)
 
 
 def make_proposer(model: Transformer, config, max_len: int, device, draft: Transformer | None):
@@ -372,12 +373,18 @@ def make_proposer(model: Transformer, config, max_len: int, device, draft: Trans
 
 class Speculator:
     """The decode step of a speculating engine: guesses (the proposer's), room for them in the
-    cache, one ragged target pass (runner.verify), the verdicts, and the rollback of what fell
-    in both caches. Counts what it proposed and kept in the engine's Stats."""
+    cache, one ragged target pass (the engine's runner.verify), the verdicts, and the rollback
+    of what fell in both caches. The engine counts what it proposed and kept (Stats)."""
 
-    def __init__(self, proposer, k: int, cache, runner, stats):
-        self.proposer, self.k, self.cache, self.runner, self.stats = \
-            proposer, k, cache, runner, stats
+    def __init__(self, proposer, k: int, cache):
+        self.proposer, self.k, self.cache = proposer, k, cache
+
+    def sync(self, running: dict) -> None:
+        """The proposer follows the engine's slots (a draft frees the slots of who left)."""
+        self.proposer.sync(running)
+
+    def check_integrity(self, idle: bool = False) -> str | None:
+        return self.proposer.check_integrity(idle)
 
     def budget(self, seqs: list[Sequence], room: int | None) -> list[int]:
         """Guesses each row may have: k, less than its tokens still to make (its last comes
@@ -393,16 +400,15 @@ class Speculator:
             ks.append(max(k, 0))
         return ks
 
-    def decode(self, seqs: list[Sequence], room: int | None, shared) -> list[Verdict]:
+    def decode(self, seqs: list[Sequence], room: int | None, shared, runner) -> list[Verdict]:
         guesses, drafts = self.proposer.propose(seqs, self.budget(seqs, room), shared)
         for i, seq in enumerate(seqs):                  # memory for the guesses, or none
             if guesses[i] and not self.cache.reserve(seq.slot, 1 + len(guesses[i])):
                 guesses[i], drafts[i] = [], None
         last = [s.tokens[-1] if s.tokens else s.request.prompt[-1] for s in seqs]
-        logits = self.runner.verify(seqs, [[t] + g for t, g in zip(last, guesses)])
+        logits = runner.verify(seqs, [[t] + g for t, g in zip(last, guesses)])
         verdicts = verify(logits, seqs, guesses, drafts, shared)
         for seq, g, v in zip(seqs, guesses, verdicts):
             roll_back(self.cache, seq.slot, 1 + len(g), len(v.tokens))
             self.proposer.kept(seq, v)
-        self.stats.record_speculation(verdicts)
         return verdicts

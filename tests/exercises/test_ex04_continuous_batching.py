@@ -11,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_tiny
-from tinyllm.continuous import ContinuousEngine, run_continuous
+from tinyllm.build import make_engine, run_continuous
 from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.generate import generate
 from tinyllm.paged_kv import PagedKVCache
+from tinyllm.prefix_cache import PrefixCache
 from tinyllm.requests import Request, Sequence
 from tinyllm.sampling import Sampling
 from tinyllm.slot_cache import SlotKVCache
@@ -110,7 +111,7 @@ def test_admission_gives_the_cache_each_context(impl):
         32,
         torch.float64,
         "cpu",
-        prefix_cache=True,
+        prefix_cache=PrefixCache,
         name_at_admission=True,
     )
     shared = [5, 17, 3, 88, 40, 2, 61, 7]
@@ -331,7 +332,7 @@ def test_your_admission_fills_the_free_slots_in_order(plug):
     finished request's slot goes to the next in line."""
     plug("admit_waiting", "leave_slot")
     reqs = [Request([i + 1, i + 2], 6) for i in range(4)]
-    eng = ContinuousEngine(TINY, 2)
+    eng = make_engine(TINY, 2)
     rids = [eng.add_request(r) for r in reqs]
     with explained("the engine's first step with your admit_waiting"):
         eng.step()
@@ -350,7 +351,7 @@ def test_an_aborted_request_frees_its_slot_at_once(plug):
     """abort() frees the slot in the same call, and the next waiting request takes it."""
     plug("admit_waiting", "leave_slot")
     reqs = [Request([i + 1, i + 2], 8) for i in range(3)]
-    eng = ContinuousEngine(TINY, 2)
+    eng = make_engine(TINY, 2)
     rids = [eng.add_request(r) for r in reqs]
     with explained("the engine with your functions"):
         eng.step()
@@ -391,7 +392,7 @@ def test_requests_arriving_while_others_decode(plug):
     """Requests join mid-run, one every other step: still solo tokens, and every slot freed."""
     plug()
     reqs = requests(10, 1)
-    eng = ContinuousEngine(TINY, 3)
+    eng = make_engine(TINY, 3)
     rids = run_engine(eng, reqs, every=2)
     check_results(eng, rids, solo_tokens(10, 1))
 
@@ -404,7 +405,7 @@ def test_a_paged_pool_that_preempts_with_your_functions(plug, budget):
     plug()
     reqs = [Request([(7 * i + j) % 97 for j in range(3 + i % 4)], 18 + i % 5) for i in range(8)]
     where = f" (paged, 10 blocks of 4, max_step_tokens {budget})"
-    eng = ContinuousEngine(TINY, 3, kv="paged", block_size=4, kv_blocks=10, max_step_tokens=budget)
+    eng = make_engine(TINY, 3, kv="paged", block_size=4, kv_blocks=10, max_step_tokens=budget)
     rids = run_engine(eng, reqs, every=1)
     assert eng.stats.preemptions > 0, "the pool is small enough that requests are preempted"
     check_results(eng, rids, solo(TINY, reqs), where)
@@ -423,7 +424,7 @@ def test_bundled_model_with_your_functions(plug, bundled64):
     ]
     reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
     plug()  # solo generate calls no seam of this exercise
-    eng = ContinuousEngine(model, 2)
+    eng = make_engine(model, 2)
     rids = run_engine(eng, reqs, every=1)
     expected = solo(model, reqs)
     assert sum(e[-1] == tok.eos_id for e in expected) >= 3, (

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny
-from tinyllm.continuous import ContinuousEngine, run_continuous
+from tinyllm.build import make_engine, run_continuous
 from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.generate import generate
 from tinyllm.requests import Request, Sequence
@@ -302,7 +302,7 @@ def test_bundled_model_under_memory_pressure(plug, bundled64):
     ]
     reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
     plug()  # solo generate calls no seam of this exercise
-    eng = ContinuousEngine(model, 4, kv="paged", block_size=4, kv_blocks=15)
+    eng = make_engine(model, 4, kv="paged", block_size=4, kv_blocks=15)
     with explained("the paged engine with your functions"):
         rids = [eng.add_request(r) for r in reqs]
         for _ in range(5000):

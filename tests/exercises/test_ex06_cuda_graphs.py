@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny
-from tinyllm.continuous import run_continuous
+from tinyllm.build import run_continuous
 from tinyllm.course.check import divergence, explained
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import generate

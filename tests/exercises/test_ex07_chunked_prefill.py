@@ -1,5 +1,5 @@
 """Exercise 07 - chunked prefill: your step plan (decodes, admission, chunks within the budget)
-and next chunk inside ContinuousEngine(max_step_tokens=N), slots and paged."""
+and next chunk inside make_engine(max_step_tokens=N), slots and paged."""
 
 import functools
 import random
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.generate import generate
 from tinyllm.requests import Request, Sequence
@@ -330,7 +330,7 @@ def test_chunked_engine_with_your_functions_matches_solo(plug, kv, n_slots, budg
     reqs = requests(10, 0)
     where = f" ({kv}, {n_slots} slots, max_step_tokens {budget})"
     trace = Trace()
-    eng = ContinuousEngine(TINY, n_slots, kv=kv, block_size=4, max_step_tokens=budget, trace=trace)
+    eng = make_engine(TINY, n_slots, kv=kv, block_size=4, max_step_tokens=budget, trace=trace)
     rids = run_engine(eng, reqs, every, what=f"the chunked engine with your functions{where}")
     budget_kept(trace, budget, where[2:-1])
     check_results(eng, rids, solo_tokens(10, 0), where)
@@ -346,7 +346,7 @@ def test_preempted_requests_are_recomputed_in_chunks(plug):
     plug()
     reqs = requests(10, 1)
     trace = Trace()
-    eng = ContinuousEngine(
+    eng = make_engine(
         TINY, 3, kv="paged", block_size=4, kv_blocks=16, max_step_tokens=6, trace=trace
     )
     rids = run_engine(
@@ -367,7 +367,7 @@ def test_a_preempted_request_samples_only_at_the_end_of_its_recompute(plug):
     plug()
     reqs = [Request([3, 1, 4], 24), Request([2, 7, 1], 24)]
     trace = Trace()
-    eng = ContinuousEngine(
+    eng = make_engine(
         TINY, 2, kv="paged", block_size=4, kv_blocks=12, max_step_tokens=5, trace=trace
     )
     rids = run_engine(
@@ -389,7 +389,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(plug):
     plug()
     reqs = [Request([1 + i, 2, 3], 12) for i in range(3)] + [Request(list(range(1, 61)), 4)]
     trace = Trace()
-    eng = ContinuousEngine(TINY, 4, max_step_tokens=16, trace=trace)
+    eng = make_engine(TINY, 4, max_step_tokens=16, trace=trace)
     with explained("the chunked engine with your functions"):
         rids = [eng.add_request(r) for r in reqs[:3]]
         eng.step()  # the short prompts' prefill
@@ -415,7 +415,7 @@ def test_a_budget_of_one_prefill_token_a_step(plug):
     plug()
     reqs = [Request([7, 8, 9, 10, 11, 12, 13], 5), Request([20, 21, 22, 23, 24], 3)]
     trace = Trace()
-    eng = ContinuousEngine(TINY, 2, max_step_tokens=2, trace=trace)
+    eng = make_engine(TINY, 2, max_step_tokens=2, trace=trace)
     rids = run_engine(
         eng, reqs, what="the chunked engine with your functions (max_step_tokens 2, 2 slots)"
     )
@@ -442,7 +442,7 @@ def test_bundled_model_with_your_functions(plug, bundled64):
     reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
     plug()  # solo generate calls no seam of this exercise
     trace = Trace()
-    eng = ContinuousEngine(model, 2, max_step_tokens=3, trace=trace)
+    eng = make_engine(model, 2, max_step_tokens=3, trace=trace)
     rids = run_engine(eng, reqs, every=1)
     budget_kept(trace, 3, "2 slots, max_step_tokens 3")
     expected = [generate(model, r.prompt, r.max_new_tokens, eos_id=r.eos_id) for r in reqs]

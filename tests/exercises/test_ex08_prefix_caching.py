@@ -1,5 +1,5 @@
 """Exercise 08 - prefix caching: your block names, prefix match, reference counts and eviction
-inside ContinuousEngine(kv="paged", prefix_cache=True)."""
+inside make_engine(kv="paged", prefix_cache=True)."""
 
 import functools
 import random
@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import make_tiny
 from tinyllm import prefix_cache
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.generate import generate
@@ -409,7 +409,7 @@ def test_shared_prompts_arriving_between_steps_match_solo(plug, block_size, n_bl
     plug()
     reqs = requests(14, 0)
     where = f"blocks of {block_size}, {n_blocks or 'ample'} of them, max_step_tokens {budget}"
-    eng = ContinuousEngine(
+    eng = make_engine(
         TINY,
         3,
         kv="paged",
@@ -455,7 +455,7 @@ def test_the_cache_serves_exactly_the_shared_full_blocks(plug):
         Request(system[:4] * 3 + [71], 4),
     ]
     reused = [0, 16, 8, 12, 0, 4]
-    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
+    eng = make_engine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
     rids, step = [], 0
     with explained("the prefix-cached engine with your functions"):
         for r in reqs:
@@ -495,7 +495,7 @@ def test_newcomers_of_one_step_share_their_prefix(plug):
     plug()
     system = [(5 * j) % 96 + 1 for j in range(12)]
     reqs = [Request(system + [40 + i, 50 + i], 1) for i in range(2)]
-    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
+    eng = make_engine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
     with explained("the prefix-cached engine with your functions"):
         rids = [eng.add_request(r) for r in reqs]
         eng.step()
@@ -519,7 +519,7 @@ def test_a_match_ends_at_an_evicted_block(plug):
     plug()
     system = [(5 * j) % 96 + 1 for j in range(12)]
     a, c = Request(system + [40], 3), Request(system + [41], 4)
-    eng = ContinuousEngine(TINY, 1, kv="paged", block_size=4, kv_blocks=8, prefix_cache=True)
+    eng = make_engine(TINY, 1, kv="paged", block_size=4, kv_blocks=8, prefix_cache=True)
     with explained("the prefix-cached engine with your functions"):
         rids = [eng.add_request(a)]
         while eng.has_work():
@@ -561,7 +561,7 @@ def test_the_second_turn_reuses_the_first_turns_prompt_and_answer(plug):
     plug()
     system = [(7 * j) % 96 + 1 for j in range(30)]
     first = Request(system + [7, 8, 9], 12)
-    eng = ContinuousEngine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
+    eng = make_engine(TINY, 2, kv="paged", block_size=4, prefix_cache=True)
     with explained("the prefix-cached engine with your functions, turn 1"):
         rid = eng.add_request(first)
         while eng.has_work():
@@ -611,7 +611,7 @@ def test_bundled_model_with_your_functions(plug, bundled64):
     ]
     reqs = [Request(tok.encode(t), 40, eos_id=tok.eos_id) for t in texts]
     plug()  # solo generate calls no seam of this exercise
-    eng = ContinuousEngine(model, 2, kv="paged", block_size=4, prefix_cache=True)
+    eng = make_engine(model, 2, kv="paged", block_size=4, prefix_cache=True)
     with explained("the prefix-cached engine with your functions"):
         rids = []
         for _ in range(5000):
@@ -647,7 +647,7 @@ def test_a_tight_pool_keeps_what_the_reference_keeps(plug):
     reqs = requests(16, 5)
 
     def run():
-        eng = ContinuousEngine(TINY, 2, kv="paged", block_size=2, kv_blocks=20, prefix_cache=True)
+        eng = make_engine(TINY, 2, kv="paged", block_size=2, kv_blocks=20, prefix_cache=True)
         rids, _, _ = drive(eng, reqs, seed=11)
         return eng, [eng.results[r].tokens for r in rids]
 

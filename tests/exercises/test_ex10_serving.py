@@ -16,7 +16,7 @@ import torch
 
 from tests.conftest import make_tiny
 from tests.test_server import NAME, PROMPTS, Running, solo_text
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.course.check import divergence, explained
 from tinyllm.generate import generate, solo
 from tinyllm.logits_processors import penalize_row
@@ -571,7 +571,7 @@ def test_the_paged_engine_with_your_penalties_matches_solo(impl, plug):
     )
     plug("apply_penalties")
     need = max(-(-(len(r.prompt) + r.max_new_tokens) // 4) for r in reqs)
-    eng = ContinuousEngine(model, 3, kv="paged", block_size=4, kv_blocks=need + 6)
+    eng = make_engine(model, 3, kv="paged", block_size=4, kv_blocks=need + 6)
     with explained("the paged engine with your apply_penalties"):
         rids = [eng.add_request(r) for r in reqs]
         for _ in range(2000):
@@ -590,10 +590,9 @@ def test_the_paged_engine_with_your_penalties_matches_solo(impl, plug):
 def running(bundled64):
     """A paged engine of 4 slots and 24 blocks of 4 positions: busy enough to preempt, and a
     request of more than 96 positions is one the engine refuses."""
-    from tinyllm.continuous import ContinuousEngine
 
     model, tok = bundled64
-    srv = Running(ContinuousEngine(model, 4, kv="paged", block_size=4, kv_blocks=24), tok)
+    srv = Running(make_engine(model, 4, kv="paged", block_size=4, kv_blocks=24), tok)
     yield srv
     srv.stop()
 

@@ -1,5 +1,5 @@
 """Exercise 11 - speculative decoding: your accepted runs (greedy and sampled) and your rollback
-inside ContinuousEngine(speculate="ngram" | "draft"), on slots and on a paged pool. Greedy
+inside make_engine(speculate="ngram" | "draft"), on slots and on a paged pool. Greedy
 requests get their solo() tokens, and keep as many guesses as the package's own run; seeded
 sampled requests get the package's tokens, and the target's distribution."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import SMALL_CFG, chi_square_bound, make_tiny
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.generate import solo
@@ -294,14 +294,14 @@ def test_greedy_speculation_with_your_functions_matches_solo(plug, name):
     keeps, and nothing is held at the end."""
     reqs = repetitive_requests(12, seed=len(name))
     expected = [solo(TINY, r).tokens for r in reqs]  # before plugging
-    ref = ContinuousEngine(TINY, 3, **SETTINGS[name])
+    ref = make_engine(TINY, 3, **SETTINGS[name])
     run(ref, reqs)
     proposed, accepted, _ = speculation_counts(ref)
     assert 0 < accepted < proposed, "the test needs guesses that stand and guesses that fall"
     assert "tight" not in name or ref.stats.preemptions > 0, "the pool is tight enough to preempt"
     assert "prefix" not in name or ref.stats.summary([])["cached_prompt_tokens"] > 0, "prefix hits"
     plug()
-    eng = ContinuousEngine(TINY, 3, **SETTINGS[name])
+    eng = make_engine(TINY, 3, **SETTINGS[name])
     with explained(f"the speculating engine ({name}) with your functions"):
         got = run(eng, reqs)
     for i, (e, g) in enumerate(zip(expected, got)):
@@ -321,11 +321,11 @@ def test_one_of_your_functions_alone_in_the_engine(plug, names):
     reqs = repetitive_requests(8, seed=13)
     expected = [solo(TINY, r).tokens for r in reqs]
     settings = dict(speculate="ngram", kv="paged", block_size=4)
-    ref = ContinuousEngine(TINY, 3, **settings)
+    ref = make_engine(TINY, 3, **settings)
     run(ref, reqs)
     assert 0 < ref.stats.spec_accepted < ref.stats.spec_proposed, "guesses stand and fall"
     plug(*names)
-    eng = ContinuousEngine(TINY, 3, **settings)
+    eng = make_engine(TINY, 3, **settings)
     with explained(f"the speculating engine with your {names[0]} alone"):
         got = run(eng, reqs)
     for i, (e, g) in enumerate(zip(expected, got)):
@@ -351,11 +351,11 @@ def test_bundled_model_with_your_functions(plug, bundled64, speculate):
     expected = [solo(model, r).tokens for r in reqs]
     assert sum(e[-1] == tok.eos_id for e in expected) >= 2, "the prompts are chosen so EOS fires"
     settings = dict(speculate=speculate, kv="paged", block_size=4)
-    ref = ContinuousEngine(model, 2, **settings)
+    ref = make_engine(model, 2, **settings)
     run(ref, reqs, per_step=1)
     assert ref.stats.spec_accepted > 0, "the prompts are chosen so that guesses stand"
     plug()
-    eng = ContinuousEngine(model, 2, **settings)
+    eng = make_engine(model, 2, **settings)
     with explained(f"the speculating engine ({speculate}) with your functions"):
         got = run(eng, reqs, per_step=1)
     for i, (e, g) in enumerate(zip(expected, got)):
@@ -383,11 +383,11 @@ def test_seeded_sampled_requests_get_the_packages_tokens(plug, speculate):
     with the package's (the same guesses kept, the same tokens drawn where one falls)."""
     reqs = sampled_requests(10)
     settings = dict(speculate=speculate, spec_tokens=3, kv="paged", block_size=4)
-    ref = ContinuousEngine(TINY, 4, **settings)
+    ref = make_engine(TINY, 4, **settings)
     want = run(ref, reqs)
     assert 0 < ref.stats.spec_accepted < ref.stats.spec_proposed, "guesses stand and fall"
     plug()
-    eng = ContinuousEngine(TINY, 4, **settings)
+    eng = make_engine(TINY, 4, **settings)
     with explained(f"the speculating engine ({speculate}) with your functions"):
         got = run(eng, reqs)
     for i, (e, g) in enumerate(zip(want, got)):
@@ -414,7 +414,7 @@ def test_sampled_speculation_with_your_functions_keeps_the_targets_distribution(
                 expected[a, b] = p([])[a] * p([a])[b] * p([a, b])
     expected *= n
     plug()
-    eng = ContinuousEngine(target, 16, speculate="draft", spec_tokens=3, draft=other)
+    eng = make_engine(target, 16, speculate="draft", spec_tokens=3, draft=other)
     with explained("the speculating engine with your functions, sampled"):
         rids = [
             eng.add_request(Request(prompt, 3, sampling=Sampling(1.0, seed=s))) for s in range(n)

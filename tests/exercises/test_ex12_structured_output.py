@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.test_structured import PERSON
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.generate import solo
@@ -219,7 +219,7 @@ def workload(tok, seed: int, constraints: list) -> list[Request]:
 
 
 def run(model, grammars, reqs, **kw):
-    eng = ContinuousEngine(model, 3, kv="paged", block_size=4, grammars=grammars, **kw)
+    eng = make_engine(model, 3, kv="paged", block_size=4, grammars=grammars, **kw)
     rids = [eng.add_request(r) for r in reqs]
     while eng.has_work():
         eng.step()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tinyllm
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.build import make_engine
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.generate import solo
@@ -537,7 +537,7 @@ def test_the_engine_on_your_quantized_model_equals_solo(plug, bundled64, mode):
     plug()
     with explained(f"quantize(model, {mode!r}) with your functions"):
         mine = quantize(copy.deepcopy(model), mode, kernel="eager")
-    eng = ContinuousEngine(mine, 3, kv="paged", block_size=4, kv_blocks=8)
+    eng = make_engine(mine, 3, kv="paged", block_size=4, kv_blocks=8)
     with explained(f"ContinuousEngine on your {mode} model"):
         rids = [eng.add_request(r) for r in reqs]
         while eng.has_work():

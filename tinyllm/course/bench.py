@@ -36,10 +36,10 @@ from dataclasses import replace
 import torch
 
 from tinyllm import cuda_graph
+from tinyllm.build import compiled_decoder, run_continuous
 from tinyllm.checkpoints.checkpoint import resolve
 from tinyllm.compiled import CompiledDecoder
 from tinyllm.config import EngineConfig
-from tinyllm.continuous import compiled_decoder, run_continuous
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer, gpu_dtype

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
+from tinyllm.build import compiled_decoder, run_continuous
 from tinyllm.checkpoints.gguf_file import reader_class
 from tinyllm.config import EngineConfig
-from tinyllm.continuous import compiled_decoder, run_continuous
 from tinyllm.generate import generate
 from tinyllm.requests import Request, eos_ids, is_done, is_eos, longest
 from tinyllm.static import run_static

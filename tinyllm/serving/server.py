@@ -58,10 +58,9 @@ import torch.multiprocessing
 import zmq
 import zmq.asyncio
 
-from tinyllm.compiled import CompiledDecoder
+from tinyllm.build import make_engine
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
-from tinyllm.piecewise import PiecewiseDecoder
 from tinyllm.quant import MODES
 from tinyllm.requests import Event, Request
 from tinyllm.serving.api import (
@@ -423,10 +422,7 @@ def engine_process(engine: ContinuousEngine, addresses: tuple[str, str], n_threa
     try:
         pipe.send(Ready())
         pipe.beat()
-        if isinstance(engine.decoder, PiecewiseDecoder):  # compiled now; the first Adds wait
-            engine.decoder.warm_up(engine.config.n_slots)
-        if isinstance(engine.decoder, CompiledDecoder):  # every bucket, before any request
-            engine.decoder.warm_up()
+        engine.warm_up()  # a decoder that compiles does it now; the first Adds wait
         serve_engine(engine, pipe)
     finally:
         pipe.close()
@@ -1145,7 +1141,7 @@ def serve_main(argv=None) -> None:
     draft = None if args.draft is None else tinyllm.load(args.draft, device=args.device)[0]
     try:
         grammars = LLGuidance(tok, model.cfg.vocab_size)  # structured output (12)
-        engine = ContinuousEngine(model, config, draft=draft, grammars=grammars)
+        engine = make_engine(model, config, draft=draft, grammars=grammars)
     except ValueError as e:
         ap.error(str(e))
     name = "tinyllm-" + resolve(args.model).name.removesuffix(".gguf")

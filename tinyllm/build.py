@@ -1,0 +1,173 @@
+"""The builder: an EngineConfig in, an engine made of its parts out.
+
+Step 04's `ContinuousEngine` takes parts, each behind a small interface, and never asks which
+kind it holds; every later step brings its own through the same interfaces. `make_engine` reads
+the config and makes each part: the cache (04's slots, 05's paged pool, with 08's prefix cache
+in it), the decode step (the model itself, 06's graphs and compiled step, 13's pieces and fused
+layers), the planner (04's whole contexts, 07's token budget), the speculator (11); a grammar
+backend (12) is given. It imports a step's module only when the config asks for that step, so
+`import tinyllm.build` loads no later step than 04, and a step's notebook builds its engines
+here without loading the steps after it. `run_continuous` is make_engine and
+continuous.run_engine in one call; `compiled_decoder` makes a compiled decoder ahead, to lend.
+
+    make_engine(model, EngineConfig(8, kv="paged", prefix_cache=True))
+    make_engine(model, 8, kv="paged", max_step_tokens=64, speculate="ngram")
+"""
+
+import dataclasses
+
+from tinyllm.config import EngineConfig
+from tinyllm.continuous import ContinuousEngine, run_engine
+from tinyllm.model import Transformer, gpu_dtype
+from tinyllm.requests import Request, Result
+from tinyllm.slot_cache import SlotCache, SlotKVCache
+from tinyllm.stats import Trace, kv_bytes_per_token
+
+
+def make_engine(model: Transformer, config: EngineConfig | int, *, generator=None,
+                trace: Trace | None = None, draft: Transformer | None = None, grammars=None,
+                **settings) -> ContinuousEngine:
+    """The continuous engine of a config (or n_slots and keywords, or a config and keywords to
+    change; a built `decoder` of 06 lends its cache and compiled steps: see settings), with
+    every part the config asks for. `draft` proposes (speculate="draft", 11), `grammars`
+    constrains (12), `generator` serves every request without a seed, a Trace records every
+    step."""
+    config, lent = settings_of(config, settings)
+    device = next(model.parameters()).device
+    max_len, n_blocks = config.kv_sizes(model.cfg.max_seq_len, kv_bytes_per_token(model, device))
+    if lent is None:
+        cache = make_cache(model, config, max_len, n_blocks, device)
+        decoder = make_decoder(model, config, cache)
+    else:
+        cache, decoder = lent_cache(model, config, max_len, n_blocks, lent), lent
+    speculator = None
+    if config.speculate is not None or draft is not None:
+        from tinyllm.speculative import make_speculator
+        speculator = make_speculator(model, config, cache, draft)
+    return ContinuousEngine(model, config, cache=cache, decoder=decoder,
+                            planner=make_planner(config), speculator=speculator,
+                            grammars=grammars, generator=generator, trace=trace)
+
+
+def run_continuous(model: Transformer, requests: list[Request], config: EngineConfig | int,
+                   arrivals: list[float] | None = None, *, generator=None,
+                   trace: Trace | None = None, progress=None,
+                   **settings) -> tuple[list[Result], dict]:
+    """Continuous batching of `requests` on make_engine's engine: each joins when the clock
+    since the start reaches its arrival time (None: all at 0), the engine steps until every
+    request is done (continuous.run_engine). Returns the Results in request order and the
+    summary."""
+    engine = make_engine(model, config, generator=generator, trace=trace, **settings)
+    return run_engine(engine, requests, arrivals, progress)
+
+
+def make_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks: int | None,
+               device) -> SlotCache:
+    """The engine's cache: config.n_slots slots of max_len positions, or (kv="paged", 05) a
+    pool of n_blocks blocks shared by them, in the model's dtype (a GPU's compute dtype on
+    CUDA). With a prefix cache (08) and no token budget every admitted context is computed
+    whole in its admission step, so its blocks are named at admission (a newcomer of the same
+    step shares them); under a budget a block is named after the step that writes it."""
+    cfg = model.cfg
+    dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
+    if config.kv == "slots":
+        return SlotKVCache(cfg.n_layers, config.n_slots, cfg.n_kv_heads, cfg.head_dim,
+                           max_len, dtype, device)
+    from tinyllm.paged_kv import PagedKVCache
+    prefix = None
+    if config.prefix_cache:
+        from tinyllm.prefix_cache import PrefixCache as prefix
+    return PagedKVCache(cfg.n_layers, config.n_slots, cfg.n_kv_heads, cfg.head_dim, n_blocks,
+                        config.block_size, max_len, dtype, device, prefix,
+                        name_at_admission=config.max_step_tokens is None)
+
+
+def make_decoder(model: Transformer, config: EngineConfig, cache: SlotCache):
+    """The engine's decode step when it is not the model's own: CUDA graphs or the compiled
+    step over the cache (06), the step compiled in pieces or each layer in one C call (13)."""
+    if config.decoder == "graphs":
+        from tinyllm.cuda_graph import SlotGraphDecoder
+        return SlotGraphDecoder(model, cache, config.buckets)
+    if config.decoder == "compiled":
+        from tinyllm.compiled import CompiledDecoder
+        return CompiledDecoder(model, cache, config.buckets, config.compile_mode)
+    if config.decoder == "pieces":
+        from tinyllm.piecewise import PiecewiseDecoder
+        return PiecewiseDecoder(model, max_rows=config.n_slots)
+    if config.decoder == "fused":
+        from tinyllm.fused_layer import FusedDecoder
+        return FusedDecoder(model)
+    return None
+
+
+def make_planner(config: EngineConfig):
+    """The scheduler's planner: a token budget's (07) when the config has one, else step 04's
+    (None: the engine's own, every context whole)."""
+    if config.max_step_tokens is None:
+        return None
+    from tinyllm.chunked_prefill import TokenBudget
+    return TokenBudget(config.max_step_tokens)
+
+
+def settings_of(config: EngineConfig | int, settings: dict):
+    """The EngineConfig of make_engine's arguments (n_slots and keywords, or a config and
+    keywords to change), and the decoder passed to reuse, if one was: `decoder` names a kind
+    ("eager", "graphs", "compiled", ...) or passes a built bucketed decoder (06:
+    SlotGraphDecoder, CompiledDecoder), whose kind, compile mode and cache (max_len; a paged
+    pool's blocks and prefix cache) the config then takes."""
+    lent = settings.pop("decoder", None)
+    if hasattr(lent, "slots"):                          # a bucketed decoder, with its cache
+        from tinyllm.compiled import CompiledDecoder
+        if isinstance(lent, CompiledDecoder):
+            settings["decoder"] = "compiled"
+            if settings.setdefault("compile_mode", lent.mode) != lent.mode:
+                raise ValueError(f"compile_mode {settings['compile_mode']!r}: the decoder "
+                                 f"given was compiled in mode {lent.mode!r}")
+        else:
+            settings["decoder"] = "graphs"
+        sizes = dict(zip(["kv", "max_len", "kv_blocks", "n_slots", "block_size", "prefix_cache"],
+                         cache_sizes(lent.slots)))     # by default, its cache's settings
+        sizes.pop("n_slots")
+        for name, value in sizes.items():
+            if name == "max_len" or sizes["kv"] == "paged":
+                settings.setdefault(name, value)
+    elif lent is not None:
+        settings["decoder"], lent = lent, None
+    if isinstance(config, EngineConfig):
+        return dataclasses.replace(config, **settings), lent
+    return EngineConfig(config, **settings), lent
+
+
+def lent_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks: int | None,
+               decoder) -> SlotCache:
+    """A lent decoder's own cache (and its graphs or compiled steps), if it fits these
+    settings and is idle; else a ValueError."""
+    cache, wanted = decoder.slots, ["slots", max_len, None, config.n_slots]
+    if config.kv == "paged":
+        wanted = ["paged", max_len, n_blocks, config.n_slots, config.block_size,
+                  config.prefix_cache]
+    naming = getattr(cache, "name_at_admission", False)     # safe only without a budget (08)
+    if decoder.model is not model or cache_sizes(cache) != wanted or any(cache.active) or \
+            (naming and config.max_step_tokens is not None):
+        raise ValueError(f"the decoder serves another model, or its cache is not the "
+                         f"{config.kv} cache of these settings ({config.n_slots} idle slots of "
+                         f"{max_len} positions)")
+    return cache
+
+
+def cache_sizes(cache: SlotCache) -> list:
+    """What a cache was made with: its kind, max_len, blocks (None for slots), slots, and a
+    paged pool's block size and whether it has a prefix cache."""
+    if hasattr(cache, "n_blocks"):
+        return ["paged", cache.max_len, cache.n_blocks, cache.n_slots, cache.block_size,
+                cache.prefix is not None]
+    return ["slots", cache.max_len, None, cache.n_slots]
+
+
+def compiled_decoder(model: Transformer, config: EngineConfig):
+    """A compiled decoder (06) over the cache make_engine(model, config) would have, every
+    bucket compiled now, before any clock starts: pass it as `decoder=` to the engines that
+    time it. Its compile_s says what the compilation took."""
+    decoder = make_engine(model, dataclasses.replace(config, decoder="compiled")).decoder
+    decoder.warm_up()
+    return decoder
