@@ -92,6 +92,7 @@ test: $(STAMP) lint               ## every test: lint, package, exercises (solut
 lint: $(STAMP)                    ## ruff: the linter, and the formatter's check (make test runs it first)
 	@$(BIN)/ruff check --quiet . && $(BIN)/ruff format --check --quiet . && \
 		echo "ruff: the code is clean and formatted"
+	@$(BIN)/python tools/core_lines.py --quiet
 
 test-fast: $(STAMP)               ## the package and exercise tests only
 	$(PYTEST) tests

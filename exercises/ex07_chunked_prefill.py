@@ -23,10 +23,10 @@ from collections.abc import Callable
 from tinyllm.requests import Sequence
 
 
-def plan_step(running: list[Sequence], budget: int | None,
+def plan_step(running: list[Sequence], max_step_tokens: int | None,
               admit: Callable[[], list[Sequence]]
               ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-    """This step's work within a budget of `budget` tokens (None: no limit).
+    """This step's work within a budget of max_step_tokens tokens (None: no limit).
 
     running: the sequences in slots, in slot order. One with seq.left() == 1 decodes (the
     token it last sampled); one with more left is computing its context: a newcomer, a long

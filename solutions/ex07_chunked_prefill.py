@@ -23,10 +23,10 @@ from collections.abc import Callable
 from tinyllm.requests import Sequence
 
 
-def plan_step(running: list[Sequence], budget: int | None,
+def plan_step(running: list[Sequence], max_step_tokens: int | None,
               admit: Callable[[], list[Sequence]]
               ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-    """This step's work within a budget of `budget` tokens (None: no limit).
+    """This step's work within a budget of max_step_tokens tokens (None: no limit).
 
     running: the sequences in slots, in slot order. One with seq.left() == 1 decodes (the
     token it last sampled); one with more left is computing its context: a newcomer, a long
@@ -47,7 +47,7 @@ def plan_step(running: list[Sequence], budget: int | None,
     [(B, 10), (D, 4)]. No budget: admit() is called, chunks [(B, 10), (D, 4)]."""
     decodes = [s for s in running if s.left() == 1]
     prefilling = [s for s in running if s.left() > 1]
-    budget = None if budget is None else budget - len(decodes)
+    budget = None if max_step_tokens is None else max_step_tokens - len(decodes)  # what is left
     if budget is None or budget > sum(s.left() for s in prefilling):
         prefilling += admit()                           # room for a newcomer's first chunk
     chunks = []

@@ -1,6 +1,9 @@
-"""Shared fixtures: a tiny random model for fast exact checks, and the bundled checkpoint."""
+"""Shared fixtures: a tiny random model for fast exact checks, and the bundled checkpoint; and
+the step markers: a test module's docstring opens with its step ("Step 04 - ...", "Steps 07-08
+- ...", "Exercise 05 - ..."), so `pytest -m step05` runs that step's tests and its exercise's."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -9,6 +12,30 @@ import tinyllm
 from tinyllm.model import ModelConfig, Transformer
 from tinyllm.requests import Request
 from tinyllm.sampling import Sampling
+
+STEP_TAG = re.compile(r"(?:Steps? (\d{2})(?:\s*-\s*(\d{2}))?|Exercise (\d{2}))")
+
+
+def pytest_configure(config):
+    for n in range(15):
+        config.addinivalue_line("markers", f"step{n:02d}: the tests of step {n:02d}")
+
+
+def steps_of(doc: str | None) -> range:
+    """The steps a test module's docstring opens with ("Step 04", "Steps 07-08", "Exercise
+    05"); none for the others."""
+    m = STEP_TAG.match(doc or "")
+    if m is None:
+        return range(0)
+    first = int(m.group(1) or m.group(3))
+    return range(first, int(m.group(2) or first) + 1)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = getattr(item, "module", None)
+        for n in steps_of(getattr(module, "__doc__", None)):
+            item.add_marker(f"step{n:02d}")
 
 
 def pytest_addoption(parser):

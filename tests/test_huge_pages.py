@@ -7,6 +7,7 @@ import torch
 
 import tinyllm
 from tinyllm import huge_pages
+from tinyllm.build import load
 from tinyllm.generate import generate
 
 THP = huge_pages.mode() in ("madvise", "always")  # the system hands out huge pages
@@ -15,7 +16,7 @@ THP = huge_pages.mode() in ("madvise", "always")  # the system hands out huge pa
 @pytest.fixture(scope="module")
 def plain():
     """The bundled model in float64, where the loader put it."""
-    return tinyllm.load(device="cpu", dtype=torch.float64, huge_pages=False)[0]
+    return tinyllm.load(device="cpu", dtype=torch.float64)[0]
 
 
 def test_place_moves_every_weight_equal_and_keeps_the_tied_head_one_tensor(plain):
@@ -64,8 +65,10 @@ def test_a_copy_of_a_placed_model_copies_each_weight_alone(plain):
         assert u.untyped_storage().nbytes() == u.nbytes, f"{name}: the copy holds the block"
 
 
-def test_load_places_a_cpu_model_unless_asked_not_to(plain):
-    placed = tinyllm.load(device="cpu", dtype=torch.float64)[0]
+def test_the_builders_load_places_a_cpu_model_when_asked(plain):
+    """tinyllm.load leaves the weights where the loader put them; tinyllm.build.load with
+    huge_pages=True moves them into 2 MB pages (step 13's switch)."""
+    placed = load(device="cpu", dtype=torch.float64, huge_pages=True)[0]
     head = placed.lm_head.weight
     assert torch.equal(head, plain.lm_head.weight)
     assert head.untyped_storage().nbytes() == head.nbytes  # its own storage, over the block
@@ -75,7 +78,7 @@ def test_load_places_a_cpu_model_unless_asked_not_to(plain):
 
 def test_load_refuses_a_huge_pages_that_is_not_a_bool():
     with pytest.raises(ValueError, match="huge_pages must be True or False, got 'yes'"):
-        tinyllm.load(device="cpu", huge_pages="yes")
+        load(device="cpu", huge_pages="yes")
 
 
 def test_an_empty_tensor_is_a_block_of_its_own():

@@ -21,7 +21,7 @@ from tests.test_gguf import (
     tiny_peer,
     write_gguf,
 )
-from tinyllm.build import make_engine
+from tinyllm.build import load, make_engine
 from tinyllm.generate import solo
 from tinyllm.quant import (
     GemvLinear,
@@ -85,7 +85,7 @@ def test_a_gemv_layer_is_the_float_layer_read_by_the_c_loop(bundled):
     (where it compiled) equal to the plain layer's product up to rounding, many through the
     library."""
     model, _ = bundled
-    gemv = tinyllm.load(device="cpu", quant="float")[0]
+    gemv = load(device="cpu", quant="float")[0]
     assert isinstance(gemv.lm_head, GemvLinear) and gemv.quant == "float"
     assert gemv.lm_head.weight is gemv.embed_tokens.weight, "the head stays tied"
     assert weight_bytes(gemv) == weight_bytes(model)
@@ -113,16 +113,16 @@ def test_int8mm_quantizes_each_row_alone():
 
 def test_load_quantizes_and_names_what_it_refuses(bundled):
     model, _ = bundled
-    q8, _ = tinyllm.load(device="cpu", quant="int8")
-    q4, _ = tinyllm.load(device="cpu", quant="int4")
+    q8, _ = load(device="cpu", quant="int8")
+    q4, _ = load(device="cpu", quant="int4")
     assert q8.quant == "int8" and isinstance(q8.lm_head, QuantLinear)
     assert q8.embed_tokens.weight.dtype == torch.float32, "the embeddings stay float"
     full = weight_bytes(model)
     assert weight_bytes(q8) < 0.3 * full and weight_bytes(q4) < weight_bytes(q8)
     with pytest.raises(ValueError, match="quant must be one of float, int8, int4, gguf"):
-        tinyllm.load(device="cpu", quant="int3")
+        load(device="cpu", quant="int3")
     with pytest.raises(ValueError, match="quant='gguf' keeps a GGUF file's own blocks"):
-        tinyllm.load(device="cpu", quant="gguf")
+        load(device="cpu", quant="gguf")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -143,7 +143,7 @@ def test_gguf_blocks_are_kept_and_read_back_as_gguf_reads_them(tmp_path, arch):
     meta = {**arch_metadata(arch, peer.config), **bundled_vocabulary()}
     write_gguf(tmp_path / "q.gguf", arch, meta, {**floats, **stored})
     plain, _ = tinyllm.load(tmp_path / "q.gguf", device="cpu")
-    kept, _ = tinyllm.load(tmp_path / "q.gguf", device="cpu", quant="gguf")
+    kept, _ = load(tmp_path / "q.gguf", device="cpu", quant="gguf")
     assert kept.quant == "gguf"
     layers = {n: m for n, m in kept.named_modules() if isinstance(m, QuantLinear)}
     assert len(layers) == len(mats), "every matrix but the embeddings, and the head tied to them"
@@ -220,6 +220,6 @@ def test_quantized_models_stay_near_the_float_models_distribution(bundled):
         ref = model(ids)[0].log_softmax(-1)
         kl = {}
         for mode in ("int8", "int4"):
-            q = tinyllm.load(device="cpu", quant=mode)[0]
+            q = load(device="cpu", quant=mode)[0]
             kl[mode] = (ref.exp() * (ref - q(ids)[0].log_softmax(-1))).sum(-1).mean().item()
     assert kl["int8"] < 0.01 and kl["int8"] < kl["int4"] < 0.1, kl

@@ -1,26 +1,38 @@
-"""The package's shape: small functions and classes, and imports that only run downward.
+"""The package's shape: small functions and classes, imports that only run downward, and a
+step's module that holds its step.
 
-The engine's modules sit at the top of `tinyllm/`; three wings stand around them:
-`checkpoints/` (weights and tokenizers in), `serving/` (the engine behind HTTP) and `course/`
-(the tools that measure, draw and check). The engine imports no wing, and no wing imports the
-course's tooling but the course itself.
+The engine's modules sit at the top of `tinyllm/`, each tagged with its step in its docstring's
+first line ("Step 05 - ..."); the builder (`build.py`) turns a config into an engine of them;
+three wings stand around them: `checkpoints/` (weights and tokenizers in), `serving/` (the
+engine behind HTTP) and `course/` (the tools that measure, draw and check). The engine imports
+no wing, and no wing imports the course's tooling but the course itself. A module of step N
+imports no module of a step after N (the builder, the serving and course wings, the command
+line and the engine's name face may import any step), `import tinyllm` loads no module of step
+09 or later, and a notebook's imports load no module of a later step than its own.
 """
 
 import ast
+import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "tinyllm"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tinyllm"
 WINGS = ("checkpoints", "serving", "course")
 # what each part may import besides itself: the engine nothing of the wings; the course anything
 MAY_IMPORT = {
     "engine": set(),
     "checkpoints": {"engine"},
-    "serving": {"engine", "checkpoints"},
-    "course": {"engine", "checkpoints", "serving"},
-    "command line": {"engine", *WINGS},
+    "build": {"engine", "checkpoints"},
+    "serving": {"engine", "checkpoints", "build"},
+    "course": {"engine", "checkpoints", "serving", "build"},
+    "command line": {"engine", "build", *WINGS},
 }  # __main__: one command per tool
+FREE = ("tinyllm.build", "tinyllm.engine", "tinyllm.__main__", "tinyllm.serving", "tinyllm.course")
 
 
 def modules() -> dict[str, Path]:
@@ -37,6 +49,8 @@ def part(module: str) -> str:
     """The part of the package a module belongs to: a wing's name, or 'engine'."""
     if module == "tinyllm.__main__":
         return "command line"
+    if module in ("tinyllm.build", "tinyllm.engine"):  # the builder, and the names' face
+        return "build"
     pieces = module.split(".")
     return pieces[1] if len(pieces) > 1 and pieces[1] in WINGS else "engine"
 
@@ -110,3 +124,69 @@ def test_functions_and_classes_are_small():
             elif isinstance(node, ast.ClassDef) and n > 150:
                 long.append(f"{path.relative_to(PACKAGE.parent)}: class {node.name}, {n} lines")
     assert not long, "too long: " + "; ".join(long)
+
+
+def steps() -> dict[str, tuple[int, int]]:
+    """Each tagged module's steps, from its docstring's first "Step NN" or "Steps NN-MM"."""
+    tags = {}
+    for name, path in modules().items():
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        m = re.search(r"Steps? (\d{2})(?:\s*[-\u2013]\s*(\d{2}))?", doc[:300])
+        if m:
+            tags[name] = (int(m.group(1)), int(m.group(2) or m.group(1)))
+    return tags
+
+
+def test_a_steps_module_imports_no_later_step():
+    """A module of step N imports only modules of steps up to N (inside functions too): a later
+    step plugs in through an interface, or through the builder."""
+    tags, g = steps(), graph()
+    later = [
+        f"{m} (step {tags[m][1]:02d}) imports {n} (step {tags[n][0]:02d})"
+        for m in tags
+        if not m.startswith(FREE)
+        for n in sorted(g[m])
+        if n in tags and tags[n][0] > tags[m][1]
+    ]
+    assert not later, "a step imports a later step: " + "; ".join(later)
+
+
+def later_modules_loaded(code: str, step: int) -> list[str]:
+    """The tagged modules of steps after `step` that running `code` in a fresh interpreter
+    loads."""
+    tags = steps()
+    listed = "print(' '.join(m for m in sys.modules if m.startswith('tinyllm')))"
+    probe = f"{code}\nimport sys\n{listed}"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    return sorted(m for m in done.stdout.split() if m in tags and tags[m][0] > step)
+
+
+def test_import_tinyllm_loads_no_later_step():
+    """`import tinyllm` (load, generate, the model) loads modules of steps 00-08 alone."""
+    assert later_modules_loaded("import tinyllm", 8) == []
+
+
+def notebook_imports(path: Path) -> str:
+    """A notebook's import lines, as code."""
+    nb = json.loads(path.read_text())
+    lines = []
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            src = "".join(cell["source"])
+            for node in ast.parse(src if "%" not in src else "").body:
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    lines.append(ast.unparse(node))
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "notebooks").glob("0[0-8]_*.ipynb")), ids=lambda p: p.stem
+)
+def test_a_notebooks_imports_load_no_later_step(path):
+    """Notebooks 00-08 (the core's) import nothing of a later step than their own; solo
+    generate() (step 01), the oracle every step checks against, excepted."""
+    step = max(int(path.stem[:2]), 1)
+    loaded = later_modules_loaded(notebook_imports(path), step)
+    assert loaded == [], f"{path.name} loads {loaded}"

@@ -9,11 +9,14 @@ backend (12) is given. It imports a step's module only when the config asks for 
 `import tinyllm.build` loads no later step than 04, and a step's notebook builds its engines
 here without loading the steps after it. `run_continuous` is make_engine and
 continuous.run_engine in one call; `compiled_decoder` makes a compiled decoder ahead, to lend.
+`load` is tinyllm.load with step 13's switches: quantized weights, the C attention, the
+weights on huge pages.
 
     make_engine(model, EngineConfig(8, kv="paged", prefix_cache=True))
     make_engine(model, 8, kv="paged", max_step_tokens=64, speculate="ngram")
 """
 
+import argparse
 import dataclasses
 
 from tinyllm.config import EngineConfig
@@ -22,6 +25,102 @@ from tinyllm.model import Transformer, gpu_dtype
 from tinyllm.requests import Request, Result
 from tinyllm.slot_cache import SlotCache, SlotKVCache
 from tinyllm.stats import Trace, kv_bytes_per_token
+
+
+def load(path="default", device=None, dtype=None, max_seq_len: int | None = None,
+         download: bool = False, *, quant: str | None = None, c_attention: bool = True,
+         huge_pages: bool = False):
+    """tinyllm.load's (model, tokenizer), with step 13's switches. quant: None ("none") keeps float
+    weights in plain linear layers; "float" keeps them too, a few rows read by a C loop
+    (quant.GemvLinear); "int8" (per output channel) or "int4" (groups of 32) quantizes every
+    linear layer (quant.quantize); "gguf" keeps a GGUF file's Q8_0, Q4_0 and Q4_1 blocks as they
+    are (keep_gguf_blocks; a GGUF file only). On a CPU: c_attention puts the C attention
+    in each layer (cpu_attention.install), where the kernels build; huge_pages moves the weights
+    into memory that asked for 2 MB pages (huge_pages.place), which a decode step streams
+    faster."""
+    from tinyllm.checkpoints.checkpoint import resolve
+    from tinyllm.checkpoints.loading import load as load_plain
+    from tinyllm.quant import MODES
+
+    quant = None if quant == "none" else quant
+    for name, value in (("c_attention", c_attention), ("huge_pages", huge_pages)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    if quant not in (None, *MODES):
+        raise ValueError(f"quant must be one of {', '.join(MODES)} or None, got {quant!r}")
+    if quant == "gguf" and not (resolve(path).is_file() and resolve(path).suffix == ".gguf"):
+        raise ValueError(f"quant='gguf' keeps a GGUF file's own blocks; {resolve(path)} is not a "
+                         f".gguf file (quant='int8' or 'int4' quantizes any checkpoint)")
+    model, tok = load_plain(path, device, dtype, max_seq_len, download)
+    if quant == "gguf":
+        keep_gguf_blocks(model, resolve(path))
+    elif quant is not None:
+        from tinyllm.quant import quantize
+        quantize(model, quant)
+    if next(model.parameters()).device.type == "cpu":
+        if c_attention:
+            from tinyllm.cpu_attention import install
+            install(model)
+        if huge_pages:
+            from tinyllm.huge_pages import place
+            place(model)
+    return model, tok
+
+
+def add_quant_argument(parser, several: bool = False) -> None:
+    """The one --quant flag, serve's and bench's: the weights load takes (none: float weights in
+    plain layers, or a mode of quant.MODES); with several, comma-separated to compare them (the
+    value is then a list)."""
+    from tinyllm.quant import MODES
+
+    def modes(text: str):
+        got = text.split(",")
+        bad = [m for m in got if m not in ("none", *MODES)]
+        if bad or (len(got) > 1 and not several):
+            raise argparse.ArgumentTypeError(f"{text!r}: give {'modes' if several else 'one mode'}"
+                                             f" of none, {', '.join(MODES)}")
+        return got if several else got[0]
+
+    parser.add_argument("--quant", type=modes, default="none",
+                        metavar="MODES" if several else "MODE",
+                        help="the weights (step 13): none (float), float (a C loop's products), "
+                             "int8 (per output channel), int4 (groups of 32) or gguf (a GGUF "
+                             "file's own Q8_0, Q4_0 and Q4_1 blocks)"
+                             + (", comma-separated to compare them" if several else "")
+                             + " (default: none)")
+
+
+def keep_gguf_blocks(model: Transformer, path) -> Transformer:
+    """A model loaded from a GGUF file (gguf_file.load_gguf, 09) with each linear layer whose
+    tensor is in Q8_0, Q4_0 or Q4_1 blocks put in a QuantLinear of the file's blocks (13:
+    quant.from_gguf;
+    a Llama's q and k rows put back in Hugging Face's order, blocks and all); the head tied to
+    the embeddings gets token_embd's. In place; returns the model, whose quant says "gguf"."""
+    import numpy as np
+    import torch
+
+    from tinyllm.checkpoints import gguf_file as g
+    from tinyllm.checkpoints.checkpoint import hf_name
+    from tinyllm.quant import GGUF_BLOCKS, from_gguf
+
+    by_name = {t.name: t for t in g.open_reader(path).tensors}
+    cfg, names = model.cfg, {g.to_hf_name(n, path): n for n in by_name if n != g.ROPE_FACTORS}
+    names.setdefault("lm_head.weight", names["model.embed_tokens.weight"])    # a tied head
+    device = next(model.parameters()).device
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
+            gguf_name = names.get(hf_name(f"{parent_name}.{name}.weight".lstrip(".")))
+            if not isinstance(child, torch.nn.Linear) or gguf_name is None:
+                continue
+            tensor = by_name[gguf_name]
+            if tensor.tensor_type.name not in GGUF_BLOCKS:
+                continue
+            blocks = torch.from_numpy(np.array(tensor.data))               # (N, bytes) uint8
+            if cfg.arch == "llama" and name in ("q_proj", "k_proj"):
+                blocks = g.unpermute(blocks, cfg.n_heads if name == "q_proj" else cfg.n_kv_heads)
+            setattr(parent, name, from_gguf(tensor.tensor_type.name, blocks, child.bias).to(device))
+    model.quant = "gguf"
+    return model
 
 
 def make_engine(model: Transformer, config: EngineConfig | int, *, generator=None,

@@ -123,10 +123,12 @@ def computed_chunks(chunks: list[tuple[Sequence, int]], every: Tensor | None, ca
     mark_computed([s for s, _ in chunks], [n for _, n in chunks], cache, scheduler)
 
 
-def leftover(budget: int | None, decodes: list[Sequence], chunks: list[tuple[Sequence, int]]
-             ) -> int | None:
-    """The tokens a step's plan leaves of its budget (None: no budget)."""
-    return None if budget is None else budget - len(decodes) - sum(n for _, n in chunks)
+def tokens_left(max_step_tokens: int | None, decodes: list[Sequence],
+                chunks: list[tuple[Sequence, int]]) -> int | None:
+    """The tokens a step's plan leaves of its budget, max_step_tokens (None: no budget)."""
+    if max_step_tokens is None:
+        return None
+    return max_step_tokens - len(decodes) - sum(n for _, n in chunks)
 
 
 def record_decode_step(stats: Stats, cache: SlotCache, n_rows: int, decoder) -> None:
@@ -272,12 +274,12 @@ class ContinuousEngine:
         t_step, planner = time.perf_counter(), self.scheduler.planner
         if decodes:
             record_decode_step(self.stats, self.cache, len(decodes), self.decoder)
-        room = leftover(planner.max_step_tokens, decodes, chunks)
+        left = tokens_left(planner.max_step_tokens, decodes, chunks)
         if decodes and chunks and not decodes_apart(self.speculator, self.decoder):  # one pass
             prefilled = self.runner.prefill(chunk_tokens(planner, chunks), decodes)
-            events = self._decode(decodes, room, t_step, prefilled.decodes)
+            events = self._decode(decodes, left, t_step, prefilled.decodes)
         else:
-            events = self._decode(decodes, room, t_step) if decodes else []
+            events = self._decode(decodes, left, t_step) if decodes else []
             prefilled = self.runner.prefill(chunk_tokens(planner, chunks)) if chunks else None
         if chunks:
             computed_chunks(chunks, prefilled.every, self.cache, self.scheduler)
@@ -291,7 +293,7 @@ class ContinuousEngine:
         return events
 
     # ---- 3) decode: one token for every sequence that has one left ---------------------------
-    def _decode(self, seqs: list[Sequence], room: int | None, t_step: float,
+    def _decode(self, seqs: list[Sequence], tokens_left: int | None, t_step: float,
                 logits: Tensor | None = None) -> list[Event]:
         """A token for each, the step begun at t_step: from logits (B, V) of a mixed pass, else
         from a decode pass of their own (or a speculating step's verified guesses, 11)."""
@@ -300,7 +302,7 @@ class ContinuousEngine:
         elif self.speculator is None:
             tokens, logprobs = sample(seqs, self.runner.decode(seqs), self.generator)
         else:                                           # guesses, verified in one pass (11)
-            verdicts = self.speculator.decode(seqs, room, self.generator, self.runner)
+            verdicts = self.speculator.decode(seqs, tokens_left, self.generator, self.runner)
             self.stats.record_speculation(verdicts)
             tokens, logprobs = [v.tokens for v in verdicts], [v.logprobs for v in verdicts]
         mark_computed(seqs, [len(t) for t in tokens], self.cache, self.scheduler,

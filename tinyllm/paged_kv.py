@@ -198,6 +198,15 @@ def gather(pool: Tensor, read: Tensor) -> Tensor:
     return pool.index_select(0, read.reshape(-1)).view(B, W, *pool.shape[1:]).transpose(1, 2)
 
 
+def made_prefix_cache(prefix_cache, allocator: BlockAllocator, block_size: int):
+    """A pool's prefix cache (08): prefix_cache(allocator, block_size), a class such as
+    prefix_cache.PrefixCache, or None."""
+    if isinstance(prefix_cache, bool):
+        raise ValueError("prefix_cache takes a class (08: prefix_cache.PrefixCache) or None, "
+                         "not a bool (tinyllm.build makes EngineConfig(prefix_cache=True)'s)")
+    return None if prefix_cache is None else prefix_cache(allocator, block_size)
+
+
 class PagedKVCache(SlotCache):
     """Keys/values of n_slots sequences in a shared pool of n_blocks blocks of block_size.
 
@@ -208,12 +217,11 @@ class PagedKVCache(SlotCache):
     and reads each row's first W positions (`slot_mapping`: a gather, or in place on a CPU's decode
     step). `pool`, the BlockAllocator or the PrefixCache, hands blocks out and back.
 
-    prefix_cache (08: prefix_cache.PrefixCache, or any class of its interface, made here over
-    the pool's allocator as prefix_cache(allocator, block_size)): blocks are counted by the
-    tables holding them, hashes[s] names slot s's full blocks in order, a newcomer admitted
-    with its context starts with the cached blocks of its longest cached prefix, and a block
-    is named once written (`cache_blocks`), or with name_at_admission as its newcomer is
-    admitted (see `admit`).
+    prefix_cache (08: prefix_cache.PrefixCache, made over the pool's allocator): blocks are
+    counted by the tables holding them, hashes[s] names slot s's full blocks in order, a
+    newcomer admitted with its context starts with the cached blocks of its longest cached
+    prefix, and a block is named once written (`cache_blocks`), or with name_at_admission as
+    its newcomer is admitted (see `admit`).
     """
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int,
@@ -222,17 +230,13 @@ class PagedKVCache(SlotCache):
                  name_at_admission: bool = False):
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need n_blocks, block_size >= 1, got {n_blocks}, {block_size}")
-        if isinstance(prefix_cache, bool):
-            raise ValueError("prefix_cache takes a prefix cache's class (08: "
-                             "prefix_cache.PrefixCache) or None, not a bool: tinyllm.build makes "
-                             "the pool of EngineConfig(prefix_cache=True)")
         super().__init__(n_layers, n_slots, max_len, device)
         self.n_blocks, self.block_size, self.pad = n_blocks, block_size, n_blocks
         shape = ((n_blocks + 1) * block_size, n_kv_heads, head_dim)     # ((N + 1) * bs, n_kv, hd)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.allocator = BlockAllocator(n_blocks)
-        self.prefix = None if prefix_cache is None else prefix_cache(self.allocator, block_size)
+        self.prefix = made_prefix_cache(prefix_cache, self.allocator, block_size)
         self.pool = self.allocator if self.prefix is None else self.prefix
         self.name_at_admission = name_at_admission and self.prefix is not None
         self.shares_prefixes = self.prefix is not None

@@ -377,7 +377,8 @@ def quantize(model: nn.Module, mode: str, group_size: int = 32, kernel: str = "a
     GemvLinear sharing its weight. Returns the model."""
     if mode not in ("float", "int8", "int4"):
         raise ValueError(f"quantize's mode must be 'float', 'int8' or 'int4' (a GGUF file's "
-                         f"own blocks load with tinyllm.load(path, quant='gguf')), got {mode!r}")
+                         f"own blocks load with tinyllm.build.load(path, quant='gguf')), got "
+                         f"{mode!r}")
     for parent, name, linear in linears(model):
         if mode == "float":
             gemv = GemvLinear(linear.in_features, linear.out_features, linear.bias is not None,

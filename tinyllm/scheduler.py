@@ -91,7 +91,8 @@ def reserve_or_preempt(running: dict, waiting: deque, cache: SlotCache) -> list[
 
 
 def check_plan(decoding: list[Sequence], decodes: list[Sequence],
-               chunks: list[tuple[Sequence, int]], budget: int | None, running: dict) -> None:
+               chunks: list[tuple[Sequence, int]], max_step_tokens: int | None,
+               running: dict) -> None:
     """Raise ValueError naming what a step's plan gets wrong: a decode left out or added, a
     sequence twice, a chunk of no token or of more than is left, a plan over the budget; with
     no budget, a sequence that does not compute all it has left (a prefix cache names a
@@ -108,18 +109,18 @@ def check_plan(decoding: list[Sequence], decodes: list[Sequence],
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= seq.left():
             raise ValueError(f"plan_step gave request {seq.rid} a chunk of {n!r} tokens; it has "
                              f"{seq.left()} left, and a chunk holds 1 to that many")
-        if budget is None and n != seq.left():
+        if max_step_tokens is None and n != seq.left():
             raise ValueError(f"plan_step gave request {seq.rid} a chunk of {n} tokens with no "
                              f"budget; it has {seq.left()} left, and with no budget each "
                              f"sequence computes all it has left")
     unplanned = [s.rid for s in running.values() if s.rid not in seen]
-    if budget is None and unplanned:
+    if max_step_tokens is None and unplanned:
         raise ValueError(f"plan_step left requests {unplanned} out with no budget: then every "
                          f"request in a slot computes all it has left, newcomers too")
     total = len(decodes) + sum(n for _, n in chunks)
-    if budget is not None and total > budget:
+    if max_step_tokens is not None and total > max_step_tokens:
         raise ValueError(f"plan_step planned {total} tokens ({len(decodes)} decodes and chunks "
-                         f"{[n for _, n in chunks]}), over the step's budget of {budget}")
+                         f"{[n for _, n in chunks]}), over the step's budget of {max_step_tokens}")
 
 
 class WholeContexts:

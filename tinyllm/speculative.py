@@ -386,22 +386,23 @@ class Speculator:
     def check_integrity(self, idle: bool = False) -> str | None:
         return self.proposer.check_integrity(idle)
 
-    def budget(self, seqs: list[Sequence], room: int | None) -> list[int]:
+    def allowed(self, seqs: list[Sequence], tokens_left: int | None) -> list[int]:
         """Guesses each row may have: k, less than its tokens still to make (its last comes
-        from the target), within the step's leftover token budget (room; None: no limit) and
-        the slot's positions."""
+        from the target), within what the step leaves of its budget (tokens_left; None: no
+        limit) and the slot's positions."""
         ks = []
         for seq in seqs:
             k = min(self.k, seq.request.max_new_tokens - len(seq.tokens) - 1,
                     self.cache.max_len - seq.context_len() - 1)
-            if room is not None:
-                k = min(k, room)
-                room -= max(k, 0)
+            if tokens_left is not None:
+                k = min(k, tokens_left)
+                tokens_left -= max(k, 0)
             ks.append(max(k, 0))
         return ks
 
-    def decode(self, seqs: list[Sequence], room: int | None, shared, runner) -> list[Verdict]:
-        guesses, drafts = self.proposer.propose(seqs, self.budget(seqs, room), shared)
+    def decode(self, seqs: list[Sequence], tokens_left: int | None, shared, runner
+               ) -> list[Verdict]:
+        guesses, drafts = self.proposer.propose(seqs, self.allowed(seqs, tokens_left), shared)
         for i, seq in enumerate(seqs):                  # memory for the guesses, or none
             if guesses[i] and not self.cache.reserve(seq.slot, 1 + len(guesses[i])):
                 guesses[i], drafts[i] = [], None

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_tiny
+from tests.exercises.conftest import run_engine
 from tinyllm.build import make_engine, run_continuous
 from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.generate import generate
@@ -298,24 +299,6 @@ def solo(model, reqs):
 def solo_tokens(n: int, seed: int) -> list[list[int]]:
     """Solo generate's tokens for requests(n, seed), computed once for the module."""
     return solo(TINY, requests(n, seed))
-
-
-def run_engine(eng, reqs, every: int = 0) -> list[int]:
-    """Add reqs (all at once, or one every `every` steps) and step until done; the rids."""
-    rids, step = [], 0
-    with explained("the engine with your functions"):
-        while len(rids) < len(reqs) or eng.has_work():
-            while len(rids) < len(reqs) and (every == 0 or step % every == 0):
-                rids.append(eng.add_request(reqs[len(rids)]))
-                if every:
-                    break
-            if eng.has_work():
-                eng.step()
-            step += 1
-            assert step < 10_000, (
-                "the engine never finishes: a request is never admitted, or never leaves"
-            )
-    return rids
 
 
 def check_results(eng, rids, expected, where=""):

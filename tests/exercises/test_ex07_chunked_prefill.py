@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny
+from tests.exercises.conftest import run_engine as conftest_run
 from tinyllm.build import make_engine
 from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.generate import generate
@@ -281,22 +282,11 @@ def solo_tokens(n: int, seed: int) -> list[list[int]]:
     return [solo(TINY, r) for r in requests(n, seed)]
 
 
-def run_engine(
-    eng, reqs, every: int = 0, what: str = "the chunked engine with your functions"
-) -> list[int]:
-    """Add reqs (all at once, or one every `every` steps) and step until done; the rids."""
-    rids, step = [], 0
-    with explained(what):
-        while len(rids) < len(reqs) or eng.has_work():
-            while len(rids) < len(reqs) and (every == 0 or step % every == 0):
-                rids.append(eng.add_request(reqs[len(rids)]))
-                if every:
-                    break
-            if eng.has_work():
-                eng.step()
-            step += 1
-            assert step < 5_000, "the engine never finishes: a context is never computed to its end"
-    return rids
+def run_engine(eng, reqs, every: int = 0, what: str = "the chunked engine with your functions"):
+    """The exercises' driver (conftest.run_engine), for a chunked engine."""
+    return conftest_run(
+        eng, reqs, what, every=every, stuck="a context is never computed to its end"
+    )
 
 
 def budget_kept(trace: Trace, budget: int | None, where: str) -> None:

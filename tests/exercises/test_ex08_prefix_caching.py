@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny
+from tests.exercises.conftest import run_engine
 from tinyllm import prefix_cache
 from tinyllm.build import make_engine
 from tinyllm.course import seams
@@ -374,27 +375,26 @@ def solo_tokens(n: int, seed: int) -> list[list[int]]:
 
 def drive(eng, reqs, seed: int, abort_odds: int = 0):
     """Add 0 to 2 requests between steps (random.Random(seed) decides), abort some, step until
-    done. Returns the rids, the aborted indices and every block hash that was ever cached."""
-    rng = random.Random(seed)
-    rids, aborted, seen, step = [], set(), set(), 0
-    with explained("the prefix-cached engine with your functions"):
-        while len(rids) < len(reqs) or eng.has_work():
-            for _ in range(rng.randint(0, 2) if step else 1):
-                if len(rids) < len(reqs):
-                    rids.append(eng.add_request(reqs[len(rids)]))
-            if abort_odds and rng.randrange(abort_odds) == 0:
-                i = rng.randrange(len(rids))
-                if eng.abort(rids[i]):
-                    aborted.add(i)
-            if eng.has_work():
-                eng.step()
-            seen |= set(eng.cache.prefix.cached)
-            step += 1
-            assert step < 5_000, (
-                "the engine never finishes: a request is never admitted, or "
-                "is left with nothing to compute "
-                "(a match that covers its last token?)"
-            )
+    done (the exercises' run_engine). Returns the rids, the aborted indices and every block
+    hash that was ever cached."""
+    rng, aborted, seen = random.Random(seed), set(), set()
+
+    def abort(step, rids):
+        if abort_odds and rng.randrange(abort_odds) == 0:
+            i = rng.randrange(len(rids))
+            if eng.abort(rids[i]):
+                aborted.add(i)
+
+    rids = run_engine(
+        eng,
+        reqs,
+        "the prefix-cached engine with your functions",
+        joining=lambda step: rng.randint(0, 2) if step else 1,
+        before_step=abort,
+        after_step=lambda step: seen.update(eng.cache.prefix.cached),
+        stuck="a request is never admitted, or is left with nothing to compute (a match that "
+        "covers its last token?)",
+    )
     return rids, aborted, seen
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import SMALL_CFG, chi_square_bound, make_tiny
+from tests.exercises.conftest import run_engine
 from tinyllm.build import make_engine
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
@@ -232,20 +233,24 @@ def repetitive_requests(n: int, seed: int) -> list[Request]:
 
 
 def run(eng, reqs, per_step: int = 2) -> list[list[int]]:
-    """Add per_step requests before each step, step until done, checking both caches' books
-    after every step; returns each request's tokens."""
-    rids, step = [], 0
+    """Add per_step requests before each step, step until done (the exercises' run_engine),
+    checking both caches' books after every step; returns each request's tokens."""
     draft = getattr(eng.speculator.proposer, "cache", None)
-    while len(rids) < len(reqs) or eng.has_work():
-        for _ in range(per_step):
-            if len(rids) < len(reqs):
-                rids.append(eng.add_request(reqs[len(rids)]))
-        eng.step()
-        step += 1
+
+    def books(step):
         for name, cache in (("the KV cache", eng.cache), ("the draft's cache", draft)):
             why = cache and cache.check_integrity()
             assert not why, f"after step {step}, {name}'s books are wrong: {why}"
-        assert step < 2_000, "the engine never finishes: does every verdict keep a token?"
+
+    rids = run_engine(
+        eng,
+        reqs,
+        "the speculating engine with your functions",
+        joining=lambda step: per_step,
+        after_step=books,
+        limit=2_000,
+        stuck="does every verdict keep a token?",
+    )
     for i, rid in enumerate(rids):
         assert rid in eng.results, f"request {i} never finished (no Result)"
     return [eng.results.pop(rid).tokens for rid in rids]

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import tinyllm
-from tinyllm.build import make_engine
+from tinyllm.build import load, make_engine
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
 from tinyllm.generate import solo
@@ -489,13 +488,13 @@ def test_fused_matmul_compiled_in_a_quantized_layer(impl, plug):
 # ---- end to end --------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_load_with_your_functions_quantizes_as_the_package_does(plug, mode):
-    """tinyllm.load(quant=...) on the bundled model (float64), your functions plugged in: every
+    """load(quant=...) on the bundled model (float64), your functions plugged in: every
     linear layer (the projections and the head) holds the package's integers, scales and zero
     points, bit for bit."""
-    want, _ = tinyllm.load(device="cpu", dtype=torch.float64, quant=mode)
+    want, _ = load(device="cpu", dtype=torch.float64, quant=mode)
     plug()
-    with explained(f"tinyllm.load(quant={mode!r}) with your functions"):
-        got, _ = tinyllm.load(device="cpu", dtype=torch.float64, quant=mode)
+    with explained(f"load(quant={mode!r}) with your functions"):
+        got, _ = load(device="cpu", dtype=torch.float64, quant=mode)
     layers = [(n, m) for n, m in want.named_modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 29, "4 layers of 7 projections, and the head"
     for name, ref in layers:

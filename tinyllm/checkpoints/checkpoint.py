@@ -1,4 +1,4 @@
-"""Step 00 - checkpoints: read and write a Hugging Face model directory (the Llama family).
+"""Steps 00-09 - checkpoints: read and write a Hugging Face model directory (the Llama family).
 
 A directory holds `config.json` (the transformers config's field names), `model.safetensors`
 (or shards listed in `model.safetensors.index.json`) with Hugging Face tensor names, and
@@ -20,7 +20,6 @@ from jinja2.exceptions import TemplateSyntaxError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tinyllm.checkpoints.chat_template import compile_template
 from tinyllm.checkpoints.tokenizer import Tokenizer
 from tinyllm.model import ModelConfig, Transformer, gpu_dtype
 
@@ -260,6 +259,7 @@ def check_chat_template(source, file: Path, field: str | None = None) -> str:
     if not isinstance(source, str):
         raise CheckpointError(f"{where} must be a string (a Jinja template), got {source!r:.80}")
     try:
+        from tinyllm.checkpoints.chat_template import compile_template  # 09, when asked
         compile_template(source)
     except TemplateSyntaxError as e:            # also an unknown filter or test
         raise CheckpointError(f"{file}: {field + ' is ' if field else ''}not a valid Jinja "

@@ -30,7 +30,6 @@ from tinyllm.checkpoints.checkpoint import (
     CheckpointError,
     check_chat_template,
     check_heads,
-    hf_name,
     is_int,
     load_state,
     pick_device_dtype,
@@ -38,7 +37,6 @@ from tinyllm.checkpoints.checkpoint import (
 )
 from tinyllm.checkpoints.tokenizer import Tokenizer
 from tinyllm.model import ModelConfig, Transformer, llama3_frequencies
-from tinyllm.quant import GGUF_BLOCKS, from_gguf
 
 ARCHITECTURES = ("llama", "qwen2")     # general.architecture values tinyllm reads
 READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -207,20 +205,15 @@ def to_hf_name(name: str, where: Path) -> str:
 
 
 def dequantize(tensor, where: Path) -> torch.Tensor:
-    """One reader tensor -> float32 (rows, cols) in PyTorch's layout. GGUF lists dims innermost
-    first (ne0 = the input features), so the shape reads backwards. Q8_0, Q4_0 and Q4_1 blocks
-    are read back by quant.from_gguf's layer (the same floats as gguf's own, in PyTorch, a few
-    times faster); the other types by the gguf package."""
+    """One reader tensor -> float32 (rows, cols) in PyTorch's layout, de-quantised by the gguf
+    package (llama.cpp's own arithmetic). GGUF lists dims innermost first (ne0 = the input
+    features), so the shape reads backwards."""
     from gguf import quants
     kind = tensor.tensor_type.name
     if kind not in READABLE:
         raise CheckpointError(f"{where}: tensor {tensor.name!r} has type {kind}, which tinyllm "
                               f"does not de-quantise (it reads {', '.join(READABLE)})")
     shape = tuple(int(n) for n in reversed(tensor.shape))
-    if kind in GGUF_BLOCKS:
-        rows = shape[0] if len(shape) > 1 else 1
-        blocks = torch.from_numpy(np.array(tensor.data)).reshape(rows, -1)     # (N, bytes)
-        return from_gguf(kind, blocks).dequantized(torch.float32).reshape(shape)
     values = quants.dequantize(tensor.data, tensor.tensor_type)        # float32, blocks undone
     return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(shape)
 
@@ -377,13 +370,11 @@ def tokenizer_from_gguf(meta: dict, where: Path) -> Tokenizer:
 # ---- load ---------------------------------------------------------------------------------
 
 def load_gguf(path: str | Path, device=None, dtype: torch.dtype | None = None,
-              max_seq_len: int | None = None,
-              keep_blocks: bool = False) -> tuple[Transformer, Tokenizer]:
+              max_seq_len: int | None = None) -> tuple[Transformer, Tokenizer]:
     """Load a GGUF file -> (model in eval mode, tokenizer), with checkpoint.load_dir's defaults:
     device None picks CUDA when there is one, dtype None is the GPU's low precision there and
     float32 on the CPU; max_seq_len defaults to the file's context_length, at most MAX_SEQ_LEN.
-    keep_blocks: each linear layer whose tensor is in Q8_0, Q4_0 or Q4_1 blocks keeps them
-    (quant.from_gguf) instead of its float weight (the others stay float)."""
+    (Step 13 keeps the file's blocks instead: tinyllm.build.keep_gguf_blocks.)"""
     path = Path(path)
     device, dtype = pick_device_dtype(device, dtype)
     reader = open_reader(path)
@@ -402,30 +393,7 @@ def load_gguf(path: str | Path, device=None, dtype: torch.dtype | None = None,
     with torch.device("meta"):
         model = Transformer(cfg)
     load_state(model, tensors, path, device, dtype)
-    if keep_blocks:
-        keep_gguf_blocks(model, by_name, device)
     return model.eval(), tokenizer
-
-
-def keep_gguf_blocks(model: Transformer, by_name: dict, device) -> None:
-    """Put each linear layer whose GGUF tensor is in Q8_0, Q4_0 or Q4_1 blocks in a QuantLinear
-    of those blocks (a Llama's q and k rows put back in Hugging Face's order, blocks and all);
-    the head tied to the embeddings gets token_embd's. The model's quant says "gguf"."""
-    cfg, names = model.cfg, {to_hf_name(n, Path(".")): n for n in by_name if n != ROPE_FACTORS}
-    names.setdefault("lm_head.weight", names["model.embed_tokens.weight"])    # a tied head
-    for parent_name, parent in model.named_modules():
-        for name, child in parent.named_children():
-            gguf_name = names.get(hf_name(f"{parent_name}.{name}.weight".lstrip(".")))
-            if not isinstance(child, torch.nn.Linear) or gguf_name is None:
-                continue
-            tensor = by_name[gguf_name]
-            if tensor.tensor_type.name not in GGUF_BLOCKS:
-                continue
-            blocks = torch.from_numpy(np.array(tensor.data))               # (N, bytes) uint8
-            if cfg.arch == "llama" and name in ("q_proj", "k_proj"):
-                blocks = unpermute(blocks, cfg.n_heads if name == "q_proj" else cfg.n_kv_heads)
-            setattr(parent, name, from_gguf(tensor.tensor_type.name, blocks, child.bias).to(device))
-    model.quant = "gguf"
 
 
 def write_dequantized(src: str | Path, dst: str | Path, kind: str = "F32") -> Path:

@@ -1,4 +1,4 @@
-"""Step 00 - the tokenizer.
+"""Steps 00-09 - the tokenizer (00), and its chat template (09).
 
 A thin wrapper over a `tokenizers` `tokenizer.json` (the file a Hugging Face model directory
 ships), with the ids the engine needs: which token starts a text (bos) and which ones end it
@@ -12,8 +12,6 @@ front of every encoded text. An instruct model's tokenizer also carries its chat
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
-
-from tinyllm.checkpoints.chat_template import render
 
 
 class Tokenizer:
@@ -72,6 +70,8 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template (a checkpoint ships one in "
                              "chat_template.jinja, tokenizer_config.json or a GGUF file's "
                              "tokenizer.chat_template); encode the prompt text instead")
+        from tinyllm.checkpoints.chat_template import render  # step 09's, when asked
+
         text = render(self.chat_template, messages, add_generation_prompt,
                       bos_token=self.id_to_token(self.bos_id),
                       eos_token=self.id_to_token(self.eos_id), **kwargs)

@@ -36,19 +36,16 @@ from dataclasses import replace
 import torch
 
 from tinyllm import cuda_graph
-from tinyllm.build import compiled_decoder, run_continuous
+from tinyllm.build import add_quant_argument, compiled_decoder, load, run_continuous
 from tinyllm.checkpoints.checkpoint import resolve
 from tinyllm.compiled import CompiledDecoder
 from tinyllm.config import EngineConfig
 from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.generate import autocast_for
 from tinyllm.model import Transformer, gpu_dtype
-from tinyllm.piecewise import PiecewiseDecoder
-from tinyllm.quant import MODES, weight_bytes
 from tinyllm.requests import Request, longest
 from tinyllm.slot_cache import SlotKVCache
 from tinyllm.static import run_static
-from tinyllm.structured import LLGuidance
 from tinyllm.workloads import WORKLOADS, workload
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -156,11 +153,13 @@ def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed:
         config = replace(config, max_len=longest(reqs))
     grammars = None
     if any(r.sampling is not None and r.sampling.constraint is not None for r in reqs):
+        from tinyllm.structured import LLGuidance  # step 12's, imported when a run asks
         grammars = LLGuidance(tok, model.cfg.vocab_size)                # the json workload (12)
     serve = lambda **decoder: cpu_timed(lambda: run_continuous(
         model, reqs, config, arrivals, progress=progress, draft=draft, grammars=grammars,
         **decoder))
     if config.decoder == "pieces":                  # every bucket compiled before the clock
+        from tinyllm.piecewise import PiecewiseDecoder  # step 13's, imported when asked
         compile_s = PiecewiseDecoder(model).warm_up(config.n_slots)
         return {**serve(), "compile_s": compile_s}
     if config.decoder != "compiled":
@@ -422,23 +421,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="default", metavar="DIR",
                     help="a checkpoint directory (runs/shakespeare), a .gguf file, or smollm2 "
                          "(fetched once) (default: the bundled model)")
-    ap.add_argument("--quant", type=quant_modes, default="none", metavar="MODES",
-                    help="the weights (13): none (float), int8, int4 or gguf (a GGUF file's own "
-                         "blocks), comma-separated to compare them" + default)
+    add_quant_argument(ap, several=True)
     ap.add_argument("--device", default=None,
                     help="cpu, cuda, cuda:1, ... (default: cuda when there is one, else cpu)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     EngineConfig.add_arguments(ap, kv=False)
     return ap
-
-
-def quant_modes(text: str) -> list[str]:
-    """--quant's value: "none,int8" -> ["none", "int8"], each checked."""
-    modes = text.split(",")
-    for m in modes:
-        if m not in ("none", *MODES):
-            raise argparse.ArgumentTypeError(f"{m!r} is not one of none, {', '.join(MODES)}")
-    return modes
 
 
 def where(model) -> str:
@@ -474,6 +462,7 @@ def compare_peers(args, model, tok) -> None:
 def time_decode_steps(args, model, quant: str = "none") -> None:
     """--decode-steps: one decode step's time per batch size, eager, graphed and compiled (a
     quantized model's eager step only: its layers compile their own loops)."""
+    from tinyllm.quant import weight_bytes
     rows = decode_step_times(model, args.batch_sizes, compiled=quant == "none",
                              compile_mode=args.compile_mode)
     if args.json:
@@ -538,15 +527,13 @@ def main(argv=None) -> None:
     """python -m tinyllm bench: the engines on a workload, or --peers, or --decode-steps."""
     ap = parser()
     args = ap.parse_args(argv)
-    import tinyllm
     models = {}
-    for quant in args.quant:
-        models[quant], tok = tinyllm.load(args.model, device=args.device,
-                                          dtype=DTYPES.get(args.dtype),
-                                          quant=None if quant == "none" else quant)
+    for quant in args.quant:                            # step 13's weights, pages and attention
+        models[quant], tok = load(args.model, device=args.device, dtype=DTYPES.get(args.dtype),
+                                  quant=quant, huge_pages=True)
     model = next(iter(models.values()))
     args.draft_model = None if args.draft is None else \
-        tinyllm.load(args.draft, device=args.device, dtype=DTYPES.get(args.dtype))[0]
+        load(args.draft, device=args.device, dtype=DTYPES.get(args.dtype), huge_pages=True)[0]
     if args.peers:
         compare_peers(args, model, tok)
     elif args.decode_steps:

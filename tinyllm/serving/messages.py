@@ -20,6 +20,7 @@ import copyreg
 import io
 import pickle
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tinyllm.requests import Request, TokenLogprobs
 
@@ -61,6 +62,17 @@ class Heartbeat:
     is doing (a long step, a grammar's compile, a warm-up)."""
 
 
+class SpeculationCounts(NamedTuple):
+    """A speculating engine's totals so far (step 11), all 0 without speculation: the rows a
+    target pass verified, the guesses proposed, the guesses accepted, and the tokens those
+    rows made."""
+
+    rows: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    tokens: int = 0
+
+
 @dataclass(frozen=True)
 class StepReport:
     """One engine step's news, and the engine's state after it.
@@ -73,9 +85,8 @@ class StepReport:
     engine was last idle (`check_integrity(idle=True)`): None when they are sound, else one
     sentence; logprobs: {index in tokens: (the token's TokenLogprobs or None, the prompt's
     list or None)} for the tokens of requests that ask for them (the prompt's on a request's
-    first token); speculation: the engine's totals so far (rows verified by a target pass,
-    guesses proposed, guesses accepted, tokens those rows made), all 0 without speculation
-    (step 11); failed: (key, why) for each choice the engine failed on (it could not read its
+    first token); speculation: the engine's speculation totals so far (SpeculationCounts, step
+    11); failed: (key, why) for each choice the engine failed on (it could not read its
     Add, or adding it raised): the engine's fault, and that request's alone."""
 
     tokens: list[tuple[int, int, str | None]]
@@ -85,7 +96,7 @@ class StepReport:
     kv_used: float
     integrity: str | None
     logprobs: dict[int, tuple[TokenLogprobs | None, list | None]] = field(default_factory=dict)
-    speculation: tuple[int, int, int, int] = (0, 0, 0, 0)
+    speculation: SpeculationCounts = SpeculationCounts()
     failed: list[tuple[int, str]] = field(default_factory=list)
 
 

@@ -58,10 +58,9 @@ import torch.multiprocessing
 import zmq
 import zmq.asyncio
 
-from tinyllm.build import make_engine
+from tinyllm.build import add_quant_argument, load, make_engine
 from tinyllm.config import EngineConfig
 from tinyllm.continuous import ContinuousEngine
-from tinyllm.quant import MODES
 from tinyllm.requests import Event, Request
 from tinyllm.serving.api import (
     CHAT,
@@ -89,6 +88,7 @@ from tinyllm.serving.messages import (
     Failed,
     Heartbeat,
     Ready,
+    SpeculationCounts,
     StepReport,
     Stop,
     dumps,
@@ -259,7 +259,7 @@ class EngineLoop:
         self.reported = (0, 0)  # the engine's (waiting, running), last step
         self.kv_used = 0.0
         self.integrity: str | None = None  # the KV cache's books, last checked idle
-        self.speculation = (0, 0, 0, 0)  # the engine's totals: rows, proposed, accepted, tokens
+        self.speculation = SpeculationCounts()  # the engine's totals (11)
         self.failed: str | None = None
         self.listener = None
 
@@ -447,7 +447,7 @@ def serve_engine(engine: ContinuousEngine, pipe: "EnginePipe") -> None:
         taken, refused, failed = news
         counts, kv_used = engine.request_counts(), engine.kv_used_frac()
         st = engine.stats
-        spec = (st.spec_rows, st.spec_proposed, st.spec_accepted, st.spec_tokens)
+        spec = SpeculationCounts(st.spec_rows, st.spec_proposed, st.spec_accepted, st.spec_tokens)
         pipe.send(
             StepReport(tokens, refused, taken, counts, kv_used, integrity, logprobs, spec, failed)
         )
@@ -673,7 +673,8 @@ class Metrics:
         self.running.set(running)
         self.kv_used.set(self.loop.kv_used)
         self.kv_sound.set(self.loop.integrity is None)
-        rows, proposed, accepted, tokens = now = self.loop.speculation
+        now = self.loop.speculation
+        rows, proposed, accepted, tokens = now
         for counter, total, seen in zip(self.spec, now, self.spec_seen):
             counter.inc(total - seen)
         self.spec_seen = now
@@ -1099,13 +1100,7 @@ def serve_parser():
         help="a checkpoint directory, a .gguf file, or smollm2 (SmolLM2-135M-Instruct, "
         "fetched once) (default: the bundled model)",
     )
-    g.add_argument(
-        "--quant",
-        default=None,
-        choices=MODES,
-        help="quantized weights (13): int8 (per output channel), int4 (groups of 32), or gguf "
-        "(a GGUF file's own Q8_0, Q4_0 and Q4_1 blocks) (default: float weights)",
-    )
+    add_quant_argument(g)
     g.add_argument(
         "--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)"
     )
@@ -1128,7 +1123,6 @@ def serve_main(argv=None) -> None:
     """python -m tinyllm serve: load a checkpoint, start the engine loop and uvicorn."""
     import uvicorn
 
-    import tinyllm
     from tinyllm.checkpoints.checkpoint import resolve
 
     ap = serve_parser()
@@ -1137,8 +1131,8 @@ def serve_main(argv=None) -> None:
         config = EngineConfig.from_args(args)
     except ValueError as e:
         ap.error(str(e))
-    model, tok = tinyllm.load(args.model, device=args.device, quant=args.quant)
-    draft = None if args.draft is None else tinyllm.load(args.draft, device=args.device)[0]
+    model, tok = load(args.model, device=args.device, quant=args.quant, huge_pages=True)
+    draft = None if args.draft is None else load(args.draft, device=args.device)[0]
     try:
         grammars = LLGuidance(tok, model.cfg.vocab_size)  # structured output (12)
         engine = make_engine(model, config, draft=draft, grammars=grammars)
