@@ -353,5 +353,6 @@ class PagedKVCache(SlotCache):
         n_kv = self.k[0].size(1)
         return self._write.view(-1, n_kv), self._reads * n_kv, 1         # (N, n_kv), (B, W)
 
-    def _gather(self, layer: int, reads: Tensor, whole: bool) -> tuple[Tensor, Tensor]:
+    def _gather(self, layer: int, reads: Tensor, W: int, whole: bool) -> tuple[Tensor, Tensor]:
+        reads = reads[:, :W]                                            # (R, W): what they see
         return gather(self.k[layer], reads), gather(self.v[layer], reads)   # (R, n_kv, W, hd)

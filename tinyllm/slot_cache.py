@@ -62,8 +62,9 @@ def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 class StepMask:
     """A step's mask: `bool` (B, 1, T, W), ragged_mask's, True = may attend; and as attention
     adds it to its scores (`additive`): `whole()`, made at the first layer that asks and kept
-    for the others (a decode step whose attention runs in C never asks), or `rows(picked)`, a
-    packed step's group of rows alone (R, 1, T, W), kept by PackedStep.picked."""
+    for the others (a decode step whose attention runs in C never asks), or `rows(picked, W)`,
+    a packed step's group of rows alone, over the W keys they may see (R, 1, T, W), kept by
+    PackedStep.picked."""
 
     def __init__(self, mask: Tensor, dtype: torch.dtype):
         self.bool, self.dtype, self._whole = mask, dtype, None
@@ -74,8 +75,8 @@ class StepMask:
             self._whole = additive(self.bool, self.dtype)
         return self._whole
 
-    def rows(self, picked: Tensor) -> Tensor:
-        return additive(self.bool.index_select(0, picked), self.dtype)
+    def rows(self, picked: Tensor, W: int) -> Tensor:
+        return additive(self.bool.index_select(0, picked)[..., :W], self.dtype)
 
 
 class PackedStep:
@@ -206,6 +207,7 @@ class RaggedStep:
         self.mask = StepMask(mask, self.k[0].dtype)
         self.packing = None if min(q_lens) == T else PackedStep(q_lens, self.device)
         self._B, self._n, self._layout, self.memo = len(rows), sum(q_lens), None, {}
+        self._widths = [n + q for n, q in zip(lens, q_lens)]           # keys each row may see
         self._index(rows, positions)
         return positions
 
@@ -245,13 +247,15 @@ class RaggedStep:
         (its slot, or its W keys' rows)."""
         raise NotImplementedError
 
-    def _picked(self, rows: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-        """A packed step's group of rows: where their new tokens go (n * n_kv,), what they read
-        and their additive mask (R, 1, T, W), made at the step's first layer."""
-        n_kv = self.k[0].size(1)
+    def _picked(self, rows: list[int]) -> tuple[Tensor, Tensor, Tensor, int]:
+        """A packed step's group of rows: where their new tokens go (n * n_kv,), what they read,
+        their additive mask (R, 1, T, W) and W, the most keys one of them may see (a group of
+        decodes reads no further than its own longest context, whatever the step's prompts
+        are); made at the step's first layer."""
+        n_kv, W = self.k[0].size(1), max(self._widths[b] for b in rows)
         return self.packing.picked(rows, lambda tokens, picked: (
             self._write.view(-1, n_kv).index_select(0, tokens).view(-1),
-            self._reads.index_select(0, picked), self.mask.rows(picked)))
+            self._reads.index_select(0, picked), self.mask.rows(picked, W), W))
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Cache.update: the step's new keys and values stored, then every row's read."""
@@ -274,10 +278,12 @@ class RaggedStep:
              ) -> tuple[Tensor, Tensor, Tensor | None]:
         """What the step's rows (or a packed step's `rows`) attend to, once every new token is
         stored: keys and values (R, n_kv, W, hd) and the additive mask (R, 1, T, W)."""
-        reads, mask = (self._reads, self.mask.whole()) if rows is None else self._picked(rows)[1:]
-        return (*self._gather(layer, reads, rows is None), mask)
+        if rows is None:
+            return (*self._gather(layer, self._reads, self.mask.W, True), self.mask.whole())
+        _, reads, mask, W = self._picked(rows)
+        return (*self._gather(layer, reads, W, False), mask)
 
-    def _gather(self, layer: int, reads: Tensor, whole: bool) -> tuple[Tensor, Tensor]:
+    def _gather(self, layer: int, reads: Tensor, W: int, whole: bool) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
 
@@ -400,8 +406,7 @@ class SlotKVCache(SlotCache):
         read = first + torch.arange(W, device=self.device)                           # (B, W)
         return self._write.view(-1, n_kv), read, self.max_len                        # (N, n_kv)
 
-    def _gather(self, layer: int, slots: Tensor, whole: bool) -> tuple[Tensor, Tensor]:
-        W = self.mask.W                                                 # keys any row may see
+    def _gather(self, layer: int, slots: Tensor, W: int, whole: bool) -> tuple[Tensor, Tensor]:
         ck, cv = self.k[layer][:, :, :W], self.v[layer][:, :, :W]
         if whole and self._prefix:
             return ck[:self._B], cv[:self._B]
