@@ -6,8 +6,9 @@ Five seams of the reference package:
 - `tinyllm.serving.textstream.next_piece`: after each token the server decodes the whole answer so
   far and sends only what is settled: never an unfinished character, never the text of a stop
   string, nor the start of one until the next tokens decide;
-- `tinyllm.serving.server.dispatch`: the engine runs in a process of its own and sends, after every
-  step, the tokens it made for all requests; the HTTP side hands each to its request's queue;
+- `tinyllm.serving.engine_loop.dispatch`: the engine runs in a process of its own and sends,
+  after every step, the tokens it made for all requests; the HTTP side hands each to its
+  request's queue;
 - `tinyllm.serving.server.sse_events`: a streamed answer goes out as server-sent events, the framing
   every OpenAI client reads (`data: {json}`, a blank line, and `data: [DONE]` at the end);
 - `tinyllm.serving.loadgen.percentile`: the p-th percentile of the latencies a run measured;
@@ -27,7 +28,8 @@ import torch
 from torch import Tensor
 
 from tinyllm.requests import Event
-from tinyllm.serving.server import APIError, Ticket, sse_event, usage
+from tinyllm.serving.engine_loop import Ticket
+from tinyllm.serving.server import APIError, sse_event, usage
 from tinyllm.serving.textstream import REPLACEMENT
 
 

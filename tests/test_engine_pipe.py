@@ -23,7 +23,7 @@ from tinyllm.continuous import ContinuousEngine
 from tinyllm.generate import solo
 from tinyllm.requests import Request, TokenLogprobs
 from tinyllm.sampling import Sampling
-from tinyllm.serving import messages, server
+from tinyllm.serving import engine_loop, messages, server
 from tinyllm.structured import LLGuidance
 
 BULK = 1000  # alternatives BulkyEngine adds to each prompt token's top: about 14 bytes each
@@ -310,10 +310,10 @@ def test_a_report_this_side_fails_to_hand_out_fails_its_requests_alone(bulky, mo
     def breaking(tickets, tokens, refused):
         if any(k in tickets and tickets[k].request.max_new_tokens == 7 for k, _, _ in tokens):
             raise KeyError("a ticket went missing")
-        server.dispatch.__wrapped__(tickets, tokens, refused)
+        engine_loop.dispatch.__wrapped__(tickets, tokens, refused)
 
-    breaking.__wrapped__ = server.dispatch
-    monkeypatch.setattr(server, "dispatch", breaking)
+    breaking.__wrapped__ = engine_loop.dispatch
+    monkeypatch.setattr(engine_loop, "dispatch", breaking)
     got = greedy(bulky, PROMPTS[4], 7)
     assert got.status_code == 500, got.text
     assert got.json()["error"]["message"] == (
@@ -396,7 +396,7 @@ ENGINE_ALONE = """
 import asyncio, tinyllm
 from tinyllm.continuous import ContinuousEngine
 from tinyllm.build import make_engine
-from tinyllm.serving.server import EngineLoop
+from tinyllm.serving.engine_loop import EngineLoop
 
 async def main():
     loop = EngineLoop(make_engine(tinyllm.load(device="cpu")[0], 2))

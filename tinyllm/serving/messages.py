@@ -1,14 +1,14 @@
 """Step 10 - the messages between the server and its engine process, and how they cross.
 
-The HTTP side (`server.EngineLoop`) and the engine's own process (`server.engine_process`)
-speak over two ZeroMQ sockets, as vLLM's engine core and SGLang's scheduler speak to their
-front ends: one carries requests to the engine, the other its news back. The messages are
-small frozen dataclasses: `Add`, `Abort` and `Stop` go to the engine; `Ready`, one `StepReport`
-per step, a `Heartbeat` every BEAT_S and `Failed` come back. Each side matches on the
-message's type. A request is called by its key, a number the HTTP side gives it and both sides
-know; a request of n choices is n sequences, keys key, key + 1, ..., each with tokens of its
-own. The engine's own request ids never leave its process. Logprobs cross as the engine's
-`TokenLogprobs`, frozen dataclasses too.
+The HTTP side (`engine_loop.EngineLoop`) and the engine's own process
+(`engine_loop.engine_process`) speak over two ZeroMQ sockets, as vLLM's engine core and
+SGLang's scheduler speak to their front ends: one carries requests to the engine, the other its
+news back. The messages are small frozen dataclasses: `Add`, `Abort` and `Stop` go to the
+engine; `Ready`, one `StepReport` per step, a `Heartbeat` every BEAT_S and `Failed` come back.
+Each side matches on the message's type. A request is called by its key, a number the HTTP side
+gives it and both sides know; a request of n choices is n sequences, keys key, key + 1, ...,
+each with tokens of its own. The engine's own request ids never leave its process. Logprobs
+cross as the engine's `TokenLogprobs`, frozen dataclasses too.
 
 A message crosses pickled (`dumps`), as one ZeroMQ message: ZeroMQ sends and delivers a
 message whole, whatever its size, so a reader never sees half of one. A message to the engine
