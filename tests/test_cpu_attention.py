@@ -8,11 +8,11 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import MIXED_REQUESTS, make_tiny
-from tests.test_ragged import KINDS, MODEL, ragged_steps, seqs_st
+from tests.test_ragged import MODEL, RAGGED_DRAWS, RAGGED_SETTINGS, ragged_steps
 from tinyllm import cpu_attention, cpu_kernels
 from tinyllm.build import make_engine
 from tinyllm.generate import solo
@@ -26,23 +26,8 @@ C_MODEL = cpu_attention.install(copy.deepcopy(MODEL))
 REQS = MIXED_REQUESTS[:4]
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.large_base_example,
-        HealthCheck.data_too_large,
-    ],
-)
-@given(
-    seqs=seqs_st,
-    kind=st.sampled_from(KINDS),
-    n_slots=st.integers(1, 4),
-    k=st.integers(1, 6),
-    split=st.booleans(),
-    data=st.data(),
-)
+@RAGGED_SETTINGS
+@given(split=st.booleans(), **RAGGED_DRAWS)
 def test_ragged_steps_in_c_match_the_plain_model(seqs, kind, n_slots, k, split, data):
     """Random rows bringing 1..k tokens a step, in random slots and order (test_ragged's
     workload): with the C attention every real column's logits are the plain model's full

@@ -122,7 +122,7 @@ seqs_st = st.lists(
 )
 
 
-@settings(
+RAGGED_SETTINGS = settings(
     max_examples=40,
     deadline=None,
     suppress_health_check=[
@@ -131,13 +131,17 @@ seqs_st = st.lists(
         HealthCheck.data_too_large,
     ],
 )
-@given(
+RAGGED_DRAWS = dict(  # the random rows of a ragged run: who, in which cache, how many a step
     seqs=seqs_st,
     kind=st.sampled_from(KINDS),
     n_slots=st.integers(1, 4),
     k=st.integers(1, 6),
     data=st.data(),
 )
+
+
+@RAGGED_SETTINGS
+@given(**RAGGED_DRAWS)
 def test_ragged_steps_match_solo_generate(seqs, kind, n_slots, k, data):
     """Random rows, each bringing 1..k tokens per step (prompts in random chunks, then one token
     at a time), in random slots and random row order: every real column's logits equal the
