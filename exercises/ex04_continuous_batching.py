@@ -2,20 +2,20 @@
 mask of a ragged step.
 
 Three seams of the reference package:
-- `admit_waiting` is what `tinyllm.scheduler.Scheduler.admit` calls every step: waiting
+- `admit_waiting` is what `tinyllm.core.scheduler.Scheduler.admit` calls every step: waiting
   requests move into the free slots, first come first served, while the cache has room;
 - `leave_slot` is what the scheduler calls when a request finishes, is aborted or preempted:
   its slot is free at once, for the next waiting request;
-- `ragged_mask` is what `tinyllm.slot_cache.SlotCache.begin_step` calls once per forward pass:
+- `ragged_mask` is what `tinyllm.core.slot_cache.SlotCache.begin_step` calls once per forward pass:
   where each row's new tokens sit, and which keys each of them may see. Every step of the
   continuous engine goes through it: a newcomer brings its whole prompt, a running request one
   token, in the same kind of step.
 
-A request inside the engine is a `tinyllm.requests.Sequence`: `seq.rid` (its arrival number),
+A request inside the engine is a `tinyllm.core.requests.Sequence`: `seq.rid` (its arrival number),
 `seq.slot` (None while it waits), `seq.context()` (its prompt and the tokens it has made),
 `seq.context_len()` (their number) and `seq.prefix_key()` (what a prefix cache may serve it by:
 its context, or None).
-The cache (`tinyllm.slot_cache.SlotCache`) answers `free_slots()` and `can_admit([n_tokens],
+The cache (`tinyllm.core.slot_cache.SlotCache`) answers `free_slots()` and `can_admit([n_tokens],
 [key])`, and takes `admit(slot, n_tokens, key)` and `release(slot)`; given the context as the
 key (`seq.prefix_key()`), a prefix cache (08) counts and gives only what it does not hold already.
 
@@ -28,8 +28,8 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from tinyllm.requests import Sequence
-from tinyllm.slot_cache import SlotCache
+from tinyllm.core.requests import Sequence
+from tinyllm.core.slot_cache import SlotCache
 
 
 def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Sequence]:

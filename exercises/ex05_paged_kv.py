@@ -2,20 +2,21 @@
 block-table lookup, and preemption when the pool runs dry.
 
 Five seams of the reference package:
-- `allocate_blocks` and `free_blocks` are the block allocator of `tinyllm.paged_kv`
+- `allocate_blocks` and `free_blocks` are the block allocator of `tinyllm.core.paged_kv`
   (`BlockAllocator` calls them): a free list of block ids, and one allocated flag per block;
-- `grow_table` (`tinyllm.paged_kv`) gives a sequence's block table the blocks it needs to hold
+- `grow_table` (`tinyllm.core.paged_kv`) gives a sequence's block table the blocks it needs to hold
   its tokens: at admission (the context and the next token) and before each decode step;
-- `slot_mapping` (`tinyllm.paged_kv`) turns sequence positions into pool rows through the block
+- `slot_mapping` (`tinyllm.core.paged_kv`) turns sequence positions into pool rows through the block
   tables; the paged cache uses it to write each new key/value and to gather the keys a step
   attends to;
-- `reserve_or_preempt` (`tinyllm.scheduler`) runs before every step: room for each running
+- `reserve_or_preempt` (`tinyllm.core.scheduler`) runs before every step: room for each running
   request's next token, and when the pool is dry, the youngest request gives its memory back
   and waits to be recomputed.
 
-The scheduler's pieces: a `tinyllm.requests.Sequence` has `rid` (its arrival number) and `slot`;
-`running` maps slot -> Sequence and `waiting` is a deque of Sequences; `cache.reserve(slot, 1)`
-says (True/False) whether the cache could make room for one more token of that slot;
+The scheduler's pieces: a `tinyllm.core.requests.Sequence` has `rid` (its arrival number)
+and `slot`; `running` maps slot -> Sequence and `waiting` is a deque of Sequences;
+`cache.reserve(slot, 1)` says (True/False) whether the cache could make room for one more token
+of that slot;
 `scheduler.leave_slot(seq, running, cache)` (exercise 04's, the package's here) frees a slot.
 
 Check your work with `make check EX=05` (or `check_exercise("05")` in notebook 05). The tests
@@ -27,9 +28,9 @@ from collections import deque
 
 from torch import Tensor
 
-from tinyllm import scheduler
-from tinyllm.requests import Sequence
-from tinyllm.slot_cache import SlotCache
+from tinyllm.core import scheduler
+from tinyllm.core.requests import Sequence
+from tinyllm.core.slot_cache import SlotCache
 
 
 def allocate_blocks(free_list: list[int], allocated: list[bool], n: int) -> list[int] | None:

@@ -1,14 +1,14 @@
 """Exercise 07 - chunked prefill: a step's plan within its token budget, and a sequence's next
 chunk.
 
-Two seams of the reference package, both in `tinyllm.chunked_prefill`:
+Two seams of the reference package, both in `tinyllm.core.chunked_prefill`:
 - `plan_step` is the scheduler's plan of every step: the decodes first, one token each; then
   whether a newcomer may enter (only if the budget has room for it); then the contexts being
   computed, first come first served, each all it has left or what the budget still holds;
 - `next_chunk` gives the tokens a sequence computes next, from `seq.num_computed_tokens` on, and
   says whether they end its context: only then does the step sample its next token.
 
-A `Sequence` (tinyllm.requests) holds `rid` (its arrival number), `slot`, `context()` (its
+A `Sequence` (tinyllm.core.requests) holds `rid` (its arrival number), `slot`, `context()` (its
 prompt, and after a preemption the tokens it had made), `context_len()`, `computed` (how many
 of those tokens its slot holds) and `left()` (context_len() - computed).
 
@@ -20,7 +20,7 @@ generate().
 
 from collections.abc import Callable
 
-from tinyllm.requests import Sequence
+from tinyllm.core.requests import Sequence
 
 
 def plan_step(running: list[Sequence], max_step_tokens: int | None,

@@ -1,7 +1,7 @@
 """Exercise 08 - prefix caching: naming blocks by their prefix, matching a prompt's blocks, and
 the reference counts and eviction that let requests share blocks.
 
-Five seams of the reference package, all in `tinyllm.prefix_cache`:
+Five seams of the reference package, all in `tinyllm.core.prefix_cache`:
 - `block_hashes` names each full block of a token list by its prefix (its own tokens and all
   before them), so that equal names mean equal prefixes;
 - `match_prefix` finds the cached blocks a new request can share: those of its context's
@@ -26,8 +26,8 @@ tokens with solo generate().
 
 import hashlib
 
-from tinyllm import prefix_cache
-from tinyllm.prefix_cache import PrefixCache
+from tinyllm.core import prefix_cache
+from tinyllm.core.prefix_cache import PrefixCache
 
 
 def block_hashes(tokens: list[int], block_size: int, parent: bytes = b"") -> list[bytes]:

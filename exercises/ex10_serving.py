@@ -12,7 +12,7 @@ Five seams of the reference package:
 - `tinyllm.serving.server.sse_events`: a streamed answer goes out as server-sent events, the framing
   every OpenAI client reads (`data: {json}`, a blank line, and `data: [DONE]` at the end);
 - `tinyllm.serving.loadgen.percentile`: the p-th percentile of the latencies a run measured;
-- `tinyllm.logits_processors.apply_penalties`: the presence, frequency and repetition
+- `tinyllm.core.logits_processors.apply_penalties`: the presence, frequency and repetition
   penalties of every row of a step at once, from each row's counts of its tokens, before the
   sampler picks (the token stage).
 
@@ -27,7 +27,7 @@ import math
 import torch
 from torch import Tensor
 
-from tinyllm.requests import Event
+from tinyllm.core.requests import Event
 from tinyllm.serving.engine_loop import Ticket
 from tinyllm.serving.server import APIError, sse_event, usage
 from tinyllm.serving.textstream import REPLACEMENT

@@ -2,7 +2,7 @@
 point per group, read back as q * scale + zero, and the product that reads the integers without
 the float matrix.
 
-Four seams of the reference package, all in `tinyllm.quant`:
+Four seams of the reference package, all in `tinyllm.ext.quant`:
 - `quantize_int8` gives each output channel (a row of W) one float16 scale, its largest
   magnitude over 127, and each weight the nearest integer step, within -127 .. 127;
 - `quantize_int4` cuts each row into groups along the input (32 weights by default), spans

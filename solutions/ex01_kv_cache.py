@@ -1,9 +1,9 @@
 """Exercise 01 - the KV cache.
 
 Two seams of the reference package:
-- `append_kv` is what `tinyllm.kv_cache.KVCache.update` calls to store a layer's new keys and
+- `append_kv` is what `tinyllm.core.kv_cache.KVCache.update` calls to store a layer's new keys and
   values;
-- `decode_loop` is what `tinyllm.generate.generate` calls once it has checked the prompt:
+- `decode_loop` is what `tinyllm.core.generate.generate` calls once it has checked the prompt:
   prefill, then one token at a time.
 
 Check your work with `make check EX=01` (or `check_exercise("01")` in notebook 01). The tests
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from tinyllm.kv_cache import KVCache
-from tinyllm.model import Transformer
+from tinyllm.core.kv_cache import KVCache
+from tinyllm.core.model import Transformer
 
 
 def append_kv(cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor,

@@ -1,10 +1,10 @@
 """Exercise 02 - padded prefill: prompts of different lengths in one batch.
 
 Three seams of the reference package:
-- `left_pad` is what `tinyllm.padded.prefill_padded` calls to build the batch;
-- `rope_positions` is what `tinyllm.kv_cache.KVCache.begin_step` calls: each row's positions,
+- `left_pad` is what `tinyllm.core.padded.prefill_padded` calls to build the batch;
+- `rope_positions` is what `tinyllm.core.kv_cache.KVCache.begin_step` calls: each row's positions,
   so that its first real token has position 0;
-- `attention_mask` is what `tinyllm.kv_cache.KVCache.update` calls: causal, and nobody
+- `attention_mask` is what `tinyllm.core.kv_cache.KVCache.update` calls: causal, and nobody
   attends to a row's left padding.
 
 Check your work with `make check EX=02` (or `check_exercise("02")` in notebook 02). The tests

@@ -1,6 +1,6 @@
 """Exercise 03 - static batching: the static batch loop.
 
-One seam of the reference package: `run_batch` is what `tinyllm.static.run_static` calls for
+One seam of the reference package: `run_batch` is what `tinyllm.core.static.run_static` calls for
 each batch of requests. `run_static` then counts the decode steps and wasted rows from your
 Results, so the loop is all you write. Useful pieces (imported below):
 `prefill_padded(model, prompts, max_len)` -> (last logits (B, V), cache, pads), and
@@ -12,10 +12,10 @@ Check your work with `make check EX=03` (or `check_exercise("03")` in notebook 0
 plug your loop into run_static and compare every request's tokens with solo generate().
 """
 
-from tinyllm.generate import autocast_for
-from tinyllm.model import Transformer
-from tinyllm.padded import prefill_padded
-from tinyllm.requests import Request, Result, is_done
+from tinyllm.core.generate import autocast_for
+from tinyllm.core.model import Transformer
+from tinyllm.core.padded import prefill_padded
+from tinyllm.core.requests import Request, Result, is_done
 
 
 def run_batch(model: Transformer, batch: list[Request], pick, clock) -> list[Result]:

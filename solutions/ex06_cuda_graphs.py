@@ -1,6 +1,6 @@
 """Exercise 06 - CUDA graphs: the bucket, the static buffers, and the decode step around them.
 
-Three seams of the reference package, all in `tinyllm.cuda_graph`:
+Three seams of the reference package, all in `tinyllm.core.cuda_graph`:
 - `choose_bucket` picks, every decode step, the captured graph (attention-window bucket) to
   replay: the smallest that covers the longest active sequence;
 - `fill_static` copies a step's inputs into the buffers the graphs were captured with;
@@ -11,7 +11,7 @@ The decoder's pieces: `decoder.slots` (the SlotKVCache: `lens`, `active`, `live_
 `end_step()`), `decoder.buckets` (ascending), `decoder.tokens` (S, 1) and `decoder.lens` (S,)
 (the static buffers), `decoder.capture`, `decoder.graphs[W]` and `decoder.logits[W]` (a bucket's
 graph and its output), `decoder.run_eager(W)` (the same step without a graph), `decoder.device`.
-The compiled decoder (`tinyllm.compiled.CompiledDecoder`) runs your decode_step too: its
+The compiled decoder (`tinyllm.core.compiled.CompiledDecoder`) runs your decode_step too: its
 graphs[W] is the bucket's step compiled by torch.compile, replayed the same way.
 
 All of it runs on a CPU too: `SlotGraphDecoder(capture=False)` runs the same bucketed,
@@ -23,7 +23,7 @@ compare every request's tokens with solo generate().
 import torch
 from torch import Tensor
 
-from tinyllm.cuda_graph import SlotGraphDecoder
+from tinyllm.core.cuda_graph import SlotGraphDecoder
 
 
 def choose_bucket(buckets: list[int], window: int) -> int | None:

@@ -1,7 +1,7 @@
 """Exercise 11 - speculative decoding: the tokens a request keeps of a target pass that
 checked its guesses, greedy and sampled, and the cache's books after that pass.
 
-Three seams of the reference package, all in `tinyllm.speculative`:
+Three seams of the reference package, all in `tinyllm.ext.speculative`:
 - `accept_greedy` keeps a greedy request's guesses while each one is the token the target
   picks at its position, then the target's own pick: so the request gets its solo tokens
   exactly, 1 to k + 1 of them a pass;

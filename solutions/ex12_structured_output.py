@@ -2,12 +2,12 @@
 by hand, and a batch of masks applied to a step's logits.
 
 Three seams of the reference package:
-- `walk` (tinyllm.structured) moves a hand-written automaton (a `DFA` over bytes) over one
+- `walk` (tinyllm.ext.structured) moves a hand-written automaton (a `DFA` over bytes) over one
   token's bytes: a token is several characters, and all of them must be allowed, one after
   another;
-- `token_mask` (tinyllm.structured) tries every token of the vocabulary from a state: the
+- `token_mask` (tinyllm.ext.structured) tries every token of the vocabulary from a state: the
   tokens the grammar allows next, and EOS only where the text may end;
-- `apply_bitmask` (tinyllm.logits_processors) applies the masks of a step's constrained rows
+- `apply_bitmask` (tinyllm.core.logits_processors) applies the masks of a step's constrained rows
   at once, as 32-token words of bits (the layout of llguidance, XGrammar and vLLM): an
   allowed token keeps its logit, the others get -inf.
 
@@ -27,7 +27,7 @@ tokens with its solo run.
 import torch
 from torch import Tensor
 
-from tinyllm.structured import DFA
+from tinyllm.ext.structured import DFA
 
 
 def walk(dfa: DFA, state: int, piece: bytes) -> int | None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import tinyllm
-from tinyllm.model import ModelConfig, Transformer
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
+from tinyllm.core.model import ModelConfig, Transformer
+from tinyllm.core.requests import Request
+from tinyllm.core.sampling import Sampling
 
 STEP_TAG = re.compile(r"(?:Steps? (\d{2})(?:\s*-\s*(\d{2}))?|Exercise (\d{2}))")
 

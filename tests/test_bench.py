@@ -11,11 +11,11 @@ import pytest
 matplotlib.use("Agg")
 
 from tests.conftest import make_tiny  # noqa: E402
-from tinyllm import cuda_graph, workloads  # noqa: E402
 from tinyllm.build import make_engine  # noqa: E402
-from tinyllm.config import EngineConfig  # noqa: E402
+from tinyllm.core import cuda_graph, workloads  # noqa: E402
+from tinyllm.core.config import EngineConfig  # noqa: E402
+from tinyllm.core.cuda_graph import SlotGraphDecoder  # noqa: E402
 from tinyllm.course import bench, viz  # noqa: E402
-from tinyllm.cuda_graph import SlotGraphDecoder  # noqa: E402
 from tinyllm.engine import Request, Trace, run_continuous, run_static  # noqa: E402
 
 
@@ -349,7 +349,7 @@ def test_timeline_colours_each_cell_by_its_request():
 
 def test_block_pool_colours_exactly_the_allocated_blocks():
     """Step 05's picture: a block is coloured by the request holding it, a free one is white."""
-    from tinyllm.paged_kv import PagedKVCache
+    from tinyllm.core.paged_kv import PagedKVCache
 
     cache = PagedKVCache(1, 3, 1, 2, n_blocks=6, block_size=2, max_len=8)
     for s, n_tokens in ((0, 3), (2, 1)):  # blocks for the context + 1: 2, then 1

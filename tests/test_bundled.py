@@ -3,7 +3,7 @@
 import json
 
 from tinyllm.checkpoints.checkpoint import DEFAULT
-from tinyllm.generate import generate
+from tinyllm.core.generate import generate
 
 
 def test_tokenizer_round_trips_text(bundled):

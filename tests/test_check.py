@@ -35,8 +35,8 @@ def test_near_tie_excuses_only_a_close_second_choice():
     import torch
 
     from tests.conftest import make_tiny
+    from tinyllm.core.generate import generate
     from tinyllm.course.check import near_tie
-    from tinyllm.generate import generate
 
     model = make_tiny(seed=4, dtype=torch.float32)
     prompt = [3, 1, 4, 1, 5]

@@ -9,8 +9,12 @@ from hypothesis import strategies as st
 
 from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
 from tests.test_paged_and_graphs import drive, need_blocks
-from tinyllm import prefix_cache
-from tinyllm.chunked_prefill import next_chunk, plan_step
+from tinyllm.core import prefix_cache
+from tinyllm.core.chunked_prefill import next_chunk, plan_step
+from tinyllm.core.paged_kv import BlockAllocator, PagedKVCache
+from tinyllm.core.prefix_cache import PrefixCache, block_hashes, match_prefix
+from tinyllm.core.requests import Sequence
+from tinyllm.core.scheduler import WholeContexts
 from tinyllm.engine import (
     EngineConfig,
     Request,
@@ -19,10 +23,6 @@ from tinyllm.engine import (
     make_engine,
     run_continuous,
 )
-from tinyllm.paged_kv import BlockAllocator, PagedKVCache
-from tinyllm.prefix_cache import PrefixCache, block_hashes, match_prefix
-from tinyllm.requests import Sequence
-from tinyllm.scheduler import WholeContexts
 
 
 def check_prefix_pool(cache: PagedKVCache) -> None:

@@ -12,14 +12,14 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.conftest import make_tiny
 from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
-from tinyllm.compiled import CompiledDecoder, CompiledSteps
+from tinyllm.core.compiled import CompiledDecoder, CompiledSteps
+from tinyllm.core.generate import generate
+from tinyllm.core.paged_kv import PagedKVCache
+from tinyllm.core.prefix_cache import PrefixCache
+from tinyllm.core.slot_cache import SlotKVCache
+from tinyllm.core.static import run_static
 from tinyllm.course.check import divergence, near_tie
 from tinyllm.engine import Request, make_engine, run_continuous
-from tinyllm.generate import generate
-from tinyllm.paged_kv import PagedKVCache
-from tinyllm.prefix_cache import PrefixCache
-from tinyllm.slot_cache import SlotKVCache
-from tinyllm.static import run_static
 
 BUCKETS = (16,)  # over slots of 48 positions: above 16 the step runs eagerly
 
@@ -110,7 +110,7 @@ def test_a_process_compiles_more_decoders_than_torch_compiles_limit(monkeypatch)
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     entries = len(_debug_get_cache_entry_list(CompiledDecoder.run_eager.__code__))
-    monkeypatch.setattr("tinyllm.compiled.RECOMPILE_LIMIT", 1)  # room for one entry more
+    monkeypatch.setattr("tinyllm.core.compiled.RECOMPILE_LIMIT", 1)  # room for one entry more
     cfg, req = TINY.cfg, Request([1, 2, 3], 3)
     with torch._dynamo.config.patch(recompile_limit=entries + 1):
         for W in (8, 9, 10):  # a bucket of its own each: one more compiled entry each

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from tests.conftest import MIXED_REQUESTS, make_tiny
 from tests.test_ragged import MODEL, RAGGED_DRAWS, RAGGED_SETTINGS, ragged_steps
-from tinyllm import cpu_attention, cpu_kernels
 from tinyllm.build import make_engine
-from tinyllm.generate import solo
-from tinyllm.model import Attention
-from tinyllm.requests import Request
+from tinyllm.core.generate import solo
+from tinyllm.core.model import Attention
+from tinyllm.core.requests import Request
+from tinyllm.ext import cpu_attention, cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.library() is None, reason="no C compiler: the kernels cannot be built"
@@ -34,7 +34,7 @@ def test_ragged_steps_in_c_match_the_plain_model(seqs, kind, n_slots, k, split, 
     forward pass (float64) and every greedy token solo generate()'s. Every row's tokens attend
     in the kernel (rows of at most QUERY_ROWS tokens), or split: the rows of one token in the
     kernel, the longer ones in the library (QUERY_ROWS 1)."""
-    with mock.patch("tinyllm.cpu_attention.QUERY_ROWS", 1) if split else mock.MagicMock():
+    with mock.patch("tinyllm.ext.cpu_attention.QUERY_ROWS", 1) if split else mock.MagicMock():
         ragged_steps(seqs, kind, n_slots, k, data, model=C_MODEL)
 
 

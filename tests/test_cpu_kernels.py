@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import MIXED_REQUESTS, make_tiny
-from tinyllm import cpu_kernels
 from tinyllm.build import make_engine
-from tinyllm.generate import solo
-from tinyllm.quant import (
+from tinyllm.core.generate import solo
+from tinyllm.ext import cpu_kernels
+from tinyllm.ext.quant import (
     GemvLinear,
     QuantLinear,
     dequantize,
@@ -339,13 +339,15 @@ def test_the_sources_ship_with_the_package_and_are_what_build_compiles(tmp_path,
     ships, and build() hands those files to the compilers (compilers that record what they are
     given: the C one makes its object, the C++ one fails, so nothing is kept)."""
     tomllib = pytest.importorskip("tomllib")
-    csrc = resources.files("tinyllm") / "csrc"
+    csrc = resources.files("tinyllm") / "ext" / "csrc"
     sources = sorted(f.name for f in csrc.iterdir() if f.name.endswith((".c", ".cpp")))
     assert sources == ["kernels.c", "ops.cpp"]
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     shipped = pyproject["tool"]["setuptools"]["package-data"]["tinyllm"]
     for name in sources:
-        assert any(fnmatch(f"csrc/{name}", pattern) for pattern in shipped), f"{name} not shipped"
+        assert any(fnmatch(f"ext/csrc/{name}", pattern) for pattern in shipped), (
+            f"{name} not shipped"
+        )
     monkeypatch.setenv("TINYLLM_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "FAILURES", [])
     for name, variable, status in (("cc", "CC", 0), ("cxx", "CXX", 1)):

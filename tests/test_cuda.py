@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import tinyllm
+from tinyllm.core.cuda_graph import SlotGraphDecoder
+from tinyllm.core.generate import generate
+from tinyllm.core.model import gpu_dtype
+from tinyllm.core.slot_cache import SlotKVCache
+from tinyllm.core.workloads import workload
 from tinyllm.course.check import near_tie
-from tinyllm.cuda_graph import SlotGraphDecoder
 from tinyllm.engine import Request, make_engine, run_continuous
-from tinyllm.generate import generate
-from tinyllm.model import gpu_dtype
-from tinyllm.slot_cache import SlotKVCache
-from tinyllm.workloads import workload
 
 pytestmark = pytest.mark.cuda
 

@@ -10,6 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_tiny
+from tinyllm.core.generate import generate
+from tinyllm.core.paged_kv import PagedKVCache
+from tinyllm.core.sampling import GREEDY_BELOW, is_greedy
+from tinyllm.core.stats import kv_bytes_per_token
 from tinyllm.course.check import divergence
 from tinyllm.engine import (
     ContinuousEngine,
@@ -22,10 +26,6 @@ from tinyllm.engine import (
     run_continuous,
     run_static,
 )
-from tinyllm.generate import generate
-from tinyllm.paged_kv import PagedKVCache
-from tinyllm.sampling import GREEDY_BELOW, is_greedy
-from tinyllm.stats import kv_bytes_per_token
 
 TINY = make_tiny(seed=3)
 V = TINY.cfg.vocab_size

@@ -19,12 +19,12 @@ import httpx
 import pytest
 
 from tests.test_server import NAME, PROMPTS, Running
-from tinyllm.continuous import ContinuousEngine
-from tinyllm.generate import solo
-from tinyllm.requests import Request, TokenLogprobs
-from tinyllm.sampling import Sampling
+from tinyllm.core.continuous import ContinuousEngine
+from tinyllm.core.generate import solo
+from tinyllm.core.requests import Request, TokenLogprobs
+from tinyllm.core.sampling import Sampling
+from tinyllm.ext.structured import LLGuidance
 from tinyllm.serving import engine_loop, messages, server
-from tinyllm.structured import LLGuidance
 
 BULK = 1000  # alternatives BulkyEngine adds to each prompt token's top: about 14 bytes each
 FAILS = 13  # max_new_tokens of a request whose add raises in BulkyEngine
@@ -394,7 +394,7 @@ def test_an_engine_that_stops_answering_fails_its_requests_and_health(bundled64)
 
 ENGINE_ALONE = """
 import asyncio, tinyllm
-from tinyllm.continuous import ContinuousEngine
+from tinyllm.core.continuous import ContinuousEngine
 from tinyllm.build import make_engine
 from tinyllm.serving.engine_loop import EngineLoop
 

@@ -15,17 +15,17 @@ from hypothesis import strategies as st
 
 from tests.conftest import MIXED_REQUESTS as REQS
 from tests.conftest import make_tiny
-from tinyllm import cpu_kernels
 from tinyllm.build import make_engine
-from tinyllm.continuous import ContinuousEngine
-from tinyllm.cpu_attention import kernel_rows
-from tinyllm.fused_layer import FusedDecoder, layer_weights
-from tinyllm.generate import solo
-from tinyllm.paged_kv import PagedKVCache
-from tinyllm.quant import quantize
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
-from tinyllm.slot_cache import SlotKVCache
+from tinyllm.core.continuous import ContinuousEngine
+from tinyllm.core.generate import solo
+from tinyllm.core.paged_kv import PagedKVCache
+from tinyllm.core.requests import Request
+from tinyllm.core.sampling import Sampling
+from tinyllm.core.slot_cache import SlotKVCache
+from tinyllm.ext import cpu_kernels
+from tinyllm.ext.cpu_attention import kernel_rows
+from tinyllm.ext.fused_layer import FusedDecoder, layer_weights
+from tinyllm.ext.quant import quantize
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.library() is None, reason="no C compiler: the kernels cannot be built"

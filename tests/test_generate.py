@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny
-from tinyllm.generate import generate
-from tinyllm.sampling import draw, sample_next
+from tinyllm.core.generate import generate
+from tinyllm.core.sampling import draw, sample_next
 
 TINY = make_tiny(seed=2)
 LOGITS = torch.randn(4, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)

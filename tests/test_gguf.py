@@ -14,8 +14,8 @@ import torch
 import tinyllm
 from tinyllm.checkpoints import smollm2
 from tinyllm.checkpoints.checkpoint import DEFAULT, CheckpointError
+from tinyllm.core.generate import generate
 from tinyllm.course import peers
-from tinyllm.generate import generate
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

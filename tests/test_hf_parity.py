@@ -9,8 +9,8 @@ import torch
 
 import tinyllm
 from tinyllm.checkpoints.checkpoint import DEFAULT
+from tinyllm.core.generate import generate
 from tinyllm.engine import Request, run_continuous, run_static
-from tinyllm.generate import generate
 
 transformers = pytest.importorskip("transformers")
 

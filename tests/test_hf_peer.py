@@ -5,7 +5,7 @@ import torch
 
 from tinyllm.build import make_engine
 from tinyllm.checkpoints.checkpoint import DEFAULT
-from tinyllm.generate import generate
+from tinyllm.core.generate import generate
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,8 +55,8 @@ def test_peer_benchmark_agrees_with_solo(bundled, monkeypatch):
     row gets the graph decoder's eager bucketed step in place of a compiled one: what is tested
     here is the row (a decoder built before the clock, its compile_s reported); the compiled
     step's tokens are test_compiled's, on tiny shapes, where compiling is quick."""
+    from tinyllm.core.workloads import workload
     from tinyllm.course import peers
-    from tinyllm.workloads import workload
 
     model, tok = bundled
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import tinyllm
-from tinyllm import huge_pages
 from tinyllm.build import load
-from tinyllm.generate import generate
+from tinyllm.core.generate import generate
+from tinyllm.ext import huge_pages
 
 THP = huge_pages.mode() in ("madvise", "always")  # the system hands out huge pages
 

@@ -5,9 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_tiny
+from tinyllm.core.generate import generate, generate_uncached
+from tinyllm.core.kv_cache import KVCache, attention_mask
 from tinyllm.course.check import divergence
-from tinyllm.generate import generate, generate_uncached
-from tinyllm.kv_cache import KVCache, attention_mask
 
 TINY = make_tiny(seed=1)
 
@@ -111,7 +111,7 @@ def test_ragged_mask_sees_each_rows_own_keys():
     """A decode step (one token per row) sees each row's own keys and its new one; a ragged step
     (q_len tokens per row) is causal within the row, and a padding column repeats the row's
     last position."""
-    from tinyllm.slot_cache import ragged_mask
+    from tinyllm.core.slot_cache import ragged_mask
 
     positions, mask = ragged_mask([2, 0, 3], [1, 1, 1], "cpu")
     assert positions.tolist() == [[2], [0], [3]] and mask.shape == (3, 1, 1, 4)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny
-from tinyllm.model import ModelConfig, Transformer, apply_rope, rope_table
+from tinyllm.core.model import ModelConfig, Transformer, apply_rope, rope_table
 
 
 def test_forward_shapes_and_loss(tiny):

@@ -32,15 +32,15 @@ from tokenizers import Tokenizer as HFTokenizer
 from tests.conftest import make_tiny
 from tinyllm.build import make_engine
 from tinyllm.checkpoints.tokenizer import Tokenizer
-from tinyllm.config import EngineConfig
-from tinyllm.continuous import ContinuousEngine
-from tinyllm.cpu_attention import QUERY_ROWS, install
-from tinyllm.generate import solo
-from tinyllm.quant import quantize
-from tinyllm.requests import Request, Result
-from tinyllm.sampling import Sampling
-from tinyllm.stats import kv_bytes_per_token
-from tinyllm.structured import Constraint, LLGuidance, byte_alphabet
+from tinyllm.core.config import EngineConfig
+from tinyllm.core.continuous import ContinuousEngine
+from tinyllm.core.generate import solo
+from tinyllm.core.requests import Request, Result
+from tinyllm.core.sampling import Sampling
+from tinyllm.core.stats import kv_bytes_per_token
+from tinyllm.ext.cpu_attention import QUERY_ROWS, install
+from tinyllm.ext.quant import quantize
+from tinyllm.ext.structured import Constraint, LLGuidance, byte_alphabet
 
 V, EOS = 97, 0
 

@@ -9,13 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
+from tinyllm.core.cuda_graph import SlotGraphDecoder, WindowCache, choose_bucket, default_buckets
+from tinyllm.core.kv_cache import KVCache
+from tinyllm.core.paged_kv import BlockAllocator, PagedKVCache
+from tinyllm.core.requests import Sequence
+from tinyllm.core.slot_cache import SlotKVCache
 from tinyllm.course.check import leaks
-from tinyllm.cuda_graph import SlotGraphDecoder, WindowCache, choose_bucket, default_buckets
 from tinyllm.engine import ContinuousEngine, Request, Sampling, make_engine, run_continuous
-from tinyllm.kv_cache import KVCache
-from tinyllm.paged_kv import BlockAllocator, PagedKVCache
-from tinyllm.requests import Sequence
-from tinyllm.slot_cache import SlotKVCache
 
 
 def need_blocks(req: Request, block_size: int) -> int:

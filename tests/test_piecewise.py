@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 from tests.conftest import MIXED_REQUESTS as REQS
 from tests.conftest import make_tiny
 from tests.test_fused_layer import RANDOM_ENGINES, requests_st
-from tinyllm import piecewise
 from tinyllm.build import make_engine
-from tinyllm.config import EngineConfig
-from tinyllm.continuous import ContinuousEngine
-from tinyllm.generate import solo
-from tinyllm.piecewise import PiecewiseDecoder
-from tinyllm.quant import quantize
-from tinyllm.slot_cache import SlotKVCache
+from tinyllm.core.config import EngineConfig
+from tinyllm.core.continuous import ContinuousEngine
+from tinyllm.core.generate import solo
+from tinyllm.core.slot_cache import SlotKVCache
+from tinyllm.ext import piecewise
+from tinyllm.ext.piecewise import PiecewiseDecoder
+from tinyllm.ext.quant import quantize
 
 MODELS = {
     "float": quantize(make_tiny(seed=21), "float"),

@@ -22,8 +22,11 @@ from tests.test_gguf import (
     write_gguf,
 )
 from tinyllm.build import load, make_engine
-from tinyllm.generate import solo
-from tinyllm.quant import (
+from tinyllm.core.generate import solo
+from tinyllm.core.requests import Request
+from tinyllm.core.sampling import Sampling
+from tinyllm.core.static import run_static
+from tinyllm.ext.quant import (
     GemvLinear,
     QuantLinear,
     int8_matmul,
@@ -32,9 +35,6 @@ from tinyllm.quant import (
     quantize_int8,
     weight_bytes,
 )
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
-from tinyllm.static import run_static
 
 Q = gguf.GGMLQuantizationType
 

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import make_tiny
 from tests.test_paged_and_graphs import check_pool
-from tinyllm.generate import generate
-from tinyllm.paged_kv import PagedKVCache
-from tinyllm.slot_cache import SlotKVCache
+from tinyllm.core.generate import generate
+from tinyllm.core.paged_kv import PagedKVCache
+from tinyllm.core.slot_cache import SlotKVCache
 
 MODEL = make_tiny()
 V = MODEL.cfg.vocab_size

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from tinyllm.build import make_engine
-from tinyllm.continuous import ContinuousEngine
-from tinyllm.generate import generate
-from tinyllm.quant import quantize
+from tinyllm.core.continuous import ContinuousEngine
+from tinyllm.core.generate import generate
+from tinyllm.ext.quant import quantize
 from tinyllm.serving import server
 from tinyllm.serving.textstream import REPLACEMENT, TextStream, next_piece
 
@@ -338,7 +338,7 @@ def test_kv_cache_books_gone_wrong_show_in_health_and_metrics(bundled64, monkeyp
 
 def test_the_pipes_messages_pickle():
     """Every message between the server and its engine process survives the pipe's pickling."""
-    from tinyllm.requests import Request, TokenLogprobs
+    from tinyllm.core.requests import Request, TokenLogprobs
     from tinyllm.serving import messages as m
 
     for message in (
@@ -368,7 +368,7 @@ def test_the_pipes_messages_pickle():
 
 def test_serve_takes_the_engines_flags_from_engine_config():
     """`serve` parses EngineConfig's flags; a bad setting is named before any model loads."""
-    from tinyllm.config import EngineConfig
+    from tinyllm.core.config import EngineConfig
 
     args = server.serve_parser().parse_args(
         ["--port", "9", "--slots", "4", "--kv", "paged", "--prefix-cache", "--max-waiting", "3"]

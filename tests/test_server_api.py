@@ -14,7 +14,7 @@ import pytest
 
 from tests.test_server import NAME, PROMPTS, Running, solo_text
 from tinyllm.build import make_engine
-from tinyllm.generate import generate
+from tinyllm.core.generate import generate
 from tinyllm.serving import api
 
 

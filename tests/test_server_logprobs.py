@@ -14,9 +14,9 @@ import pytest
 
 from tests.test_server import NAME, PROMPTS, Running
 from tinyllm.build import make_engine
-from tinyllm.generate import solo
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
+from tinyllm.core.generate import solo
+from tinyllm.core.requests import Request
+from tinyllm.core.sampling import Sampling
 from tinyllm.serving.logprobs import TokenTexts
 
 # a logprob's tolerance: in float32 the engine's decode attention (cpu_kernels'

@@ -20,11 +20,11 @@ from tests.test_server import NAME, Running
 from tests.test_server_api import post, refused
 from tests.test_structured import PERSON  # closed and bounded: the bundled model ends it
 from tinyllm.build import make_engine
-from tinyllm.generate import solo
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
+from tinyllm.core.generate import solo
+from tinyllm.core.requests import Request
+from tinyllm.core.sampling import Sampling
+from tinyllm.ext.structured import Constraint, LLGuidance
 from tinyllm.serving import api
-from tinyllm.structured import Constraint, LLGuidance
 
 AS_PERSON = {
     "type": "json_schema",

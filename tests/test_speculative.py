@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from tests.conftest import SMALL_CFG, chi_square_bound, make_tiny
 from tests.test_engine import TINY, V
 from tinyllm.build import make_engine
-from tinyllm.config import EngineConfig
-from tinyllm.generate import solo
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
-from tinyllm.speculative import accept_greedy, accept_sampled, early_exit, lookup, residual
+from tinyllm.core.config import EngineConfig
+from tinyllm.core.generate import solo
+from tinyllm.core.requests import Request
+from tinyllm.core.sampling import Sampling
+from tinyllm.ext.speculative import accept_greedy, accept_sampled, early_exit, lookup, residual
 
 # ---- the rules ---------------------------------------------------------------------------------
 

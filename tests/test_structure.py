@@ -1,14 +1,16 @@
-"""The package's shape: small functions and classes, imports that only run downward, and a
-step's module that holds its step.
+"""The package's shape: small functions and classes, imports that only run downward, a layout
+that shows the steps, and a step's module that holds its step.
 
-The engine's modules sit at the top of `tinyllm/`, each tagged with its step in its docstring's
-first line ("Step 05 - ..."); the builder (`build.py`) turns a config into an engine of them;
-three wings stand around them: `checkpoints/` (weights and tokenizers in), `serving/` (the
-engine behind HTTP) and `course/` (the tools that measure, draw and check). The engine imports
-no wing, and no wing imports the course's tooling but the course itself. A module of step N
-imports no module of a step after N (the builder, the serving and course wings, the command
-line and the engine's name face may import any step), `import tinyllm` loads no module of step
-09 or later, and a notebook's imports load no module of a later step than its own.
+`tinyllm/core/` holds steps 00-08 (what notebooks 00-08 read) and the vocabulary every step
+speaks; `tinyllm/ext/` holds the later steps, each a plug-in to the core; the builder
+(`build.py`) turns a config into an engine of their parts; three wings stand around them:
+`checkpoints/` (weights and tokenizers in), `serving/` (the engine behind HTTP) and `course/`
+(the tools that measure, draw and check). The core imports nothing outside itself, a later step
+only the core, and no wing imports the course's tooling but the course itself. Each module's
+docstring opens with its step ("Step 05 - ..."): a module of step N imports no module of a step
+after N (the builder, the serving and course wings, the command line and the engine's name face
+may import any step), `import tinyllm` loads no module of step 09 or later, and a notebook's
+imports load no module of a later step than its own.
 """
 
 import ast
@@ -23,20 +25,22 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tinyllm"
 WINGS = ("checkpoints", "serving", "course")
-# what each part may import besides itself: the engine nothing of the wings; the course anything
+# what each part may import besides itself: the core nothing; the course anything
 MAY_IMPORT = {
-    "engine": set(),
-    "checkpoints": {"engine"},
-    "build": {"engine", "checkpoints"},
-    "serving": {"engine", "checkpoints", "build"},
-    "course": {"engine", "checkpoints", "serving", "build"},
-    "command line": {"engine", "build", *WINGS},
+    "core": set(),
+    "ext": {"core"},
+    "checkpoints": {"core"},
+    "build": {"core", "ext", "checkpoints"},
+    "serving": {"core", "ext", "checkpoints", "build"},
+    "course": {"core", "ext", "checkpoints", "serving", "build"},
+    "command line": {"core", "ext", "build", *WINGS},
 }  # __main__: one command per tool
+FACES = {"__init__.py", "__main__.py", "build.py", "engine.py"}  # what stands at the top
 FREE = ("tinyllm.build", "tinyllm.engine", "tinyllm.__main__", "tinyllm.serving", "tinyllm.course")
 
 
 def modules() -> dict[str, Path]:
-    """{'tinyllm.scheduler': path, 'tinyllm.serving.server': path, ...}"""
+    """{'tinyllm.core.scheduler': path, 'tinyllm.serving.server': path, ...}"""
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -46,13 +50,13 @@ def modules() -> dict[str, Path]:
 
 
 def part(module: str) -> str:
-    """The part of the package a module belongs to: a wing's name, or 'engine'."""
+    """The part of the package a module belongs to: 'core', 'ext', a wing's name, 'build' or
+    'command line'."""
     if module == "tinyllm.__main__":
         return "command line"
     if module in ("tinyllm.build", "tinyllm.engine"):  # the builder, and the names' face
         return "build"
-    pieces = module.split(".")
-    return pieces[1] if len(pieces) > 1 and pieces[1] in WINGS else "engine"
+    return module.split(".")[1]
 
 
 def imports(path: Path, known: set[str]) -> set[str]:
@@ -102,7 +106,8 @@ def test_no_import_circles():
 
 
 def test_imports_run_downward():
-    """The engine imports no wing; serving never imports the course's tooling."""
+    """The core imports nothing outside itself, a later step only the core; serving never
+    imports the course's tooling."""
     bad = [
         f"{m} imports {n}"
         for m, targets in graph().items()
@@ -149,6 +154,27 @@ def test_a_steps_module_imports_no_later_step():
         if n in tags and tags[n][0] > tags[m][1]
     ]
     assert not later, "a step imports a later step: " + "; ".join(later)
+
+
+def test_the_layout_shows_the_steps():
+    """The top of the package holds its faces only; core/ holds steps 00-08 and the untagged
+    vocabulary, ext/ the steps after 10 (each a plug-in), checkpoints/ steps 00 and 09."""
+    tags = steps()
+    top = {p.name for p in PACKAGE.glob("*.py")}
+    assert top == FACES, f"at the top of tinyllm/ besides its faces: {sorted(top - FACES)}"
+    misplaced = []
+    for name in modules():
+        if name == "tinyllm":
+            continue
+        first, last = tags.get(name, (None, None))
+        where = part(name)
+        if where == "core" and first is not None and last > 8:
+            misplaced.append(f"{name} (step {last:02d}) in core/")
+        if where == "ext" and name != "tinyllm.ext" and (first is None or first < 11):
+            misplaced.append(f"{name} ({'no step' if first is None else first}) in ext/")
+        if where == "checkpoints" and first is not None and not {first, last} <= {0, 9}:
+            misplaced.append(f"{name} (steps {first:02d}-{last:02d}) in checkpoints/")
+    assert not misplaced, "modules outside their step's place: " + "; ".join(misplaced)
 
 
 def later_modules_loaded(code: str, step: int) -> list[str]:

@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tinyllm.build import make_engine
-from tinyllm.generate import solo
-from tinyllm.logits_processors import unpack_bitmask
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
-from tinyllm.structured import DFA, Constraint, DFAGrammars, LLGuidance
+from tinyllm.core.generate import solo
+from tinyllm.core.logits_processors import unpack_bitmask
+from tinyllm.core.requests import Request
+from tinyllm.core.sampling import Sampling
+from tinyllm.ext.structured import DFA, Constraint, DFAGrammars, LLGuidance
 
 PERSON = {
     "type": "object",

@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 from tests.test_engine import TINY, V
 from tinyllm.build import make_engine
-from tinyllm.continuous import ContinuousEngine
-from tinyllm.generate import solo
-from tinyllm.logits_processors import History, apply_penalties, penalize_row, process
-from tinyllm.requests import Request, check_request, stop_ids
-from tinyllm.sampling import Sampling, sampling_probs
-from tinyllm.static import run_static
-from tinyllm.token_stage import select
+from tinyllm.core.continuous import ContinuousEngine
+from tinyllm.core.generate import solo
+from tinyllm.core.logits_processors import History, apply_penalties, penalize_row, process
+from tinyllm.core.requests import Request, check_request, stop_ids
+from tinyllm.core.sampling import Sampling, sampling_probs
+from tinyllm.core.static import run_static
+from tinyllm.core.token_stage import select
 
 # ---- the settings ------------------------------------------------------------------------------
 

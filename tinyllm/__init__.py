@@ -10,7 +10,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tinyllm.checkpoints.loading import load
 from tinyllm.checkpoints.tokenizer import Tokenizer
-from tinyllm.generate import generate, sample_next
-from tinyllm.model import ModelConfig, Transformer
+from tinyllm.core.generate import generate, sample_next
+from tinyllm.core.model import ModelConfig, Transformer
 
 __all__ = ["load", "generate", "sample_next", "ModelConfig", "Transformer", "Tokenizer"]

@@ -19,12 +19,12 @@ weights on huge pages.
 import argparse
 import dataclasses
 
-from tinyllm.config import EngineConfig
-from tinyllm.continuous import ContinuousEngine, run_engine
-from tinyllm.model import Transformer, gpu_dtype
-from tinyllm.requests import Request, Result
-from tinyllm.slot_cache import SlotCache, SlotKVCache
-from tinyllm.stats import Trace, kv_bytes_per_token
+from tinyllm.core.config import EngineConfig
+from tinyllm.core.continuous import ContinuousEngine, run_engine
+from tinyllm.core.model import Transformer, gpu_dtype
+from tinyllm.core.requests import Request, Result
+from tinyllm.core.slot_cache import SlotCache, SlotKVCache
+from tinyllm.core.stats import Trace, kv_bytes_per_token
 
 
 def load(path="default", device=None, dtype=None, max_seq_len: int | None = None,
@@ -40,7 +40,7 @@ def load(path="default", device=None, dtype=None, max_seq_len: int | None = None
     faster."""
     from tinyllm.checkpoints.checkpoint import resolve
     from tinyllm.checkpoints.loading import load as load_plain
-    from tinyllm.quant import MODES
+    from tinyllm.ext.quant import MODES
 
     quant = None if quant == "none" else quant
     for name, value in (("c_attention", c_attention), ("huge_pages", huge_pages)):
@@ -55,14 +55,14 @@ def load(path="default", device=None, dtype=None, max_seq_len: int | None = None
     if quant == "gguf":
         keep_gguf_blocks(model, resolve(path))
     elif quant is not None:
-        from tinyllm.quant import quantize
+        from tinyllm.ext.quant import quantize
         quantize(model, quant)
     if next(model.parameters()).device.type == "cpu":
         if c_attention:
-            from tinyllm.cpu_attention import install
+            from tinyllm.ext.cpu_attention import install
             install(model)
         if huge_pages:
-            from tinyllm.huge_pages import place
+            from tinyllm.ext.huge_pages import place
             place(model)
     return model, tok
 
@@ -71,7 +71,7 @@ def add_quant_argument(parser, several: bool = False) -> None:
     """The one --quant flag, serve's and bench's: the weights load takes (none: float weights in
     plain layers, or a mode of quant.MODES); with several, comma-separated to compare them (the
     value is then a list)."""
-    from tinyllm.quant import MODES
+    from tinyllm.ext.quant import MODES
 
     def modes(text: str):
         got = text.split(",")
@@ -101,7 +101,7 @@ def keep_gguf_blocks(model: Transformer, path) -> Transformer:
 
     from tinyllm.checkpoints import gguf_file as g
     from tinyllm.checkpoints.checkpoint import hf_name
-    from tinyllm.quant import GGUF_BLOCKS, from_gguf
+    from tinyllm.ext.quant import GGUF_BLOCKS, from_gguf
 
     by_name = {t.name: t for t in g.open_reader(path).tensors}
     cfg, names = model.cfg, {g.to_hf_name(n, path): n for n in by_name if n != g.ROPE_FACTORS}
@@ -141,7 +141,7 @@ def make_engine(model: Transformer, config: EngineConfig | int, *, generator=Non
         cache, decoder = lent_cache(model, config, max_len, n_blocks, lent), lent
     speculator = None
     if config.speculate is not None or draft is not None:
-        from tinyllm.speculative import make_speculator
+        from tinyllm.ext.speculative import make_speculator
         speculator = make_speculator(model, config, cache, draft)
     return ContinuousEngine(model, config, cache=cache, decoder=decoder,
                             planner=make_planner(config), speculator=speculator,
@@ -172,10 +172,10 @@ def make_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks:
     if config.kv == "slots":
         return SlotKVCache(cfg.n_layers, config.n_slots, cfg.n_kv_heads, cfg.head_dim,
                            max_len, dtype, device)
-    from tinyllm.paged_kv import PagedKVCache
+    from tinyllm.core.paged_kv import PagedKVCache
     prefix = None
     if config.prefix_cache:
-        from tinyllm.prefix_cache import PrefixCache as prefix
+        from tinyllm.core.prefix_cache import PrefixCache as prefix
     return PagedKVCache(cfg.n_layers, config.n_slots, cfg.n_kv_heads, cfg.head_dim, n_blocks,
                         config.block_size, max_len, dtype, device, prefix,
                         name_at_admission=config.max_step_tokens is None)
@@ -185,16 +185,16 @@ def make_decoder(model: Transformer, config: EngineConfig, cache: SlotCache):
     """The engine's decode step when it is not the model's own: CUDA graphs or the compiled
     step over the cache (06), the step compiled in pieces or each layer in one C call (13)."""
     if config.decoder == "graphs":
-        from tinyllm.cuda_graph import SlotGraphDecoder
+        from tinyllm.core.cuda_graph import SlotGraphDecoder
         return SlotGraphDecoder(model, cache, config.buckets)
     if config.decoder == "compiled":
-        from tinyllm.compiled import CompiledDecoder
+        from tinyllm.core.compiled import CompiledDecoder
         return CompiledDecoder(model, cache, config.buckets, config.compile_mode)
     if config.decoder == "pieces":
-        from tinyllm.piecewise import PiecewiseDecoder
+        from tinyllm.ext.piecewise import PiecewiseDecoder
         return PiecewiseDecoder(model, max_rows=config.n_slots)
     if config.decoder == "fused":
-        from tinyllm.fused_layer import FusedDecoder
+        from tinyllm.ext.fused_layer import FusedDecoder
         return FusedDecoder(model)
     return None
 
@@ -204,7 +204,7 @@ def make_planner(config: EngineConfig):
     (None: the engine's own, every context whole)."""
     if config.max_step_tokens is None:
         return None
-    from tinyllm.chunked_prefill import TokenBudget
+    from tinyllm.core.chunked_prefill import TokenBudget
     return TokenBudget(config.max_step_tokens)
 
 
@@ -216,7 +216,7 @@ def settings_of(config: EngineConfig | int, settings: dict):
     pool's blocks and prefix cache) the config then takes."""
     lent = settings.pop("decoder", None)
     if hasattr(lent, "slots"):                          # a bucketed decoder, with its cache
-        from tinyllm.compiled import CompiledDecoder
+        from tinyllm.core.compiled import CompiledDecoder
         if isinstance(lent, CompiledDecoder):
             settings["decoder"] = "compiled"
             if settings.setdefault("compile_mode", lent.mode) != lent.mode:

@@ -8,14 +8,14 @@ run_engine), build.py (make_engine and run_continuous: an engine of any EngineCo
 """
 
 from tinyllm.build import make_engine, run_continuous
-from tinyllm.config import EngineConfig
-from tinyllm.continuous import ContinuousEngine, run_engine
-from tinyllm.generate import solo
-from tinyllm.padded import prefill_padded
-from tinyllm.requests import Event, Request, Result, TokenLogprobs
-from tinyllm.sampling import Sampling
-from tinyllm.static import run_static
-from tinyllm.stats import Stats, Trace
+from tinyllm.core.config import EngineConfig
+from tinyllm.core.continuous import ContinuousEngine, run_engine
+from tinyllm.core.generate import solo
+from tinyllm.core.padded import prefill_padded
+from tinyllm.core.requests import Event, Request, Result, TokenLogprobs
+from tinyllm.core.sampling import Sampling
+from tinyllm.core.static import run_static
+from tinyllm.core.stats import Stats, Trace
 
 __all__ = ["Sampling", "Request", "Result", "Stats", "Event", "TokenLogprobs", "Trace",
            "EngineConfig", "solo", "prefill_padded", "run_static", "ContinuousEngine",

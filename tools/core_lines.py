@@ -1,10 +1,9 @@
 """Repository tooling (not part of the package) - the lines of the core, by step.
 
-The core is what notebooks 00-08 read: the package's modules tagged with a step from 00 to 08
-(a docstring's first "Step NN" or "Steps NN-MM"; the checkpoints' loaders of step 00 among
-them), and the vocabulary every step speaks (the engine's modules without a step: requests,
-sampling, the token stage, stats, the config). The later steps (09 on), the builder, the serving
-and course wings and the package's faces are counted apart. `make lint` prints it.
+The core is what notebooks 00-08 read: `tinyllm/core/` (steps 00-08 and the vocabulary every
+step speaks: requests, sampling, the token stage, stats, the config) and the checkpoints'
+loaders of step 00. The later steps (`tinyllm/ext/`, the checkpoints of step 09), the builder,
+the serving and course wings and the package's faces are counted apart. `make lint` prints it.
 
     python tools/core_lines.py            # the core's lines, and each module's
     python tools/core_lines.py --quiet    # one line
@@ -16,8 +15,6 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tinyllm"
-WINGS = ("checkpoints", "serving", "course")
-APART = ("build.py", "engine.py", "__main__.py", "__init__.py")
 
 
 def step_of(path: Path) -> tuple[int, int] | None:
@@ -32,15 +29,13 @@ def lines(path: Path) -> int:
 
 
 def core() -> dict[str, int]:
-    """{module path: lines} of the core: steps 00-08 and the engine's vocabulary."""
+    """{module path: lines} of the core: core/, and the checkpoints of steps up to 08."""
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE)
-        if rel.parts[0] in ("serving", "course") or rel.name in APART:
-            continue  # the wings above the engine, the faces
         step = step_of(path)
-        vocabulary = step is None and rel.parts[0] not in WINGS
-        if (step is not None and step[0] <= 8) or vocabulary:
+        early_checkpoint = rel.parts[0] == "checkpoints" and step is not None and step[0] <= 8
+        if (rel.parts[0] == "core" and rel.name != "__init__.py") or early_checkpoint:
             found[str(rel)] = lines(path)
     return found
 

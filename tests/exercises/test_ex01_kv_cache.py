@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_tiny
+from tinyllm.core.generate import generate, generate_uncached
+from tinyllm.core.kv_cache import KVCache
 from tinyllm.course.check import divergence, explained
-from tinyllm.generate import generate, generate_uncached
-from tinyllm.kv_cache import KVCache
 
 EXERCISE = "ex01_kv_cache"
 TINY = make_tiny()

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny
+from tinyllm.core.generate import generate
+from tinyllm.core.padded import prefill_padded
+from tinyllm.core.requests import Request
+from tinyllm.core.static import run_static
 from tinyllm.course.check import divergence, explained
-from tinyllm.generate import generate
-from tinyllm.padded import prefill_padded
-from tinyllm.requests import Request
-from tinyllm.static import run_static
 
 EXERCISE = "ex02_padded_prefill"
 TINY = make_tiny(seed=4)

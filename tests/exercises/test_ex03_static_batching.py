@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny
+from tinyllm.core.generate import generate
+from tinyllm.core.requests import Request, Result
+from tinyllm.core.sampling import sample_next
+from tinyllm.core.static import run_static
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained
-from tinyllm.generate import generate
-from tinyllm.requests import Request, Result
-from tinyllm.sampling import sample_next
-from tinyllm.static import run_static
 
 EXERCISE = "ex03_static_batching"
 TINY = make_tiny(seed=6)

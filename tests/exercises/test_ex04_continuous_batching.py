@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from tests.conftest import make_tiny
 from tests.exercises.conftest import run_engine
 from tinyllm.build import make_engine, run_continuous
+from tinyllm.core.generate import generate
+from tinyllm.core.paged_kv import PagedKVCache
+from tinyllm.core.prefix_cache import PrefixCache
+from tinyllm.core.requests import Request, Sequence
+from tinyllm.core.sampling import Sampling
+from tinyllm.core.slot_cache import SlotKVCache
 from tinyllm.course.check import divergence, explained, leaks
-from tinyllm.generate import generate
-from tinyllm.paged_kv import PagedKVCache
-from tinyllm.prefix_cache import PrefixCache
-from tinyllm.requests import Request, Sequence
-from tinyllm.sampling import Sampling
-from tinyllm.slot_cache import SlotKVCache
 
 EXERCISE = "ex04_continuous_batching"
 TINY = make_tiny(seed=5)

@@ -9,11 +9,11 @@ import torch
 
 from tests.conftest import make_tiny
 from tinyllm.build import make_engine, run_continuous
+from tinyllm.core.generate import generate
+from tinyllm.core.requests import Request, Sequence
+from tinyllm.core.sampling import Sampling
+from tinyllm.core.slot_cache import SlotCache
 from tinyllm.course.check import divergence, explained, leaks
-from tinyllm.generate import generate
-from tinyllm.requests import Request, Sequence
-from tinyllm.sampling import Sampling
-from tinyllm.slot_cache import SlotCache
 
 EXERCISE = "ex05_paged_kv"
 TINY = make_tiny(seed=6)

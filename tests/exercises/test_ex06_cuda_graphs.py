@@ -8,11 +8,11 @@ import torch
 
 from tests.conftest import make_tiny
 from tinyllm.build import run_continuous
+from tinyllm.core.cuda_graph import SlotGraphDecoder
+from tinyllm.core.generate import generate
+from tinyllm.core.requests import Request
+from tinyllm.core.slot_cache import SlotKVCache
 from tinyllm.course.check import divergence, explained
-from tinyllm.cuda_graph import SlotGraphDecoder
-from tinyllm.generate import generate
-from tinyllm.requests import Request
-from tinyllm.slot_cache import SlotKVCache
 
 EXERCISE = "ex06_cuda_graphs"
 TINY = make_tiny(seed=7)

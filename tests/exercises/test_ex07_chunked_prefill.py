@@ -10,11 +10,11 @@ import torch
 from tests.conftest import make_tiny
 from tests.exercises.conftest import run_engine as conftest_run
 from tinyllm.build import make_engine
+from tinyllm.core.generate import generate
+from tinyllm.core.requests import Request, Sequence
+from tinyllm.core.sampling import Sampling
+from tinyllm.core.stats import Trace
 from tinyllm.course.check import divergence, explained, leaks
-from tinyllm.generate import generate
-from tinyllm.requests import Request, Sequence
-from tinyllm.sampling import Sampling
-from tinyllm.stats import Trace
 
 EXERCISE = "ex07_chunked_prefill"
 TINY = make_tiny(seed=8)

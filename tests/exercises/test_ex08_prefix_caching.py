@@ -9,15 +9,15 @@ import torch
 
 from tests.conftest import make_tiny
 from tests.exercises.conftest import run_engine
-from tinyllm import prefix_cache
 from tinyllm.build import make_engine
+from tinyllm.core import prefix_cache
+from tinyllm.core.generate import generate
+from tinyllm.core.paged_kv import BlockAllocator
+from tinyllm.core.prefix_cache import PrefixCache
+from tinyllm.core.requests import Request
+from tinyllm.core.sampling import Sampling
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
-from tinyllm.generate import generate
-from tinyllm.paged_kv import BlockAllocator
-from tinyllm.prefix_cache import PrefixCache
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
 
 EXERCISE = "ex08_prefix_caching"
 TINY = make_tiny(seed=9)

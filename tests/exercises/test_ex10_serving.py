@@ -17,11 +17,11 @@ import torch
 from tests.conftest import make_tiny
 from tests.test_server import NAME, PROMPTS, Running, solo_text
 from tinyllm.build import make_engine
+from tinyllm.core.generate import generate, solo
+from tinyllm.core.logits_processors import penalize_row
+from tinyllm.core.requests import Event, Request
+from tinyllm.core.sampling import Sampling
 from tinyllm.course.check import divergence, explained
-from tinyllm.generate import generate, solo
-from tinyllm.logits_processors import penalize_row
-from tinyllm.requests import Event, Request
-from tinyllm.sampling import Sampling
 from tinyllm.serving import loadgen
 from tinyllm.serving.server import APIError, Ticket
 from tinyllm.serving.textstream import REPLACEMENT, TextStream

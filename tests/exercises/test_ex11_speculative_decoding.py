@@ -12,13 +12,13 @@ import torch
 from tests.conftest import SMALL_CFG, chi_square_bound, make_tiny
 from tests.exercises.conftest import run_engine
 from tinyllm.build import make_engine
+from tinyllm.core.generate import solo
+from tinyllm.core.paged_kv import PagedKVCache
+from tinyllm.core.requests import Request
+from tinyllm.core.sampling import Sampling
+from tinyllm.core.slot_cache import SlotKVCache
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
-from tinyllm.generate import solo
-from tinyllm.paged_kv import PagedKVCache
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
-from tinyllm.slot_cache import SlotKVCache
 
 EXERCISE = "ex11_speculative_decoding"
 TINY = make_tiny(seed=11)  # random weights: it falls into loops, which a lookup finds

@@ -15,12 +15,12 @@ import torch
 
 from tests.test_structured import PERSON
 from tinyllm.build import make_engine
+from tinyllm.core.generate import solo
+from tinyllm.core.requests import Request
+from tinyllm.core.sampling import Sampling
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
-from tinyllm.generate import solo
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
-from tinyllm.structured import DFA, Constraint, DFAGrammars, LLGuidance
+from tinyllm.ext.structured import DFA, Constraint, DFAGrammars, LLGuidance
 
 EXERCISE = "ex12_structured_output"
 DIGITS = "0123456789"

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from tinyllm.build import load, make_engine
+from tinyllm.core.generate import solo
+from tinyllm.core.requests import Request
+from tinyllm.core.sampling import Sampling
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
-from tinyllm.generate import solo
-from tinyllm.quant import QuantLinear, quantize
-from tinyllm.requests import Request
-from tinyllm.sampling import Sampling
+from tinyllm.ext.quant import QuantLinear, quantize
 
 EXERCISE = "ex13_quantized_weights"
 DTYPES = pytest.mark.parametrize(
@@ -347,7 +347,8 @@ def test_dequantize_on_random_layers(impl, name, dtype):
 
 def test_dequantize_reads_gguf_blocks_as_gguf_does(impl):
     """GGUF's own Q8_0 and Q4_1 blocks (as the gguf package quantizes), taken apart as
-    tinyllm.quant.from_gguf keeps them: your float32 weight is the gguf package's, bit for bit."""
+    tinyllm.ext.quant.from_gguf keeps them: your float32 weight is the gguf package's, bit
+    for bit."""
     w = random_weight(torch.Generator().manual_seed(32), 16, 128, torch.float32).numpy()
     for kind, bits, size in ((Q8_0, 8, 34), (Q4_1, 4, 20)):
         blocks = torch.from_numpy(gguf.quants.quantize(w, kind)).reshape(16, 4, size)

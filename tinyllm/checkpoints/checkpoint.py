@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tinyllm.checkpoints.tokenizer import Tokenizer
-from tinyllm.model import ModelConfig, Transformer, gpu_dtype
+from tinyllm.core.model import ModelConfig, Transformer, gpu_dtype
 
 DEFAULT = Path(__file__).parents[1] / "weights" / "shakespeare"
 

@@ -36,7 +36,7 @@ from tinyllm.checkpoints.checkpoint import (
     positions_to_serve,
 )
 from tinyllm.checkpoints.tokenizer import Tokenizer
-from tinyllm.model import ModelConfig, Transformer, llama3_frequencies
+from tinyllm.core.model import ModelConfig, Transformer, llama3_frequencies
 
 ARCHITECTURES = ("llama", "qwen2")     # general.architecture values tinyllm reads
 READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",

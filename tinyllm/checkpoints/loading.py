@@ -22,7 +22,7 @@ from tinyllm.checkpoints.checkpoint import (
     resolve,
 )
 from tinyllm.checkpoints.tokenizer import Tokenizer
-from tinyllm.model import Transformer
+from tinyllm.core.model import Transformer
 
 
 def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = None,

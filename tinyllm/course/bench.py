@@ -35,18 +35,18 @@ from dataclasses import replace
 
 import torch
 
-from tinyllm import cuda_graph
 from tinyllm.build import add_quant_argument, compiled_decoder, load, run_continuous
 from tinyllm.checkpoints.checkpoint import resolve
-from tinyllm.compiled import CompiledDecoder
-from tinyllm.config import EngineConfig
-from tinyllm.cuda_graph import SlotGraphDecoder
-from tinyllm.generate import autocast_for
-from tinyllm.model import Transformer, gpu_dtype
-from tinyllm.requests import Request, longest
-from tinyllm.slot_cache import SlotKVCache
-from tinyllm.static import run_static
-from tinyllm.workloads import WORKLOADS, workload
+from tinyllm.core import cuda_graph
+from tinyllm.core.compiled import CompiledDecoder
+from tinyllm.core.config import EngineConfig
+from tinyllm.core.cuda_graph import SlotGraphDecoder
+from tinyllm.core.generate import autocast_for
+from tinyllm.core.model import Transformer, gpu_dtype
+from tinyllm.core.requests import Request, longest
+from tinyllm.core.slot_cache import SlotKVCache
+from tinyllm.core.static import run_static
+from tinyllm.core.workloads import WORKLOADS, workload
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -153,13 +153,13 @@ def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed:
         config = replace(config, max_len=longest(reqs))
     grammars = None
     if any(r.sampling is not None and r.sampling.constraint is not None for r in reqs):
-        from tinyllm.structured import LLGuidance  # step 12's, imported when a run asks
+        from tinyllm.ext.structured import LLGuidance  # step 12's, imported when a run asks
         grammars = LLGuidance(tok, model.cfg.vocab_size)                # the json workload (12)
     serve = lambda **decoder: cpu_timed(lambda: run_continuous(
         model, reqs, config, arrivals, progress=progress, draft=draft, grammars=grammars,
         **decoder))
     if config.decoder == "pieces":                  # every bucket compiled before the clock
-        from tinyllm.piecewise import PiecewiseDecoder  # step 13's, imported when asked
+        from tinyllm.ext.piecewise import PiecewiseDecoder  # step 13's, imported when asked
         compile_s = PiecewiseDecoder(model).warm_up(config.n_slots)
         return {**serve(), "compile_s": compile_s}
     if config.decoder != "compiled":
@@ -462,7 +462,7 @@ def compare_peers(args, model, tok) -> None:
 def time_decode_steps(args, model, quant: str = "none") -> None:
     """--decode-steps: one decode step's time per batch size, eager, graphed and compiled (a
     quantized model's eager step only: its layers compile their own loops)."""
-    from tinyllm.quant import weight_bytes
+    from tinyllm.ext.quant import weight_bytes
     rows = decode_step_times(model, args.batch_sizes, compiled=quant == "none",
                              compile_mode=args.compile_mode)
     if args.json:

@@ -29,10 +29,10 @@ import torch
 
 from tinyllm.build import compiled_decoder, run_continuous
 from tinyllm.checkpoints.gguf_file import reader_class
-from tinyllm.config import EngineConfig
-from tinyllm.generate import generate
-from tinyllm.requests import Request, eos_ids, is_done, is_eos, longest
-from tinyllm.static import run_static
+from tinyllm.core.config import EngineConfig
+from tinyllm.core.generate import generate
+from tinyllm.core.requests import Request, eos_ids, is_done, is_eos, longest
+from tinyllm.core.static import run_static
 
 
 def peer_model(path, device, dtype=torch.float32):
@@ -217,7 +217,7 @@ def same_values(gguf: str | Path, kind: str = "F32") -> Path:
     """The GGUF file de-quantised to kind (F32, BF16) in the cache directory, written once:
     llama.cpp on the values tinyllm loads."""
     from tinyllm.checkpoints.gguf_file import write_dequantized
-    from tinyllm.config import cache_dir
+    from tinyllm.core.config import cache_dir
     gguf = Path(gguf)
     dst = cache_dir() / f"{gguf.stem}.{kind}.gguf"
     if not dst.exists() or dst.stat().st_mtime < gguf.stat().st_mtime:

@@ -39,8 +39,8 @@ from dataclasses import dataclass, fields
 
 from jinja2.exceptions import TemplateError
 
-from tinyllm.requests import Request, check_token_stage
-from tinyllm.sampling import Constraint, Sampling
+from tinyllm.core.requests import Request, check_token_stage
+from tinyllm.core.sampling import Constraint, Sampling
 
 COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE = "completions", "chat", "tokenize", "detokenize"
 GENERATE = {COMPLETIONS, CHAT}

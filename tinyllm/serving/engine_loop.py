@@ -38,8 +38,8 @@ import torch.multiprocessing
 import zmq
 import zmq.asyncio
 
-from tinyllm.continuous import ContinuousEngine
-from tinyllm.requests import Event, Request
+from tinyllm.core.continuous import ContinuousEngine
+from tinyllm.core.requests import Event, Request
 from tinyllm.serving.api import APIError
 from tinyllm.serving.messages import (
     BEAT_S,

@@ -199,9 +199,9 @@ async def run_load(
 def prompts_of(workload: str, n: int, seed: int = 0) -> list[tuple[str, int]]:
     """(prompt text, max_tokens) of a named workload (workloads.py), as text (any server's
     tokenizer reads it): its requests decoded with the bundled tokenizer."""
-    from tinyllm import workloads
     from tinyllm.checkpoints.checkpoint import resolve
     from tinyllm.checkpoints.tokenizer import Tokenizer
+    from tinyllm.core import workloads
 
     tok = Tokenizer.from_file(resolve("default") / "tokenizer.json")
     reqs, _ = workloads.workload(workload, tok, n, seed)

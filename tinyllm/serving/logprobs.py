@@ -27,7 +27,7 @@ no -infinity: a logprob is shown as -9999.0 at least, as vLLM shows it.
 
 import re
 
-from tinyllm.requests import TokenLogprobs
+from tinyllm.core.requests import TokenLogprobs
 
 FLOOR = -9999.0  # the least logprob shown
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback

@@ -22,7 +22,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from tinyllm.requests import Request, TokenLogprobs
+from tinyllm.core.requests import Request, TokenLogprobs
 
 BEAT_S = 0.5  # seconds between two heartbeats of the engine process
 

@@ -15,7 +15,7 @@ more piece before each choice's first (`echo_first`): its text, its tokens, thei
 import json
 from dataclasses import dataclass, field
 
-from tinyllm.requests import TokenLogprobs
+from tinyllm.core.requests import TokenLogprobs
 from tinyllm.serving.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 
 COMPLETIONS = "completions"

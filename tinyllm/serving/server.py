@@ -40,9 +40,10 @@ import uuid
 from dataclasses import dataclass
 
 from tinyllm.build import add_quant_argument, load, make_engine
-from tinyllm.config import EngineConfig
-from tinyllm.continuous import ContinuousEngine
-from tinyllm.requests import Event
+from tinyllm.core.config import EngineConfig
+from tinyllm.core.continuous import ContinuousEngine
+from tinyllm.core.requests import Event
+from tinyllm.ext.structured import LLGuidance
 from tinyllm.serving.api import (
     CHAT,
     COMPLETIONS,
@@ -74,7 +75,6 @@ from tinyllm.serving.responses import (
 )
 from tinyllm.serving.responses import usage as usage  # the exercise's files take it from here
 from tinyllm.serving.textstream import TextStream
-from tinyllm.structured import LLGuidance
 
 
 @dataclass

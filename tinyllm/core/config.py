@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from tinyllm.requests import check_positive_int
-from tinyllm.sampling import Sampling
+from tinyllm.core.requests import check_positive_int
+from tinyllm.core.sampling import Sampling
 
 DEFAULT_KV_MIB = 512     # the KV cache's memory when none is given (vLLM's CPU default: 4 GiB)
 KV_KINDS = ("slots", "paged")

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tinyllm.logits_processors import History
-from tinyllm.sampling import Sampling
+from tinyllm.core.logits_processors import History
+from tinyllm.core.sampling import Sampling
 
 
 @dataclass

@@ -20,8 +20,8 @@ Seams: `admit_waiting` and `leave_slot` (exercise 04), `reserve_or_preempt` (exe
 from collections import deque
 from collections.abc import Callable
 
-from tinyllm.requests import Sequence
-from tinyllm.slot_cache import SlotCache
+from tinyllm.core.requests import Sequence
+from tinyllm.core.slot_cache import SlotCache
 
 
 def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Sequence]:

@@ -41,8 +41,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tinyllm.model import Transformer, apply_rope
-from tinyllm.quant import padded_rows, projections
+from tinyllm.core.model import Transformer, apply_rope
+from tinyllm.ext.quant import padded_rows, projections
 
 
 def before(block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:

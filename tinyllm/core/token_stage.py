@@ -15,9 +15,9 @@ from the logits at the positions before them.
 import torch
 from torch import Tensor
 
-from tinyllm.logits_processors import History, process
-from tinyllm.requests import TokenLogprobs
-from tinyllm.sampling import sample_rows
+from tinyllm.core.logits_processors import History, process
+from tinyllm.core.requests import TokenLogprobs
+from tinyllm.core.sampling import sample_rows
 
 
 def log_probs(logits: Tensor) -> Tensor:

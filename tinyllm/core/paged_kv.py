@@ -34,7 +34,7 @@ import math
 import torch
 from torch import Tensor
 
-from tinyllm.slot_cache import SlotCache, check_admission
+from tinyllm.core.slot_cache import SlotCache, check_admission
 
 
 class BlockAllocator:

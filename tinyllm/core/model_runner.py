@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tinyllm.generate import autocast_for
-from tinyllm.model import Transformer, unpacked
-from tinyllm.requests import Sequence
-from tinyllm.slot_cache import SlotCache
-from tinyllm.stats import Stats, sync_device
+from tinyllm.core.generate import autocast_for
+from tinyllm.core.model import Transformer, unpacked
+from tinyllm.core.requests import Sequence
+from tinyllm.core.slot_cache import SlotCache
+from tinyllm.core.stats import Stats, sync_device
 
 
 @dataclass

@@ -35,10 +35,10 @@ only the capture.
 import torch
 from torch import Tensor
 
-from tinyllm import paged_kv
-from tinyllm.model import Transformer, gpu_dtype
-from tinyllm.paged_kv import PagedKVCache
-from tinyllm.slot_cache import SlotKVCache
+from tinyllm.core import paged_kv
+from tinyllm.core.model import Transformer, gpu_dtype
+from tinyllm.core.paged_kv import PagedKVCache
+from tinyllm.core.slot_cache import SlotKVCache
 
 
 def default_buckets(max_len: int, smallest: int = 32) -> list[int]:

@@ -21,9 +21,9 @@ is the model's own Attention.
 import torch
 from torch import Tensor, nn
 
-from tinyllm import cpu_kernels
-from tinyllm.model import Attention, Transformer
-from tinyllm.slot_cache import additive
+from tinyllm.core.model import Attention, Transformer
+from tinyllm.core.slot_cache import additive
+from tinyllm.ext import cpu_kernels
 
 QUERY_ROWS = 32     # a packed row of at most this many new tokens attends a query at a time
 

@@ -16,10 +16,10 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from tinyllm import kv_cache, token_stage
-from tinyllm.logits_processors import History
-from tinyllm.model import Transformer, gpu_dtype
-from tinyllm.requests import (
+from tinyllm.core import kv_cache, token_stage
+from tinyllm.core.logits_processors import History
+from tinyllm.core.model import Transformer, gpu_dtype
+from tinyllm.core.requests import (
     Request,
     Result,
     TokenLogprobs,
@@ -29,8 +29,8 @@ from tinyllm.requests import (
     eos_ids,
     finish_reason,
 )
-from tinyllm.sampling import Sampling, check_generator, check_sampling, sample_next
-from tinyllm.token_stage import new_matchers
+from tinyllm.core.sampling import Sampling, check_generator, check_sampling, sample_next
+from tinyllm.core.token_stage import new_matchers
 
 
 def autocast_for(device: torch.device):

@@ -29,13 +29,13 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from tinyllm.generate import autocast_for
-from tinyllm.logits_processors import process
-from tinyllm.model import Transformer
-from tinyllm.requests import Sequence, TokenLogprobs, is_done
-from tinyllm.sampling import draw, is_greedy, sampling_probs
-from tinyllm.slot_cache import SlotKVCache
-from tinyllm.token_stage import token_logprobs
+from tinyllm.core.generate import autocast_for
+from tinyllm.core.logits_processors import process
+from tinyllm.core.model import Transformer
+from tinyllm.core.requests import Sequence, TokenLogprobs, is_done
+from tinyllm.core.sampling import draw, is_greedy, sampling_probs
+from tinyllm.core.slot_cache import SlotKVCache
+from tinyllm.core.token_stage import token_logprobs
 
 
 # ---- the verdict, one row ------------------------------------------------------------------

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyllm.requests import Result
+from tinyllm.core.requests import Result
 
 
 @dataclass

@@ -70,7 +70,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tinyllm.config import cache_dir
+from tinyllm.core.config import cache_dir
 
 CSRC = Path(__file__).with_name("csrc")  # kernels.c (the loops), ops.cpp (their operators)
 FAILURES: list[str] = []  # what the compiler said of each build that failed, in this process

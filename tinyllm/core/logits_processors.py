@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tinyllm.sampling import Sampling
+from tinyllm.core.sampling import Sampling
 
 
 @dataclass

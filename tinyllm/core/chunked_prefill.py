@@ -25,7 +25,7 @@ Seams: `plan_step` and `next_chunk` (exercise 07).
 
 from collections.abc import Callable
 
-from tinyllm.requests import Sequence
+from tinyllm.core.requests import Sequence
 
 
 def plan_step(running: list[Sequence], max_step_tokens: int | None,

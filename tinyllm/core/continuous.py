@@ -26,16 +26,16 @@ import time
 import torch
 from torch import Tensor
 
-from tinyllm import token_stage
-from tinyllm.config import EngineConfig
-from tinyllm.model import Transformer, gpu_dtype
-from tinyllm.model_runner import ModelRunner, wants_prompt_logprobs
-from tinyllm.requests import Event, Request, Result, Sequence, check_request
-from tinyllm.sampling import Sampling, check_generator
-from tinyllm.scheduler import Scheduler
-from tinyllm.slot_cache import SlotCache, SlotKVCache
-from tinyllm.stats import Stats, Trace, kv_bytes_per_token
-from tinyllm.token_stage import new_matchers
+from tinyllm.core import token_stage
+from tinyllm.core.config import EngineConfig
+from tinyllm.core.model import Transformer, gpu_dtype
+from tinyllm.core.model_runner import ModelRunner, wants_prompt_logprobs
+from tinyllm.core.requests import Event, Request, Result, Sequence, check_request
+from tinyllm.core.sampling import Sampling, check_generator
+from tinyllm.core.scheduler import Scheduler
+from tinyllm.core.slot_cache import SlotCache, SlotKVCache
+from tinyllm.core.stats import Stats, Trace, kv_bytes_per_token
+from tinyllm.core.token_stage import new_matchers
 
 LATER = {"kv": "slots", "decoder": "eager", "max_step_tokens": None, "prefix_cache": False,
          "speculate": None}     # what this step's engine makes itself; other values, the builder

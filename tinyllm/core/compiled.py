@@ -32,10 +32,10 @@ import time
 
 import torch
 
-from tinyllm.config import COMPILE_MODES
-from tinyllm.cuda_graph import SlotGraphDecoder
-from tinyllm.model import Transformer
-from tinyllm.slot_cache import SlotCache
+from tinyllm.core.config import COMPILE_MODES
+from tinyllm.core.cuda_graph import SlotGraphDecoder
+from tinyllm.core.model import Transformer
+from tinyllm.core.slot_cache import SlotCache
 
 
 def compile_settings(mode: str, device: torch.device,

@@ -10,11 +10,11 @@ import time
 
 import torch
 
-from tinyllm import padded, token_stage
-from tinyllm.generate import autocast_for
-from tinyllm.logits_processors import History
-from tinyllm.model import Transformer
-from tinyllm.requests import (
+from tinyllm.core import padded, token_stage
+from tinyllm.core.generate import autocast_for
+from tinyllm.core.logits_processors import History
+from tinyllm.core.model import Transformer
+from tinyllm.core.requests import (
     Request,
     Result,
     check_positive_int,
@@ -22,8 +22,8 @@ from tinyllm.requests import (
     finish_reason,
     is_done,
 )
-from tinyllm.sampling import Sampling, check_generator
-from tinyllm.stats import ForwardTimer, Stats, Trace, kv_bytes_per_token
+from tinyllm.core.sampling import Sampling, check_generator
+from tinyllm.core.stats import ForwardTimer, Stats, Trace, kv_bytes_per_token
 
 
 def run_batch(model: Transformer, batch: list[Request], pick, clock) -> list[Result]:

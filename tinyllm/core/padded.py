@@ -9,9 +9,9 @@ Builds on 01 (KVCache); static batching (03) prefills each batch this way.
 import torch
 from torch import Tensor
 
-from tinyllm.generate import autocast_for
-from tinyllm.kv_cache import KVCache
-from tinyllm.model import Transformer
+from tinyllm.core.generate import autocast_for
+from tinyllm.core.kv_cache import KVCache
+from tinyllm.core.model import Transformer
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:

@@ -25,10 +25,10 @@ another dtype, runs the model as it is.
 import torch
 from torch import Tensor, nn
 
-from tinyllm import cpu_kernels
-from tinyllm.cpu_attention import kernel_rows
-from tinyllm.model import Transformer
-from tinyllm.quant import FUSED_ROWS, QuantLinear
+from tinyllm.core.model import Transformer
+from tinyllm.ext import cpu_kernels
+from tinyllm.ext.cpu_attention import kernel_rows
+from tinyllm.ext.quant import FUSED_ROWS, QuantLinear
 
 
 def layer_weights(block) -> list[Tensor]:

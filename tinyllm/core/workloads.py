@@ -8,8 +8,8 @@ import it, and it imports only the requests, the sampling settings and the const
 
 import random
 
-from tinyllm.requests import Request
-from tinyllm.sampling import Constraint, Sampling
+from tinyllm.core.requests import Request
+from tinyllm.core.sampling import Constraint, Sampling
 
 WORKLOADS = ("uniform", "longtail", "eos", "poisson", "shared-prefix", "long-prompt", "chat",
              "quote", "json")

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from tinyllm import cpu_kernels
+from tinyllm.ext import cpu_kernels
 
 MODES = ("float", "int8", "int4", "gguf")
 FUSED_ROWS = 16         # rows (tokens in a step) up to which the fused loop runs
