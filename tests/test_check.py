@@ -1,6 +1,6 @@
 """Course tooling - the oracle's messages and the exercise checker a notebook calls."""
 
-from tinyllm.course.check import check_exercise, divergence
+from tinyllm.course.check import check_exercise, divergence, exercise_passes, run_tests
 
 
 def test_divergence_names_request_token_and_values():
@@ -13,21 +13,30 @@ def test_divergence_names_request_token_and_values():
 
 
 def test_check_exercise_reports_solutions_done(capsys):
-    assert check_exercise("01", impl="solutions") is True
+    assert exercise_passes("01", impl="solutions") is True
     out = capsys.readouterr().out
     assert "tests pass - done!" in out and "FAIL" not in out
 
 
 def test_check_exercise_reports_stubs_in_learner_words(capsys):
-    assert check_exercise("01", impl="exercises") is False
+    assert check_exercise("01", impl="exercises") is None  # a notebook cell shows no value
     out = capsys.readouterr().out
     assert "FAIL test_append_kv_writes_at_pos" in out
     assert "exercise 01: store k and v" in out and "0/" in out
 
 
 def test_check_exercise_never_raises(capsys):
-    assert check_exercise("99") is False
+    assert exercise_passes("99") is False
     assert "could not run exercise 99" in capsys.readouterr().out
+
+
+def test_each_outcome_is_heard_as_its_test_ends():
+    """run_tests hands each test's outcome to on_outcome, in the order the tests end (the
+    pytest plugin writes each one as its test ends), the same outcomes it returns."""
+    heard = []
+    got = run_tests("01", "solutions", on_outcome=lambda nn, o: heard.append((nn, o)))
+    assert [o for _, o in heard] == got["01"] and len(heard) > 1
+    assert all(nn == "01" and status == "passed" for nn, (_, status, _) in heard)
 
 
 def test_near_tie_excuses_only_a_close_second_choice():

@@ -95,3 +95,31 @@ def test_solutions_are_not_untouched():
     """The proof's other half: a solution file is recognised as worked on."""
     for path in FILES.values():
         assert not is_untouched(ROOT / "solutions" / path.name)
+
+
+def test_exercise_tests_are_named_in_words():
+    """A learner reads a failing test by its name: a case's id says what it checks (its `why`),
+    never a bare `why3` that pytest numbers when it cannot name a case."""
+    import re
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/exercises",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    assert ids, done.stdout + done.stderr
+    numbered = [i for i in ids if re.search(r"[\[-]why\d+[\]-]", i)]
+    assert not numbered, "cases named by number: " + "; ".join(numbered)

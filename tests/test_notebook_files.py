@@ -25,3 +25,15 @@ def test_the_course_address_is_set_in_one_place(monkeypatch):
         cell = nbfiles.nbformat.reads(normalise(path.read_text(encoding="utf-8")), 4).cells[1]
         assert cell.source.startswith("# Colab only"), f"{path.name}: no Colab cell"
         assert '    REPO = "https://example.org/fork/tinyllm"' in cell.source, path.name
+
+
+def test_a_check_cell_shows_its_report_alone():
+    """A notebook's check_exercise cell shows the tests' report and nothing after it (no
+    value such as a bare `False` under the report)."""
+    import json
+
+    for path in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
+        for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+            if cell["cell_type"] == "code" and "check_exercise(" in "".join(cell["source"]):
+                values = [o for o in cell["outputs"] if o["output_type"] == "execute_result"]
+                assert not values, f"{path.name}: its check cell shows a value under the report"

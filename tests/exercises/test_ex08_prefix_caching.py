@@ -263,7 +263,14 @@ def test_take_blocks_evicts_the_least_recently_released(impl):
 def test_take_blocks_takes_nothing_when_too_few(impl):
     pc = pool(4, named=[1])
     before = books(pc)
-    got = impl.take_blocks(pc, 5)
+    try:
+        got = impl.take_blocks(pc, 5)
+    except (KeyError, IndexError, ValueError) as e:
+        pytest.fail(
+            f"take_blocks(pc, 5) with 4 blocks to be had (pc.n_free()) raised "
+            f"{type(e).__name__}: {e}. Check the room first: with fewer than n blocks free or "
+            f"evictable, return None and change nothing (a table half taken would leak blocks)"
+        )
     assert got is None, f"4 blocks in all, 5 asked for: None, got {got!r}"
     assert books(pc) == before, "take_blocks that cannot take n blocks changes nothing"
 
@@ -310,16 +317,22 @@ def test_release_blocks_keeps_named_blocks_cached_last_block_first(impl):
     )
 
 
-def test_release_blocks_refuses_a_block_nobody_holds(impl):
+@pytest.mark.parametrize("refused_first", [False, True], ids=["refused-last", "refused-first"])
+def test_release_blocks_refuses_a_block_nobody_holds(impl, refused_first):
+    """Atomic whichever place the refused block holds: the table's blocks are released from
+    the last, so a check made on the way would miss the refused block at the table's start
+    after the blocks behind it had been released."""
     pc = pool(6, named=[2])
     held = pc.allocator.allocate(1)[0]
     pc.refs[held] = 1
+    table = [2, held] if refused_first else [held, 2]
     before = books(pc)
     with pytest.raises(ValueError) as e:
-        impl.release_blocks(pc, [held, 2])
+        impl.release_blocks(pc, table)
     assert "2" in str(e.value), f"the error names block 2, which nobody holds: {e.value}"
     assert books(pc) == before, (
-        "a release that is refused changes nothing, not even the blocks before"
+        f"release_blocks(pc, {table}) is refused (nobody holds block 2), so it changes nothing, "
+        f"not even block {held}'s count: check every block before releasing any"
     )
 
 

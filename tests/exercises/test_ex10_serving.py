@@ -30,77 +30,79 @@ EXERCISE = "ex10_serving"
 
 
 # ---- next_piece ----------------------------------------------------------------------------
+PIECE_CASES = [
+    ("Good morrow", 0, [], False, ("Good morrow", False), "all of it is settled"),
+    ("Good morrow", 5, [], False, ("morrow", False), "only what was not sent yet"),
+    ("caf" + REPLACEMENT, 0, [], False, ("caf", False), "an unfinished character waits"),
+    ("caf" + REPLACEMENT * 2, 0, [], False, ("caf", False), "every unfinished byte waits"),
+    ("café", 3, [], False, ("é", False), "and comes once its bytes have all come"),
+    (
+        "a" + REPLACEMENT + "b",
+        0,
+        [],
+        False,
+        ("a" + REPLACEMENT + "b", False),
+        "a replacement character that is not at the end is settled (its bytes were not UTF-8)",
+    ),
+    ("Good\n", 0, ["\n\n"], False, ("Good", False), "the start of a stop string waits"),
+    ("Good\nNay", 4, ["\n\n"], False, ("\nNay", False), "and comes when it was not one"),
+    (
+        "Good\n\nNay",
+        0,
+        ["\n\n"],
+        False,
+        ("Good", True),
+        "a stop string ends the answer before it",
+    ),
+    ("Good\n\n", 4, ["\n\n"], False, ("", True), "nothing of the stop string is sent"),
+    ("ab END cd STOP", 0, ["STOP", "END"], False, ("ab ", True), "the earliest stop string"),
+    (
+        "ab STOP cd END",
+        0,
+        ["END", "STOP"],
+        False,
+        ("ab ", True),
+        "the earliest stop string in the text, whatever the order of the list",
+    ),
+    (
+        "I say no",
+        0,
+        ["no more"],
+        False,
+        ("I say ", False),
+        "the longest start of a stop string waits",
+    ),
+    (
+        "ab",
+        0,
+        ["bc", "ac"],
+        False,
+        ("a", False),
+        "only the end of the text that begins a stop string waits: 'b' may begin 'bc', "
+        "but 'a' is not the end of the text",
+    ),
+    (
+        "xyz",
+        0,
+        ["yzq", "zq"],
+        False,
+        ("x", False),
+        "the longest end that begins any one stop string waits, not the sum of them",
+    ),
+    ("Good\n", 0, ["\n\n"], True, ("Good\n", False), "at the end nothing waits"),
+    (
+        "caf" + REPLACEMENT,
+        0,
+        [],
+        True,
+        ("caf" + REPLACEMENT, False),
+        "at the end nothing waits, an unfinished character neither",
+    ),
+]
+
+
 @pytest.mark.parametrize(
-    "text, sent, stops, final, expected, why",
-    [
-        ("Good morrow", 0, [], False, ("Good morrow", False), "all of it is settled"),
-        ("Good morrow", 5, [], False, ("morrow", False), "only what was not sent yet"),
-        ("caf" + REPLACEMENT, 0, [], False, ("caf", False), "an unfinished character waits"),
-        ("caf" + REPLACEMENT * 2, 0, [], False, ("caf", False), "every unfinished byte waits"),
-        ("café", 3, [], False, ("é", False), "and comes once its bytes have all come"),
-        (
-            "a" + REPLACEMENT + "b",
-            0,
-            [],
-            False,
-            ("a" + REPLACEMENT + "b", False),
-            "a replacement character that is not at the end is settled (its bytes were not UTF-8)",
-        ),
-        ("Good\n", 0, ["\n\n"], False, ("Good", False), "the start of a stop string waits"),
-        ("Good\nNay", 4, ["\n\n"], False, ("\nNay", False), "and comes when it was not one"),
-        (
-            "Good\n\nNay",
-            0,
-            ["\n\n"],
-            False,
-            ("Good", True),
-            "a stop string ends the answer before it",
-        ),
-        ("Good\n\n", 4, ["\n\n"], False, ("", True), "nothing of the stop string is sent"),
-        ("ab END cd STOP", 0, ["STOP", "END"], False, ("ab ", True), "the earliest stop string"),
-        (
-            "ab STOP cd END",
-            0,
-            ["END", "STOP"],
-            False,
-            ("ab ", True),
-            "the earliest stop string in the text, whatever the order of the list",
-        ),
-        (
-            "I say no",
-            0,
-            ["no more"],
-            False,
-            ("I say ", False),
-            "the longest start of a stop string waits",
-        ),
-        (
-            "ab",
-            0,
-            ["bc", "ac"],
-            False,
-            ("a", False),
-            "only the end of the text that begins a stop string waits: 'b' may begin 'bc', "
-            "but 'a' is not the end of the text",
-        ),
-        (
-            "xyz",
-            0,
-            ["yzq", "zq"],
-            False,
-            ("x", False),
-            "the longest end that begins any one stop string waits, not the sum of them",
-        ),
-        ("Good\n", 0, ["\n\n"], True, ("Good\n", False), "at the end nothing waits"),
-        (
-            "caf" + REPLACEMENT,
-            0,
-            [],
-            True,
-            ("caf" + REPLACEMENT, False),
-            "at the end nothing waits",
-        ),
-    ],
+    "text, sent, stops, final, expected, why", PIECE_CASES, ids=[case[-1] for case in PIECE_CASES]
 )
 def test_next_piece(impl, text, sent, stops, final, expected, why):
     given = list(stops)

@@ -26,23 +26,25 @@ V = TINY.cfg.vocab_size
 
 
 # ---- accept_greedy ---------------------------------------------------------------------------
+GREEDY_CASES = [
+    ([5, 8, 2], [5, 8, 9, 4], [5, 8, 9], "5 and 8 stand; 2 falls where the target picks 9"),
+    ([5, 8], [5, 8, 1], [5, 8, 1], "both stand, then the target's pick after the last: 1"),
+    ([], [7], [7], "no guesses: the target's one pick, a plain decode step"),
+    (
+        [1, 2],
+        [3, 2, 2],
+        [3],
+        "the first guess falls: only the target's pick there (the "
+        "second guess agrees with its pick, but it came after a guess that fell)",
+    ),
+    ([4], [4, 6], [4, 6], "one guess that stands, then the pick after it"),
+    ([4], [9, 6], [9], "one guess that falls: the target's pick in its place"),
+    ([7, 7, 7], [7, 7, 3, 7], [7, 7, 3], "a repeated token: the third 7 falls where 3 is"),
+]
+
+
 @pytest.mark.parametrize(
-    "guesses, picks, want, why",
-    [
-        ([5, 8, 2], [5, 8, 9, 4], [5, 8, 9], "5 and 8 stand; 2 falls where the target picks 9"),
-        ([5, 8], [5, 8, 1], [5, 8, 1], "both stand, then the target's pick after the last: 1"),
-        ([], [7], [7], "no guesses: the target's one pick, a plain decode step"),
-        (
-            [1, 2],
-            [3, 2, 2],
-            [3],
-            "the first guess falls: only the target's pick there (the "
-            "second guess agrees with its pick, but it came after a guess that fell)",
-        ),
-        ([4], [4, 6], [4, 6], "one guess that stands, then the pick after it"),
-        ([4], [9, 6], [9], "one guess that falls: the target's pick in its place"),
-        ([7, 7, 7], [7, 7, 3, 7], [7, 7, 3], "a repeated token: the third 7 falls where 3 is"),
-    ],
+    "guesses, picks, want, why", GREEDY_CASES, ids=[case[-1] for case in GREEDY_CASES]
 )
 def test_accept_greedy_keeps_the_agreed_run_then_the_targets_pick(impl, guesses, picks, want, why):
     """The guesses while each equals the target's pick at its position, then the target's
@@ -232,9 +234,10 @@ def repetitive_requests(n: int, seed: int) -> list[Request]:
     return reqs
 
 
-def run(eng, reqs, per_step: int = 2) -> list[list[int]]:
+def run(eng, reqs, per_step: int = 2, expected=None) -> list[list[int]]:
     """Add per_step requests before each step, step until done (the exercises' run_engine),
-    checking both caches' books after every step; returns each request's tokens."""
+    checking both caches' books after every step, and with `expected` (solo's tokens) every
+    request's tokens as they come; returns each request's tokens."""
     draft = getattr(eng.speculator.proposer, "cache", None)
 
     def books(step):
@@ -248,8 +251,10 @@ def run(eng, reqs, per_step: int = 2) -> list[list[int]]:
         "the speculating engine with your functions",
         joining=lambda step: per_step,
         after_step=books,
+        expected=expected,
         limit=2_000,
-        stuck="does every verdict keep a token?",
+        stuck="does every verdict keep a token? (accept_greedy keeps the target's own pick "
+        "after the run it agrees with, accept_sampled's caller a token where a guess falls)",
     )
     for i, rid in enumerate(rids):
         assert rid in eng.results, f"request {i} never finished (no Result)"
@@ -281,13 +286,19 @@ def speculation_counts(eng) -> tuple[int, int, int]:
     return s.spec_proposed, s.spec_accepted, s.decode_steps
 
 
-def assert_same_counts(eng, ref, name: str) -> None:
+GREEDY_RULE = (
+    "accept_greedy keeps every guess up to the first the target does not pick, then the "
+    "target's own pick there"
+)
+SAMPLED_RULE = "accept_sampled keeps a guess exactly when u < min(1, p[guess] / q[guess])"
+
+
+def assert_same_counts(eng, ref, name: str, rule: str = GREEDY_RULE) -> None:
     """Your run proposed and kept exactly the guesses of the package's run, in as many steps."""
     want, have = speculation_counts(ref), speculation_counts(eng)
     assert have == want, (
         f"{name}: the package's run proposed {want[0]} guesses and kept {want[1]} in {want[2]} "
-        f"decode steps; yours proposed {have[0]} and kept {have[1]} in {have[2]}: keep every "
-        "guess up to the first that falls, then one token of the target's"
+        f"decode steps; yours proposed {have[0]} and kept {have[1]} in {have[2]}: {rule}"
     )
 
 
@@ -308,7 +319,7 @@ def test_greedy_speculation_with_your_functions_matches_solo(plug, name):
     plug()
     eng = make_engine(TINY, 3, **SETTINGS[name])
     with explained(f"the speculating engine ({name}) with your functions"):
-        got = run(eng, reqs)
+        got = run(eng, reqs, expected=expected)
     for i, (e, g) in enumerate(zip(expected, got)):
         msg = divergence(f"request {i} ({name})", e, g)
         assert msg is None, msg
@@ -332,7 +343,7 @@ def test_one_of_your_functions_alone_in_the_engine(plug, names):
     plug(*names)
     eng = make_engine(TINY, 3, **settings)
     with explained(f"the speculating engine with your {names[0]} alone"):
-        got = run(eng, reqs)
+        got = run(eng, reqs, expected=expected)
     for i, (e, g) in enumerate(zip(expected, got)):
         msg = divergence(f"request {i} (your {names[0]} alone)", e, g)
         assert msg is None, msg
@@ -362,7 +373,7 @@ def test_bundled_model_with_your_functions(plug, bundled64, speculate):
     plug()
     eng = make_engine(model, 2, **settings)
     with explained(f"the speculating engine ({speculate}) with your functions"):
-        got = run(eng, reqs, per_step=1)
+        got = run(eng, reqs, per_step=1, expected=expected)
     for i, (e, g) in enumerate(zip(expected, got)):
         msg = divergence(f"request {i} ({lines[i]!r} three times)", e, g)
         assert msg is None, msg
@@ -400,9 +411,9 @@ def test_seeded_sampled_requests_get_the_packages_tokens(plug, speculate):
         msg = divergence(f"request {i} ({seeded})", e, g)
         assert msg is None, (
             msg.replace("solo generate", "the package's run of the same seeds")
-            + ": keep a guess exactly when u < min(1, p[guess] / q[guess])"
+            + f": {SAMPLED_RULE if reqs[i].sampling else GREEDY_RULE}"
         )
-    assert_same_counts(eng, ref, f"seeded, {speculate}")
+    assert_same_counts(eng, ref, f"seeded, {speculate}", f"{GREEDY_RULE}; {SAMPLED_RULE}")
 
 
 def test_sampled_speculation_with_your_functions_keeps_the_targets_distribution(plug):

@@ -90,19 +90,20 @@ def test_walk_on_random_automata(impl):
 
 
 # ---- token_mask ------------------------------------------------------------------------------
-PIECES = [b"x", b"=", b"3", b"4", b"45", b"456", b"", b"x=1", b"a", b""]
-EOS = (6,)  # token 6 ends a text; token 9 is another special token (no bytes)
+PIECES = [b"x", b"=", b"3", b"4", b"45", b"456", b"", b"x=1", b"a", b"", b""]
+EOS = (6, 10)  # tokens 6 and 10 end a text (a model may have several end-of-text ids, as
+# Llama 3 and SmolLM2's chat models do); token 9 is another special token (no bytes)
 
 
 @pytest.mark.parametrize(
     "text, want, why",
     [
-        (b"x=1", [2, 3, 4, 6], "the docstring's example: 3, 4, 45 and EOS (456 is 4 digits)"),
+        (b"x=1", [2, 3, 4, 6, 10], "the docstring's example: 3, 4, 45 and EOS (456 is 4 digits)"),
         (b"", [0, 7], "x and x=1: a token may be several symbols of the grammar"),
         (b"x", [1], "only =; EOS is not allowed where the text may not end"),
         (b"x=", [2, 3, 4, 5], "one to three digits; EOS not yet"),
-        (b"x=12", [2, 3, 6], "one more digit (45 would be 4 of them) or EOS"),
-        (b"x=123", [6], "a complete text: EOS is all that is left"),
+        (b"x=12", [2, 3, 6, 10], "one more digit (45 would be 4 of them) or EOS"),
+        (b"x=123", [6, 10], "a complete text: EOS is all that is left"),
     ],
 )
 def test_token_mask_on_a_small_vocabulary(impl, text, want, why):
@@ -112,10 +113,11 @@ def test_token_mask_on_a_small_vocabulary(impl, text, want, why):
     )
     assert got.shape == (len(PIECES),), f"token_mask should have shape ({len(PIECES)},)"
     allowed = got.nonzero().flatten().tolist()
-    names = lambda ids: [PIECES[i] if i not in EOS else "EOS" for i in ids]  # noqa: E731
+    names = lambda ids: [PIECES[i] if i not in EOS else f"EOS {i}" for i in ids]  # noqa: E731
     assert allowed == want, (
         f"for x=[0-9]{{1,3}} after {text!r}, the tokens {names(want)} should be allowed "
-        f"({why}); yours allow {names(allowed)} (a special token, b'', only as EOS)"
+        f"({why}); yours allow {names(allowed)} (a special token, b'', only as EOS; every "
+        f"id of eos_ids {EOS} is an EOS)"
     )
 
 

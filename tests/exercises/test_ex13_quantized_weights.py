@@ -142,6 +142,36 @@ def test_quantize_int8_the_largest_magnitude_is_127_steps_either_sign(impl):
     )
 
 
+def test_quantize_int8_clamps_a_bfloat16_row_that_rounds_to_128(impl):
+    """In bfloat16 (8 bits of mantissa) w / scale can round to 128: 0.7 / (0.7 / 127 as float16)
+    is 127.5 there, which rounds to 128. int8 stores 128 as -128, so without the clamp to
+    -127 .. 127 the row's largest weight changes sign (the bundled model in bfloat16 has over a
+    thousand such weights). float32 and float64 never meet it; bfloat16 weights always may."""
+    w = torch.tensor([[0.7, -0.35, 0.1]], dtype=torch.bfloat16)
+    before = w.clone()
+    q, scale = parts(impl.quantize_int8(w), 2, "quantize_int8")
+    assert torch.equal(w, before), "quantize_int8 changed its input w (a bfloat16 row)"
+    want_q, want_scale = REF["quantize_int8"](w)
+    assert_same(
+        "scale of the bfloat16 row [0.7, -0.35, 0.1]",
+        scale,
+        want_scale,
+        "0.7 / 127, rounded to float16",
+    )
+    assert int(q[0, 0]) == 127, (
+        f"the bfloat16 row [0.7, -0.35, 0.1]: w / scale is 127.5 in bfloat16, which rounds to 128; "
+        f"q must be clamped to 127, got {int(q[0, 0])}"
+        + (
+            " (128 stored as int8 wraps to -128: the weight's sign flips)"
+            if int(q[0, 0]) < 0
+            else ""
+        )
+    )
+    assert_same(
+        "q of the bfloat16 row [0.7, -0.35, 0.1]", q, want_q, "round(w / scale) within -127 .. 127"
+    )
+
+
 # ---- quantize_int4 -----------------------------------------------------------------------------
 def test_quantize_int4_the_docstrings_example(impl):
     w = torch.tensor([[0.0, 1.5, 3.0, 0.75]])

@@ -8,12 +8,13 @@ test fails on the untouched stubs (no test can pass vacuously).
 """
 
 import ast
+import json
 import math
 import os
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -99,55 +100,77 @@ def public_functions(path: Path) -> list[str]:
             if isinstance(node, FUNCTIONS) and not node.name.startswith("_")]
 
 
-def run_tests(nn: str | list[str],
-              impl: str = "exercises") -> dict[str, list[tuple[str, str, str]]]:
+def run_tests(nn: str | list[str], impl: str = "exercises",
+              on_outcome=None) -> dict[str, list[tuple[str, str, str]]]:
     """Run tests/exercises/test_exNN_*.py, for one exercise or several in one pytest process, on
     exercises/ or solutions/. Returns {nn: [(test name, 'passed' | 'failed' | 'skipped', first
-    line of the message)]}."""
+    line of the message)]}; on_outcome(nn, outcome) hears each one the moment its test ends
+    (the plugin tinyllm.course.progress writes them as they come)."""
     files = exercise_files()
     nns = [nn] if isinstance(nn, str) else list(nn)
     for n in nns:
         if n not in files:
             raise ValueError(f"no exercise {n!r}; there are {sorted(files)}")
     tests = {f"test_{files[n].stem}": n for n in nns}
+    out: dict[str, list] = {n: [] for n in nns}
     with tempfile.TemporaryDirectory() as tmp:
-        xml = Path(tmp) / "report.xml"
-        subprocess.run([sys.executable, "-m", "pytest", *(f"tests/exercises/{t}.py" for t in tests),
-                        f"--impl={impl}", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-                        "-p", "no:nbval", "-p", "no:anyio",        # plugins these tests never use
-                        "-o", "junit_family=xunit1"],
-                       cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-        if not xml.exists():
-            return {n: [(f"{t}.py", "failed", "the tests could not be collected")]
-                    for t, n in tests.items()}
-        out: dict[str, list] = {n: [] for n in nns}
-        for case in ET.parse(xml).iter("testcase"):
-            out[tests[case.get("classname", "").rsplit(".", 1)[-1]]].append(_outcome(case))
-        return out
+        progress = Path(tmp) / "progress.jsonl"
+        progress.touch()
+        with open(Path(tmp) / "pytest.out", "w+", encoding="utf-8") as printed:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pytest", *(f"tests/exercises/{t}.py" for t in tests),
+                 f"--impl={impl}", "-q", "-p", "no:cacheprovider",
+                 "-p", "tinyllm.course.progress",             # each outcome as it ends
+                 "-p", "no:nbval", "-p", "no:anyio"],         # plugins these tests never use
+                cwd=ROOT, stdout=printed, stderr=subprocess.STDOUT, text=True,
+                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
+                     "TINYLLM_PROGRESS": str(progress)})
+            with progress.open(encoding="utf-8") as f:
+                while True:
+                    ended = proc.poll() is not None    # read once more after the process ends
+                    for line in f.readlines():
+                        got = json.loads(line)
+                        n = tests.get(got["file"])
+                        if n is not None:
+                            outcome = (got["name"], got["status"], got["message"])
+                            out[n].append(outcome)
+                            if on_outcome is not None:
+                                on_outcome(n, outcome)
+                    if ended:
+                        break
+                    time.sleep(0.1)
+            printed.seek(0)
+            last = (printed.read().strip().splitlines() or ["no output"])[-1]
+    for t, n in tests.items():
+        if not out[n]:
+            out[n] = [(f"{t}.py", "failed", f"the tests could not be collected: {last}")]
+    return out
 
 
-def _outcome(case: ET.Element) -> tuple[str, str, str]:
-    for tag in ("failure", "error", "skipped"):
-        el = case.find(tag)
-        if el is not None:
-            msg = (el.get("message") or el.text or "").strip().splitlines()
-            status = "skipped" if tag == "skipped" else "failed"
-            return case.get("name"), status, msg[0] if msg else ""
-    return case.get("name"), "passed", ""
+def check_exercise(nn: str, impl: str = "exercises") -> None:
+    """Run exercise nn's tests on your code and print each test's outcome as it ends, then how
+    many pass. Never raises, and returns nothing, so a notebook cell shows the report alone."""
+    exercise_passes(nn, impl)
 
 
-def check_exercise(nn: str, impl: str = "exercises") -> bool:
-    """Run exercise nn's tests on your code and print a short report. Never raises."""
+def exercise_passes(nn: str, impl: str = "exercises") -> bool:
+    """check_exercise's report, and whether every test passed (`python -m tinyllm check`'s
+    exit status)."""
+    def report(_, outcome):
+        name, status, msg = outcome
+        mark = {"passed": "ok  ", "failed": "FAIL", "skipped": "skip"}[status]
+        print(f"{mark} {name}" + (f"\n       {msg}" if msg else ""), flush=True)
+
+    nn = str(nn).zfill(2)
+    print(f"exercise {nn}: its tests on {impl}/, each reported as it ends", flush=True)
     try:
-        outcomes = run_tests(str(nn).zfill(2), impl)[str(nn).zfill(2)]
+        outcomes = run_tests(nn, impl, on_outcome=report)[nn]
     except Exception as e:  # a notebook cell should print, not crash
         print(f"could not run exercise {nn}'s tests: {e}")
         return False
+    if len(outcomes) == 1 and outcomes[0][0].endswith(".py"):     # nothing could be collected
+        report(nn, outcomes[0])
     passed = sum(s == "passed" for _, s, _ in outcomes)
-    for name, status, msg in outcomes:
-        mark = {"passed": "ok  ", "failed": "FAIL", "skipped": "skip"}[status]
-        print(f"{mark} {name}" + (f"\n       {msg}" if msg else ""))
     ok = passed == len(outcomes) > 0
     print(f"exercise {nn}: {passed}/{len(outcomes)} tests pass" + (" - done!" if ok else ""))
     return ok
@@ -209,7 +232,7 @@ def main(argv=None) -> None:
     which.add_argument("--stubs-fail", action="store_true",
                        help="prove that every exercise test fails on the untouched stubs")
     args = ap.parse_args(argv)
-    ok = prove_stubs_fail() if args.stubs_fail else check_exercise(args.exercise)
+    ok = prove_stubs_fail() if args.stubs_fail else exercise_passes(args.exercise)
     sys.exit(0 if ok else 1)
 
 
