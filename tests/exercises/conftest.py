@@ -16,6 +16,20 @@ from tinyllm.course.check import divergence, explained
 PATIENCE = 100  # steps with work in which no request moves: the run is stuck
 
 
+def pytest_make_parametrize_id(config, val, argname):
+    """A case's name in words where pytest would number it (`lens0`, `names1`): a list or
+    tuple as its items, a dtype by its name, a tensor as its values."""
+    import torch
+
+    if isinstance(val, torch.dtype):
+        return str(val).removeprefix("torch.")
+    if isinstance(val, torch.Tensor) and val.numel() <= 8:
+        return ",".join(f"{x:g}" for x in val.flatten().tolist())
+    if isinstance(val, (list, tuple)) and all(isinstance(x, (int, str)) for x in val):
+        return ",".join(map(str, val)) or "[]"
+    return None
+
+
 @pytest.fixture(scope="module")
 def impl(request):
     """The exercise module under test: exercises.<EXERCISE> or solutions.<EXERCISE>."""
