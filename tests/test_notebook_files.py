@@ -23,7 +23,7 @@ def test_the_course_address_is_set_in_one_place(monkeypatch):
     monkeypatch.setattr(nbfiles, "course_address", lambda: "https://example.org/fork/tinyllm")
     for path in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
         cell = nbfiles.nbformat.reads(normalise(path.read_text(encoding="utf-8")), 4).cells[1]
-        assert cell.source.startswith("# Colab only"), f"{path.name}: no Colab cell"
+        assert cell.source.startswith("#@title Colab only"), f"{path.name}: no Colab cell"
         assert '    REPO = "https://example.org/fork/tinyllm"' in cell.source, path.name
 
 
@@ -37,3 +37,48 @@ def test_a_check_cell_shows_its_report_alone():
             if cell["cell_type"] == "code" and "check_exercise(" in "".join(cell["source"]):
                 values = [o for o in cell["outputs"] if o["output_type"] == "execute_result"]
                 assert not values, f"{path.name}: its check cell shows a value under the report"
+
+
+def run_colab_cell(monkeypatch, cloned: bool, typed: str | None) -> list[str]:
+    """Notebook 01's Colab cell as Colab runs it (its magics turned into Python by IPython, as
+    any notebook does), with google.colab loaded, /content/tinyllm already cloned or not, and
+    `typed` the answer to its question (None: it must not ask). Returns the shell commands and
+    magics it ran."""
+    import builtins
+    import json
+    import os
+    import sys
+    import types
+
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    nb = json.loads((ROOT / "notebooks" / "01_kv_cache.ipynb").read_text(encoding="utf-8"))
+    code = TransformerManager().transform_cell("".join(nb["cells"][1]["source"]))
+    ran, names = [], {}
+    shell = types.SimpleNamespace(  # IPython fills a command's {name} from the cell's names
+        system=lambda cmd: ran.append(cmd.format(**names)),
+        run_line_magic=lambda name, line, *_: ran.append(f"%{name} {line}"),
+    )
+
+    def asked(prompt=""):
+        assert typed is not None, f"the cell asked {prompt!r} where it needs nothing"
+        return typed
+
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.setattr(os.path, "isdir", lambda p: cloned and p == "/content/tinyllm/.git")
+    monkeypatch.setattr(builtins, "input", asked)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    names["get_ipython"] = lambda: shell
+    exec(code, names)
+    return ran
+
+
+def test_the_colab_cell_asks_once_for_the_address_then_needs_nothing(monkeypatch):
+    """In Colab, the first notebook opened asks for the course's address (where pyproject.toml
+    names none) and clones it; every later notebook of the runtime finds the clone and asks
+    nothing: no notebook stops at its first cell."""
+    first = run_colab_cell(monkeypatch, cloned=False, typed="https://example.org/me/tinyllm")
+    assert any("git clone" in c and "https://example.org/me/tinyllm" in c for c in first), first
+    later = run_colab_cell(monkeypatch, cloned=True, typed=None)
+    assert not any("git clone" in c for c in later), later
+    assert any(c.startswith("%pip") for c in later) and any(c.startswith("%cd") for c in later)

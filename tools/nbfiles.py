@@ -27,6 +27,7 @@ import nbformat
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 REPO_LINE = re.compile(r'^(    REPO = )"[^"]*"', re.M)  # in the Colab cell
+COLAB_CELL = re.compile(r"#(@title)? ?Colab only")  # its first line
 
 
 def course_address() -> str | None:
@@ -76,7 +77,7 @@ def normalise(text: str) -> str:
         del nb.metadata["widgets"]
     address = course_address()
     for cell in nb.cells[:2] if address else []:
-        if cell.cell_type == "code" and cell.source.startswith("# Colab only"):
+        if cell.cell_type == "code" and COLAB_CELL.match(cell.source):
             cell.source = REPO_LINE.sub(lambda m: f'{m.group(1)}"{address}"', cell.source)
     nb = nbformat.from_dict(js_numbers(nb))
     out = nbformat.writes(nb, version=nbformat.NO_CONVERT)
