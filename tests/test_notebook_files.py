@@ -82,3 +82,52 @@ def test_the_colab_cell_asks_once_for_the_address_then_needs_nothing(monkeypatch
     later = run_colab_cell(monkeypatch, cloned=True, typed=None)
     assert not any("git clone" in c for c in later), later
     assert any(c.startswith("%pip") for c in later) and any(c.startswith("%cd") for c in later)
+
+
+def saved_text(cell) -> str:
+    """What a code cell's saved outputs print (text and text/plain)."""
+    out = []
+    for o in cell.get("outputs", []):
+        out.append("".join(o.get("text", "")))
+        out.append("".join(o.get("data", {}).get("text/plain", "")))
+    return "".join(out)
+
+
+def test_prose_cites_only_the_saved_run():
+    """A sentence that speaks of "the saved run" quotes its figures (1.07x, 0.80x, 12.4) only as
+    the code cell before it printed them: prose written for another run, or another CPU, fails
+    here until it is rewritten or the notebook re-executed."""
+    import json
+    import re
+
+    stale = []
+    for path in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        printed = ""
+        for cell in cells:
+            if cell["cell_type"] == "code":
+                printed = saved_text(cell)
+                continue
+            text = " ".join("".join(cell["source"]).split())
+            for sentence in re.split(r"(?<=[.;:])\s", text):
+                if "saved run" not in sentence:
+                    continue
+                for figure in re.findall(r"(?<![\w.])(\d+\.\d+)x?", sentence):
+                    if figure not in printed:
+                        stale.append(f"{path.name}: {figure} in {sentence[:90]!r}")
+    assert not stale, "figures the saved run did not print: " + "; ".join(stale)
+
+
+def test_notebook_10_points_to_every_step_in_the_engines():
+    """Notebook 10's reading table (where each idea lives in vLLM, SGLang and nano-vllm) has a
+    row for every step that has a notebook, 01 on."""
+    import json
+    import re
+
+    nb = json.loads((ROOT / "notebooks" / "10_serving.ipynb").read_text(encoding="utf-8"))
+    table = next(
+        "".join(c["source"]) for c in nb["cells"] if "## Where next" in "".join(c["source"])
+    )
+    rows = set(re.findall(r"^\| (\d\d) ", table, re.M))
+    steps = {p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")} - {"00"}
+    assert steps <= rows, f"steps without a row: {sorted(steps - rows)}"
