@@ -233,7 +233,7 @@ def test_stream_options_need_stream_and_max_completion_tokens_0_is_refused(runni
         post(
             running,
             "/v1/chat/completions",
-            {**chat, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            {**chat, "stream": True, "stream_options": {"continuous_usage_stats": 1}},
         )
     )
     assert error["param"] == "stream_options.continuous_usage_stats"
@@ -407,6 +407,73 @@ def test_vllm_bench_serve_bodies_get_their_streams_and_usage(running):
         text, usage = stream_of(running, path, {**body, "temperature": 0.0})
         expected = generate(running.engine.model, prompt_ids, 20, eos_id=tok.eos_id)
         assert text == tok.decode(expected) and usage["completion_tokens"] == len(expected), path
+    assert running.wait_idle() == (0, 0)
+
+
+# ---- guidellm -------------------------------------------------------------------------------
+def guidellm_bodies(prompt: str, n: int) -> dict:
+    """The bodies guidellm 0.8.1 sends (guidellm/backends/openai/request_handlers.py) for a
+    streamed request of n output tokens: usage in every chunk, and exactly n tokens."""
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    common = {"model": NAME, "stream": True, "stream_options": usage, "stop": None}
+    return {
+        "/v1/completions": {**common, "max_tokens": n, "ignore_eos": True, "prompt": prompt},
+        "/v1/chat/completions": {
+            **common,
+            "max_completion_tokens": n,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+        },
+    }
+
+
+def test_guidellm_bodies_get_the_usage_in_every_chunk(running):
+    """With stream_options' continuous_usage_stats (guidellm sends it on every streamed
+    request), every chunk carries the usage so far, as vLLM's do: the prompt's tokens and the
+    choice's tokens (0 in chat's role chunk), then the usage-only chunk of the totals; the text
+    is the stream's without it."""
+    tok = running.tok
+    for path, body in guidellm_bodies(PROMPTS[1], 12).items():
+        r = post(running, path, {**body, "temperature": 0})
+        assert r.status_code == 200, (path, r.text[:300])
+        chunks = sse_chunks(r.text)
+        assert all("usage" in c for c in chunks), f"{path}: a chunk without its usage"
+        *content, last = chunks
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 12, last
+        prompt = last["usage"]["prompt_tokens"]
+        for c in chunks:
+            u = c["usage"]
+            assert u["prompt_tokens"] == prompt, (path, c)
+            assert u["total_tokens"] == prompt + u["completion_tokens"], (path, c)
+        counts = [c["usage"]["completion_tokens"] for c in content]
+        assert counts == sorted(counts) and counts[-1] == 12, (path, counts)
+        if path == "/v1/chat/completions":
+            assert counts[0] == 0 and content[0]["choices"][0]["delta"]["role"] == "assistant"
+        plain = {**body, "temperature": 0, "stream_options": {"include_usage": True}}
+        text, usage = stream_of(running, path, plain)
+        assert stream_of(running, path, {**body, "temperature": 0}) == (text, usage), path
+        assert "usage" not in sse_chunks(post(running, path, plain).text)[0], path
+    chat = [{"role": "user", "content": PROMPTS[1]}]
+    assert prompt == len(tok.apply_chat_template(chat, tokenize=True))
+    assert running.wait_idle() == (0, 0)
+
+
+def test_continuous_usage_counts_each_choice_and_needs_include_usage(running):
+    """Each choice's chunks count that choice's tokens (n choices, logprobs: the general
+    stream); continuous_usage_stats without include_usage is taken and changes nothing, as
+    vLLM takes it."""
+    body = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 8, "ignore_eos": True}
+    body |= {"stream": True, "n": 2, "seed": 5, "logprobs": 1}
+    every = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = sse_chunks(post(running, "/v1/completions", {**body, "stream_options": every}).text)
+    seen = {0: [], 1: []}
+    for c in chunks[:-1]:
+        seen[c["choices"][0]["index"]].append(c["usage"]["completion_tokens"])
+    assert all(v == sorted(v) and v[-1] == 8 for v in seen.values()), seen
+    assert chunks[-1]["usage"]["completion_tokens"] == 16, chunks[-1]
+    alone = {"continuous_usage_stats": True}
+    chunks = sse_chunks(post(running, "/v1/completions", {**body, "stream_options": alone}).text)
+    assert not any("usage" in c for c in chunks), chunks[0]
     assert running.wait_idle() == (0, 0)
 
 

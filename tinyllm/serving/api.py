@@ -14,7 +14,9 @@ is not supported. Any other field gets a 400 that names it. A value out of its r
 logit bias in [-100, 100]), at most 20 alternatives a token (vLLM's default bound), and the
 engine's checks (`Sampling`, `check_token_stage`: its message names the setting, which names
 the field). A chat message's content is a string or a list of text parts, joined with
-newlines as vLLM joins them.
+newlines as vLLM joins them. A stream's stream_options ask for its usage at its end
+(include_usage) and in every chunk (continuous_usage_stats, vLLM's, which guidellm sends):
+`usage_of`.
 
 Structured output (12): `constraint_of` reads the one constraint a body asks for as the
 engine's `Constraint` (a JSON schema, kept in the client's key order, as the answer's
@@ -168,11 +170,12 @@ NO_OPS = {
     "media_io_kwargs": (CHAT_T, ({},), "multimodal input"),
     "include_reasoning": ({CHAT}, (True,), "reasoning left out of the answer"),
 }
-# stream_options' keys, as NO_OPS has them (include_usage is read)
+# stream_options' keys, as NO_OPS has them: include_usage and continuous_usage_stats are read
+# (usage_of), include_obfuscation is taken either way
 STREAM_OPTIONS = {
     "include_usage": bool,
+    "continuous_usage_stats": bool,
     "include_obfuscation": bool,
-    "continuous_usage_stats": (False,),
 }
 # the keys a chat message may hold besides role, content and name, where they change nothing
 MESSAGE_NO_OPS = {"tool_calls": ([],), "function_call": (), "refusal": (), "audio": ()}
@@ -256,6 +259,15 @@ def check_stream_options(body: dict) -> None:
                 "stream_options",
             )
         check_no_op(f"stream_options.{key}", value, STREAM_OPTIONS[key], "usage in every chunk")
+
+
+def usage_of(body: dict) -> tuple[bool, bool]:
+    """(whether a stream ends with a chunk of its usage, whether every chunk carries the usage
+    so far): stream_options' include_usage, and its continuous_usage_stats, which counts only
+    with include_usage (as vLLM reads them)."""
+    options = body.get("stream_options") or {}
+    final = bool(options.get("include_usage"))
+    return final, final and bool(options.get("continuous_usage_stats"))
 
 
 def check_body(body, kind: str) -> dict:

@@ -6,7 +6,8 @@ choices has n interleaved streams of pieces, each ending with a piece that carri
 finish_reason. `choice_events` writes them as server-sent events, as OpenAI and vLLM do: a
 chunk per piece, naming its choice's `index` (chat first sends each choice's role), the
 choice's logprobs in each chunk, then the usage (prompt tokens once, completion tokens summed
-over the choices) when asked, then `data: [DONE]`. `answer_body` writes the collected answer:
+over the choices) when asked, then `data: [DONE]`; with vLLM's continuous usage, each chunk
+also carries the usage of its choice so far. `answer_body` writes the collected answer:
 one choice per index, its whole text and logprobs. An echoed prompt (completions' echo) is one
 more piece before each choice's first (`echo_first`): its text, its tokens, their logprobs.
 `Spelling` spells the logprobs in the endpoint's shape (logprobs.py).
@@ -81,23 +82,35 @@ def streamed_choice(kind: str, piece: Piece, logprobs: dict | None) -> dict:
 
 
 async def choice_events(
-    pieces, kind: str, head: dict, n_prompt: int, include_usage: bool, n: int = 1, spell=None
+    pieces,
+    kind: str,
+    head: dict,
+    n_prompt: int,
+    include_usage: bool,
+    n: int = 1,
+    spell=None,
+    continuous: bool = False,
 ):
     """The server-sent events of a streamed answer of n choices: pieces (an async iterator of
     Piece) each as a chunk of head and its choice (its logprobs as spell spells them, else
     None); chat first sends each choice's role; then the usage when include_usage, then
-    [DONE]. With n 1 and no logprobs these are exactly sse_events' (server.py)."""
+    [DONE]. With continuous (vLLM's continuous_usage_stats) every chunk carries the usage so
+    far too: the prompt's tokens and its choice's (0 in a role chunk). With n 1, no logprobs
+    and no continuous usage these are exactly sse_events' (server.py)."""
+
+    def chunk(choice: dict, n_out: int) -> str:
+        usage_so_far = {"usage": usage(n_prompt, n_out)} if continuous else {}
+        return sse_event({**head, "choices": [choice], **usage_so_far})
+
     if kind != COMPLETIONS:
         for i in range(n):
             role = {"index": i, "delta": {"role": "assistant", "content": ""}}
-            yield sse_event(
-                {**head, "choices": [{**role, "finish_reason": None, "logprobs": None}]}
-            )
+            yield chunk({**role, "finish_reason": None, "logprobs": None}, 0)
     n_out = [0] * n
     async for piece in pieces:
         n_out[piece.index] = piece.n_out
         logprobs = spell(piece) if spell is not None else None
-        yield sse_event({**head, "choices": [streamed_choice(kind, piece, logprobs)]})
+        yield chunk(streamed_choice(kind, piece, logprobs), piece.n_out)
     if include_usage:
         yield sse_event({**head, "choices": [], "usage": usage(n_prompt, sum(n_out))})
     yield sse_event("[DONE]")

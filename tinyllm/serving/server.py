@@ -20,10 +20,11 @@ one `Request`. A request of n choices is n sequences in the engine, each its own
 when max_waiting sequences would wait). It then reads its queue (`Answer`), turning each
 choice's tokens into text a settled piece at a time (textstream.py, each choice with the stop
 strings), with their logprobs when asked, and streams them as server-sent events (one plain
-choice by `sse_events`, any other by responses.choice_events) or collects them into one body
-(responses.py; logprobs spelled as logprobs.py says). A client that goes away aborts every
-choice of its request: their slots and blocks are free before the next step, and nothing else in
-flight notices; a request that the engine fails on fails alone. `/health` says whether the
+choice by `sse_events`; any other, or any with vLLM's continuous_usage_stats, the usage so far
+in every chunk, by responses.choice_events) or collects them into one body (responses.py;
+logprobs spelled as logprobs.py says). A client that goes away aborts every choice of its
+request: their slots and blocks are free before the next step, and nothing else in flight
+notices; a request that the engine fails on fails alone. `/health` says whether the
 engine runs (its process alive, and heard from in the last few seconds) and its KV cache's books
 are sound; it answers at once whatever the other requests are doing. Every error is an
 OpenAI-style JSON body, a server's fault a 500 that says what failed.
@@ -61,6 +62,7 @@ from tinyllm.serving.api import (
     parse_json,
     prompt_ids,
     to_request,
+    usage_of,
 )
 from tinyllm.serving.engine_loop import EngineLoop, Ticket, next_event
 from tinyllm.serving.logprobs import TokenTexts, vllm_prompt_logprobs
@@ -396,14 +398,14 @@ async def serve_completion(served: Served, http, kind: str):
 
     if kind == CHAT:
         head["object"] += ".chunk"
-    usage_too = bool((body.get("stream_options") or {}).get("include_usage"))
+    usage_too, every_chunk = usage_of(body)
     # the stream starts with its first piece: a refusal before it is still a plain error
     pieces = starting_with(await failing_plainly(pieces.__anext__()), pieces)
-    if asked.plain:  # the exercise's seam writes the stream of one plain choice
+    if asked.plain and not every_chunk:  # the exercise's seam: one plain choice's stream
         triples = ((p.text, p.finish_reason, p.n_out) async for p in pieces)
         events = sse_events(triples, kind, head, len(ids), usage_too)
     else:
-        events = choice_events(pieces, kind, head, len(ids), usage_too, n, spell)
+        events = choice_events(pieces, kind, head, len(ids), usage_too, n, spell, every_chunk)
     return StreamingResponse(errors_as_events(events), media_type="text/event-stream")
 
 
