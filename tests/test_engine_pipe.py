@@ -392,6 +392,74 @@ def test_an_engine_that_stops_answering_fails_its_requests_and_health(bundled64)
         srv.stop()
 
 
+# ---- a decoder that compiles: before Ready, said as it goes -----------------------------------
+class SlowDecoder:
+    """A decoder whose warm-up compiles three buckets of WARM_S each (it sleeps), saying each;
+    its steps are the model's own."""
+
+    WARM_S = 0.8
+
+    def __init__(self, model, fails: bool = False):
+        self.model, self.fails = model, fails
+
+    def warm_up(self, progress=None):
+        for rows in (1, 2, 4):
+            time.sleep(self.WARM_S)
+            if self.fails and rows == 2:
+                raise RuntimeError(
+                    "InvalidCxxCompiler: No working C++ compiler found in "
+                    "torch._inductor.config.cpp.cxx: (None, '/nonexistent')\n  and 100 more lines"
+                )
+            if progress is not None:
+                progress(rows, self.WARM_S)
+
+    def __call__(self, idx, cache):
+        return self.model(idx, cache=cache)
+
+
+def test_a_decoder_compiles_before_the_engine_is_ready_saying_each_bucket(bundled64):
+    """The engine loop starts once the decoder's warm-up is over, handing a line for each
+    bucket to its progress (the serve command prints them); the first request then waits for
+    no compilation."""
+    model, tok = bundled64
+    loop, lines = server.EngineLoop(ContinuousEngine(model, 2, decoder=SlowDecoder(model))), []
+
+    async def start_then_ask():
+        t0 = time.perf_counter()
+        await loop.start(lines.append)
+        started = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        tokens = await answer_of(loop, Request(tok.encode(PROMPTS[0]), 1))
+        await loop.stop()
+        return started, time.perf_counter() - t1, tokens
+
+    started, first, tokens = asyncio.run(start_then_ask())
+    assert started >= 3 * SlowDecoder.WARM_S, f"ready after {started:.1f} s, before its warm-up"
+    assert first < 2 * SlowDecoder.WARM_S, f"the first token took {first:.1f} s"
+    assert len(tokens) == 1, tokens
+    assert lines[0].startswith("compiling the decode step") and len(lines) == 5, lines
+    assert [line.split(":")[0].strip() for line in lines[1:4]] == [
+        "bucket of 1",
+        "bucket of 2",
+        "bucket of 4",
+    ], lines
+    assert lines[4].startswith("the decode step is compiled"), lines
+
+
+def test_a_decoder_that_cannot_compile_stops_the_start_in_one_line(bundled64):
+    """A warm-up that fails (TorchInductor without a C++ compiler) ends the start with one
+    sentence: what failed, the error's first line, and what to do; the engine process is gone."""
+    model, _ = bundled64
+    engine = ContinuousEngine(model, 2, decoder=SlowDecoder(model, fails=True))
+    loop = server.EngineLoop(engine)
+    with pytest.raises(RuntimeError) as e:
+        asyncio.run(loop.start())
+    why = str(e.value)
+    assert "\n" not in why and why.startswith("the engine could not start: its decode step"), why
+    assert "No working C++ compiler" in why and "serve with --decoder eager" in why, why
+    assert not loop.engine.process.is_alive()
+
+
 ENGINE_ALONE = """
 import asyncio, tinyllm
 from tinyllm.core.continuous import ContinuousEngine

@@ -6,7 +6,11 @@ index outside the cache raises and writes nothing; a model it cannot compute is 
 """
 
 import copy
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,3 +279,24 @@ def test_a_fused_decoder_sent_to_another_process_finds_its_weights_again():
     assert [w.data_ptr() for w in copied.weights[1]] == mine
     assert all(map(torch.equal, copied.weights[1], decoder.weights[1]))
     assert copy.deepcopy(decoder).weights[0][1].data_ptr() != decoder.weights[0][1].data_ptr()
+
+
+def test_a_machine_without_the_kernels_is_told_why_in_one_line(tmp_path, monkeypatch):
+    """Where the kernels did not build, the refusal says what the compiler said last; `serve
+    --decoder fused` with no C compiler (an empty PATH, $CC and $CXX pointing nowhere, a fresh
+    cache) ends with that in one line, and what to do, status 2."""
+    monkeypatch.setattr(cpu_kernels, "_built", False)
+    monkeypatch.setattr(cpu_kernels, "FAILURES", ["-O3: cc: error\nfatal: no such instruction set"])
+    assert FusedDecoder.refusal(MODEL) == (
+        "the C kernels are not built here: the compiler said, with -O3: fatal: no such "
+        "instruction set"
+    )
+    env = {**os.environ, "PATH": str(tmp_path), "CC": "/nonexistent", "CXX": "/nonexistent"}
+    env |= {"TINYLLM_CACHE": str(tmp_path / "c"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "i")}
+    cmd = [sys.executable, "-m", "tinyllm", "serve", "--decoder", "fused", "--port", "9"]
+    root = Path(__file__).parents[1]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    said = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 2 and len(said) == 1, said
+    assert "--decoder fused" in said[0] and "no C and C++ compilers" in said[0], said
+    assert said[0].endswith("or serve with --decoder eager"), said

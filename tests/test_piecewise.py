@@ -2,8 +2,16 @@
 int4) and with speculation, every request gets its solo tokens; the pieces compile once for all
 the layers; the settings that cannot go with them are refused by name."""
 
+import os
 import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -139,3 +147,58 @@ def test_a_decoder_sent_to_another_process_leaves_its_programs_behind():
     with torch.no_grad():
         copy.pieces(x, cos, sin, lambda block, q, k, v: torch.zeros_like(q))
     assert len(piecewise.PROGRAMS[copy.model]) == 3
+
+
+ROOT = Path(__file__).parents[1]
+
+
+def run_serve(flags: list[str], **env) -> subprocess.Popen:
+    """`python -m tinyllm serve` with these flags, its output a line at a time."""
+    cmd = [sys.executable, "-m", "tinyllm", "serve", *flags]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
+    )
+
+
+def test_serve_compiles_the_pieces_before_it_says_it_serves():
+    """`serve --decoder pieces` compiles every bucket (1 and 2 rows) before it says "serving",
+    a line for each as it goes; the first request then waits for no compilation."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = run_serve(["--decoder", "pieces", "--slots", "2", "--port", str(port)])
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("serving")):
+            lines.append(proc.stdout.readline())
+            assert lines[-1], f"serve ended before it served: {''.join(lines)}"
+        said = [line.strip() for line in lines[1:]]
+        assert said[0].startswith("compiling the decode step (--decoder pieces)"), said
+        assert [line.split(":")[0] for line in said[1:3]] == ["bucket of 1 row", "bucket of 2 rows"]
+        assert said[3].startswith("the decode step is compiled"), said
+        body = {"prompt": "Ham.\nTo be", "max_tokens": 4, "temperature": 0}
+        t0 = time.perf_counter()
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        first = time.perf_counter() - t0
+        assert r.status_code == 200 and first < 5, (r.status_code, first)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    assert "stopping" in out and "Traceback" not in out, out
+
+
+def test_serve_pieces_without_a_cxx_compiler_says_so_in_one_line(tmp_path):
+    """Where TorchInductor finds no C++ compiler ($CXX pointing nowhere, a fresh cache), `serve
+    --decoder pieces` ends at once with one line that says so and what to do, status 2 (it
+    printed 115 lines of Inductor's traceback after it said it served)."""
+    env = {"CC": "/nonexistent", "CXX": "/nonexistent", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    proc = run_serve(["--decoder", "pieces", "--port", "9"], **env)
+    try:
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    said = out.strip().splitlines()
+    assert proc.returncode == 2 and len(said) == 1, said
+    assert "--decoder pieces" in said[0] and "no C++ compiler" in said[0], said
+    assert said[0].endswith("or serve with --decoder eager"), said

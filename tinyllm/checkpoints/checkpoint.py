@@ -3,7 +3,8 @@
 A directory holds `config.json` (the transformers config's field names), `model.safetensors`
 (or shards listed in `model.safetensors.index.json`) with Hugging Face tensor names, and
 `tokenizer.json`; an instruct model adds its chat template (`chat_template.jinja`, or a field of
-`tokenizer_config.json`) and often more end-of-turn ids in `generation_config.json`. The bundled
+`tokenizer_config.json`) and often more end-of-turn ids in `generation_config.json`, which may
+also state the sampling its makers recommend (`read_generation_defaults`). The bundled
 model is a Llama; real Llama (SmolLM2, TinyLlama, Llama 3.x) and Qwen2 / Qwen2.5 checkpoints load
 the same way, and `transformers` loads any of them as a peer. A `.gguf` file (llama.cpp's single
 file, step 09) is read by `gguf_file`, which builds on this module; `loading.load` takes either.
@@ -250,6 +251,32 @@ def read_eos_ids(path: Path, hf: dict, vocab_size: int) -> list[int]:
         ids += token_ids(read_json_object(file).get("eos_token_id"), file, "eos_token_id",
                          vocab_size)
     return list(dict.fromkeys(ids))
+
+
+# the sampling fields a generation_config.json may state, at transformers' defaults: a field at
+# its default states nothing (vLLM reads the file's difference from them, to_diff_dict)
+GENERATION_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None,
+                     "repetition_penalty": 1.0}
+
+
+def read_generation_defaults(path: Path) -> dict:
+    """The sampling defaults a checkpoint directory's generation_config.json states, as vLLM's
+    --generation-config auto reads them: temperature, top_p, top_k, min_p and
+    repetition_penalty where they differ from transformers' defaults; {} without the file.
+    do_sample is not read (vLLM does not read it either). A value that is no number is refused
+    with its field."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    config, out = read_json_object(file), {}
+    for name, default in GENERATION_FIELDS.items():
+        value = config.get(name)
+        if value is None or value == default:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(f"{file}: {name} must be a number, got {value!r:.80}")
+        out[name] = value
+    return out
 
 
 def check_chat_template(source, file: Path, field: str | None = None) -> str:

@@ -2,7 +2,8 @@
 
 One `.gguf` file holds what a Hugging Face directory spreads over several: the config as
 metadata keys (`llama.block_count`, `llama.attention.head_count`...), the tokenizer's vocabulary,
-merges, special ids and chat template (`tokenizer.*`), and the weights under llama.cpp's names
+merges, special ids and chat template (`tokenizer.*`), the sampling its makers recommend when it
+states one (`general.sampling.*`: read_sampling_defaults), and the weights under llama.cpp's names
 (`blk.0.attn_q.weight`), most of them quantised in blocks (Q4_1: 32 weights share a scale and a
 minimum). `load_gguf` reads it with the `gguf` package (llama.cpp's own reader), de-quantises
 every tensor into the asked dtype, gives it its Hugging Face name and hands the result to
@@ -123,6 +124,28 @@ def read_metadata(reader, where: Path) -> dict:
             raise CheckpointError(f"{where}: metadata key {name!r} holds a string that is not "
                                   f"UTF-8 ({e})") from None
     return meta
+
+
+# llama.cpp's general.sampling.* keys (its converter writes them from generation_config.json,
+# and llama-server takes them for the fields a request leaves out) -> the field each states
+SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                 "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                 "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def read_sampling_defaults(path: Path) -> dict:
+    """The sampling defaults a GGUF file states in llama.cpp's general.sampling.* keys, as the
+    fields they set ({} when it states none); a float32 value rounded to 6 decimals (0.95, not
+    0.949999988). A value that is no number is refused with its key."""
+    reader, out = open_reader(path), {}
+    for key, name in SAMPLING_KEYS.items():
+        if key not in reader.fields:
+            continue
+        value = field_value(reader.fields[key])
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(f"{path}: {key} must be a number, got {value!r:.80}")
+        out[name] = round(value, 6) if isinstance(value, float) else value
+    return out
 
 
 # ---- metadata -> ModelConfig --------------------------------------------------------------

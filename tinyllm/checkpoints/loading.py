@@ -5,7 +5,8 @@ is a Hugging Face checkpoint (checkpoint.load_dir); a `.gguf` file is llama.cpp'
 format (gguf_file.load_gguf); with download=True, a Hugging Face Hub id is fetched first
 (checkpoint.fetch). Nothing is fetched unless asked. The bundled model's directory is step 00's;
 a GGUF file and the real models are step 09's, their modules imported only when a path asks
-for them, so `import tinyllm` loads none of them.
+for them, so `import tinyllm` loads none of them. `generation_defaults` reads the sampling a
+checkpoint states for the fields a request leaves out (a server's defaults, step 10).
 """
 
 from pathlib import Path
@@ -19,6 +20,7 @@ from tinyllm.checkpoints.checkpoint import (
     fetch,
     load_dir,
     pick_device_dtype,
+    read_generation_defaults,
     resolve,
 )
 from tinyllm.checkpoints.tokenizer import Tokenizer
@@ -59,3 +61,15 @@ def load(path: str | Path = "default", device=None, dtype: torch.dtype | None = 
                 "(or tinyllm.load('smollm2')) names it. A Hugging Face Hub id loads with "
                 "download=True")
     return load_dir(path, device, dtype, max_seq_len)
+
+
+def generation_defaults(path: str | Path = "default") -> dict:
+    """The sampling defaults a checkpoint states, as {field: value} for the fields a request
+    leaves out: a directory's generation_config.json (checkpoint.read_generation_defaults), a
+    GGUF file's general.sampling.* keys (gguf_file.read_sampling_defaults); {} where it states
+    none (the bundled model, SmolLM2's file)."""
+    path = resolve(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from tinyllm.checkpoints.gguf_file import read_sampling_defaults
+        return read_sampling_defaults(path)
+    return read_generation_defaults(path)

@@ -137,10 +137,11 @@ class CompiledDecoder(SlotGraphDecoder):
         self.graphs = CompiledSteps(self)
 
     @torch.no_grad()
-    def warm_up(self, buckets=None) -> dict[int, float]:
+    def warm_up(self, buckets=None, progress=None) -> dict[int, float]:
         """Compile these buckets now (default: every one) -> the seconds each took. Runs each
         bucket's step once on the free slots (it writes their position 0, which a prefill
-        overwrites), so it needs every slot free."""
+        overwrites), so it needs every slot free. progress(W, seconds), if given, hears of each
+        bucket as it is compiled."""
         if any(self.slots.active):
             raise ValueError("warm_up writes into the slots: call it while they are free")
         self.tokens.zero_()
@@ -148,4 +149,6 @@ class CompiledDecoder(SlotGraphDecoder):
         self.fill_tables([])                            # a paged pool: every row on the pad
         for W in buckets or self.buckets:
             self.graphs[W].replay()
+            if progress is not None:
+                progress(W, self.compile_s[W])
         return {W: self.compile_s[W] for W in buckets or self.buckets}

@@ -147,6 +147,17 @@ def library():
     return ops
 
 
+def why_not_built() -> str:
+    """Why the kernels are not built here, in one line: turned off, what the compiler said
+    last (its last line), or that there are no compilers."""
+    if os.environ.get("TINYLLM_NO_C_KERNELS") == "1":
+        return "$TINYLLM_NO_C_KERNELS=1 turns them off"
+    if not FAILURES:
+        return "no C and C++ compilers (cc, gcc or clang and c++, g++ or clang++, or $CC, $CXX)"
+    flags, _, said = FAILURES[-1].partition(": ")
+    return f"the compiler said, with {flags}: {(said.strip().splitlines() or [''])[-1]}"
+
+
 _built: bool | None = None  # available()'s answer, once asked
 
 

@@ -55,7 +55,7 @@ class FusedDecoder:
     def refusal(model: Transformer) -> str | None:
         """Why decode_layer cannot compute this model's layers, or None where it can."""
         if not cpu_kernels.available():
-            return "the C kernels are not built here"
+            return f"the C kernels are not built here: {cpu_kernels.why_not_built()}"
         p = model.embed_tokens.weight
         if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.float64):
             return f"its weights are {p.dtype} on {p.device.type}, not float32 or float64 on a CPU"

@@ -174,18 +174,22 @@ class PiecewiseDecoder:
         return run(*held, *args)
 
     @torch.no_grad()
-    def warm_up(self, max_rows: int | None = None) -> float:
+    def warm_up(self, max_rows: int | None = None, progress=None) -> float:
         """Compile the pieces now for every bucket of rows up to max_rows (default: the
         decoder's, its engine's slots) (1, 2, 4, ...), on zeros, so that no request waits for a
-        compilation -> the seconds it took."""
+        compilation -> the seconds it took. progress(rows, seconds), if given, hears of each
+        bucket as it is compiled."""
         max_rows = max_rows or self.max_rows
         m, attn = self.model, self.model.layers[0].self_attn
         p = m.embed_tokens.weight
         t0 = time.perf_counter()
         for rows in sorted({1 << (b - 1).bit_length() for b in range(1, max_rows + 1)}):
+            t = time.perf_counter()
             x = p.new_zeros(rows, 1, m.cfg.d_model)                              # (B, 1, d)
             cos, sin = (p.new_zeros(rows, 1, 1, attn.head_dim) for _ in "cs")  # (B, 1, 1, hd)
             self.pieces(x, cos, sin, lambda block, q, k, v: torch.zeros_like(q))
+            if progress is not None:
+                progress(rows, time.perf_counter() - t)
         return time.perf_counter() - t0
 
     def pieces(self, x: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:

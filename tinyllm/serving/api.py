@@ -30,7 +30,8 @@ A prompt is refused by its size before it is tokenized: no token covers more cha
 the tokenizer's longest, so a text longer than max_len times that cannot fit. Tokenizing and
 rendering the chat template (`prompt_ids`) is slow for a long prompt: the server calls it off
 its event loop. `to_request` turns a checked body into what it asks (`Asked`): the engine's
-Request, its stop strings, the prompt's text to echo, vLLM's prompt_logprobs. Used by
+Request, its stop strings, the prompt's text to echo, vLLM's prompt_logprobs; the sampling
+fields it leaves out take the model's defaults (`with_defaults`; served.py says which). Used by
 server.py; builds on the engine's Request and Sampling.
 """
 
@@ -818,6 +819,13 @@ class Asked:
         return s.n == 1 and s.logprobs is None and self.echo is None and s.prompt_logprobs is None
 
 
+def with_defaults(body: dict, defaults: dict) -> dict:
+    """The body with the model's sampling defaults (served.ModelDefaults' values) in the fields
+    it leaves out, null leaving a field out as OpenAI's clients send it: a request's own fields
+    always win."""
+    return {**body, **{k: v for k, v in defaults.items() if body.get(k) is None}}
+
+
 def to_request(
     body: dict,
     kind: str,
@@ -826,10 +834,13 @@ def to_request(
     max_len: int,
     vocab_size: int | None = None,
     constraint: Constraint | None = None,
+    defaults: dict | None = None,
 ) -> Asked:
     """What a checked body whose prompt is ids asks (its token ids in settings checked against
     vocab_size, the tokenizer's by default), its answer under constraint (constraint_of's,
-    checked by the grammar backend: check_constraint)."""
+    checked by the grammar backend: check_constraint), the model's sampling defaults in the
+    fields it leaves out."""
+    body = with_defaults(body, defaults or {})
     param = "prompt" if kind == COMPLETIONS else "messages"
     if not ids:
         raise APIError(400, f"{param} is empty", param)

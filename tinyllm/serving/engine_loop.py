@@ -51,6 +51,7 @@ from tinyllm.serving.messages import (
     SpeculationCounts,
     StepReport,
     Stop,
+    Warming,
     dumps,
     keys_of,
     loads,
@@ -91,10 +92,12 @@ class EngineProcess:
         self.heard = 0.0  # when the engine was last heard from (time.monotonic())
         self.process = self.zmq = None
 
-    async def start(self) -> None:
-        """Bind the sockets, start the engine process and wait until it is Ready. The engine
-        goes to it pickled: its tensors move to shared memory, so the weights are not copied. A
-        fresh interpreter imports torch there: a few seconds."""
+    async def start(self, progress=None) -> None:
+        """Bind the sockets, start the engine process and wait until it is Ready: a decoder
+        that compiles has compiled by then, each Warming line handed to progress (None: kept
+        quiet). The engine goes to it pickled: its tensors move to shared memory, so the weights
+        are not copied. A fresh interpreter imports torch there: a few seconds. An engine that
+        cannot start raises RuntimeError, one sentence of why."""
         self.dir = tempfile.mkdtemp(prefix="tinyllm-")  # its sockets: only this user's
         addresses = f"ipc://{self.dir}/requests", f"ipc://{self.dir}/reports"
         self.zmq = zmq.asyncio.Context()
@@ -110,19 +113,22 @@ class EngineProcess:
         )
         self.process.start()
         try:
-            message = await self.first_message(120.0)
+            message = await self.first_message(120.0, progress)
         except BaseException:
             await self.stop()
             raise
         if not isinstance(message, Ready):
             await self.stop()
+            if isinstance(message, Failed):
+                raise RuntimeError(f"the engine could not start: {message.why}")
             raise RuntimeError(f"the engine process said {message!r} before it was Ready")
         self.heard = time.monotonic()
 
-    async def first_message(self, timeout: float):
-        """The engine process's first message but heartbeats; a RuntimeError if its process
-        ends first, or nothing comes in timeout seconds."""
-        t0 = time.monotonic()
+    async def first_message(self, timeout: float, progress=None):
+        """The engine process's first message but heartbeats and Warming lines (each handed to
+        progress); a RuntimeError if its process ends first, or nothing at all comes for
+        timeout seconds (heartbeats come while a decoder compiles, however long it takes)."""
+        heard = time.monotonic()
         while True:
             while not await self.reports.poll(250):
                 if not self.process.is_alive():
@@ -130,20 +136,25 @@ class EngineProcess:
                         f"the engine process failed to start (exit code "
                         f"{self.process.exitcode}); its error is above"
                     )
-                if time.monotonic() - t0 > timeout:
-                    raise RuntimeError(f"the engine process did not start in {timeout:.0f} s")
-            if not isinstance(message := loads(await self.reports.recv()), Heartbeat):
+                if time.monotonic() - heard > timeout:
+                    raise RuntimeError(f"the engine process was silent for {timeout:.0f} s")
+            message, heard = loads(await self.reports.recv()), time.monotonic()
+            if isinstance(message, Warming) and progress is not None:
+                progress(message.line)
+            elif not isinstance(message, (Heartbeat, Warming)):
                 return message
 
     async def stop(self) -> None:
-        """Stop the engine process (a Stop; killed if it has not ended 10 s later), close the
-        sockets and remove their directory."""
-        if self.process is not None and self.process.is_alive():
+        """Stop the engine process (a Stop; killed if it has not ended 10 s later, or at once
+        before it was Ready: it reads no Stop while it compiles), close the sockets and remove
+        their directory."""
+        if self.process is not None and self.process.is_alive() and self.heard:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.requests.send_multipart(to_engine(Stop())), 1.0)
             await asyncio.to_thread(self.process.join, 10)
-            if self.process.is_alive():
-                self.process.kill()
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            await asyncio.to_thread(self.process.join, 5)
         if self.zmq is not None:
             self.zmq.destroy(linger=0)
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -210,9 +221,14 @@ class EngineLoop:
         self.failed: str | None = None
         self.listener = None
 
-    async def start(self) -> None:
-        """Start the engine's process, then listen to it."""
-        await self.engine.start()
+    @property
+    def started(self) -> bool:
+        return self.listener is not None
+
+    async def start(self, progress=None) -> None:
+        """Start the engine's process (its decoder compiled, each line of how it goes handed to
+        progress: EngineProcess.start), then listen to it."""
+        await self.engine.start(progress)
         self.listener = asyncio.create_task(self.listen())
 
     async def stop(self) -> None:
@@ -356,23 +372,61 @@ def dispatch(
 
 
 def engine_process(engine: ContinuousEngine, addresses: tuple[str, str], n_threads: int) -> None:
-    """The engine process: read the Adds and Aborts, step while there is work, and send a
-    StepReport after each step: its tokens as (key, token, finish_reason or None), the
-    requests it refused or failed on, the Adds it took, its load, its KV use, and the cache's
-    verdict on its books, asked whenever the engine is idle (`cache.check_integrity(idle=True)`:
-    None when every request gave everything back). A thread sends a Heartbeat every BEAT_S
-    meanwhile. It waits on its socket when there is no work, and ends at a Stop, when the
-    HTTP side's process is gone, or with a Failed that says why (a step raised)."""
+    """The engine process: compile its decode step, if it compiles (`warm_up`, a Warming line
+    a bucket; a Failed in one line if it cannot), say it is Ready, then read the Adds and
+    Aborts, step while there is work, and send a StepReport after each step: its tokens as
+    (key, token, finish_reason or None), the requests it refused or failed on, the Adds it
+    took, its load, its KV use, and the cache's verdict on its books, asked whenever the engine
+    is idle (`cache.check_integrity(idle=True)`: None when every request gave everything
+    back). A thread sends a Heartbeat every BEAT_S from the start. It waits on its socket when
+    there is no work, and ends at a Stop, when the HTTP side's process is gone, or with a
+    Failed that says why (a step raised)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
     torch.set_num_threads(n_threads)
     pipe = EnginePipe(*addresses)
     try:
-        pipe.send(Ready())
         pipe.beat()
-        engine.warm_up()  # a decoder that compiles does it now; the first Adds wait
+        try:  # a decoder that compiles does it before Ready: no request waits for it
+            warm_up(engine, lambda line: pipe.send(Warming(line)))
+        except Exception as e:
+            pipe.send(Failed(warm_up_failure(engine.config.decoder, e)))
+            return
+        pipe.send(Ready())
         serve_engine(engine, pipe)
     finally:
         pipe.close()
+
+
+def warm_up(engine: ContinuousEngine, say) -> None:
+    """A decoder that compiles (06's compiled step, 13's pieces) compiles every bucket now,
+    saying a line (`say`) as it starts, after each bucket and when it is done."""
+    decoder, kind = engine.decoder, engine.config.decoder
+    if not hasattr(decoder, "warm_up"):
+        return
+    say(f"compiling the decode step (--decoder {kind}), a bucket at a time, before serving")
+    t0 = time.perf_counter()
+
+    unit = {"pieces": "row", "compiled": "position"}.get(kind, "")  # what a bucket holds
+
+    def compiled(bucket: int, seconds: float) -> None:
+        size = f"{bucket} {unit}{'s' * (bucket != 1)}" if unit else str(bucket)
+        say(f"  bucket of {size}: {seconds:.1f} s")
+
+    decoder.warm_up(progress=compiled)
+    say(f"the decode step is compiled ({time.perf_counter() - t0:.0f} s)")
+
+
+def warm_up_failure(kind: str, e: Exception) -> str:
+    """Why a decoder's warm-up failed, in one line: the error's first line, and what to do
+    where TorchInductor found no C++ compiler."""
+    said = (str(e).strip().splitlines() or [""])[0]
+    why = f"its decode step (--decoder {kind}) could not compile: {type(e).__name__}: {said}"
+    if "C++ compiler" in said or "CxxCompiler" in said:
+        why += (
+            "; TorchInductor compiles it with a C++ compiler ($CXX, else g++ or clang++): "
+            "install one, or serve with --decoder eager"
+        )
+    return why
 
 
 def serve_engine(engine: ContinuousEngine, pipe: "EnginePipe") -> None:

@@ -4,7 +4,8 @@ The HTTP side (`engine_loop.EngineLoop`) and the engine's own process
 (`engine_loop.engine_process`) speak over two ZeroMQ sockets, as vLLM's engine core and
 SGLang's scheduler speak to their front ends: one carries requests to the engine, the other its
 news back. The messages are small frozen dataclasses: `Add`, `Abort` and `Stop` go to the
-engine; `Ready`, one `StepReport` per step, a `Heartbeat` every BEAT_S and `Failed` come back.
+engine; `Warming` lines while its decode step compiles, `Ready`, one `StepReport` per step, a
+`Heartbeat` every BEAT_S and `Failed` come back.
 Each side matches on the message's type. A request is called by its key, a number the HTTP side
 gives it and both sides know; a request of n choices is n sequences, keys key, key + 1, ...,
 each with tokens of its own. The engine's own request ids never leave its process. Logprobs
@@ -54,6 +55,14 @@ class Stop:
 @dataclass(frozen=True)
 class Ready:
     """The engine process has started and waits for requests."""
+
+
+@dataclass(frozen=True)
+class Warming:
+    """The engine process compiles its decode step before it is Ready: one line of how it goes
+    (a bucket compiled, and in how long)."""
+
+    line: str
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,7 @@ class Failed:
 
 
 ToEngine = Add | Abort | Stop
-FromEngine = Ready | Heartbeat | StepReport | Failed
+FromEngine = Ready | Warming | Heartbeat | StepReport | Failed
 
 
 # ---- how they cross -----------------------------------------------------------------------

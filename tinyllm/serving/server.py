@@ -1,6 +1,6 @@
 """Step 10 - serving: the continuous engine behind the OpenAI API, streamed.
 
-    python -m tinyllm serve [--model DIR] [--port 8000] [--slots 16] [--kv paged] ...
+    python -m tinyllm serve [--model DIR] [--port 8000] [--slots 16] [--kv paged] ...  # launch.py
 
 `POST /v1/completions` and `POST /v1/chat/completions` (streamed as server-sent events, or one
 JSON body), `POST /tokenize` and `POST /detokenize` (as vLLM has them), `GET /v1/models`,
@@ -14,7 +14,7 @@ coroutine: it reads the body a chunk at a time (a 413 past max_body bytes), chec
 says (a 400 naming the field: every field OpenAI's and vLLM's APIs define is read, or taken
 where its value changes nothing, or refused where it would ask for what the server does not do),
 has the grammar backend check the constraint it asks for, if any (12: the engine's backend,
-LLGuidance, which serve_main gives it; a 400 naming the field when it refuses), tokenizes its
+LLGuidance, which launch.py gives it; a 400 naming the field when it refuses), tokenizes its
 prompt off the event loop (a prompt too long to fit is refused by its size first), and submits
 one `Request`. A request of n choices is n sequences in the engine, each its own key here (a 429
 when max_waiting sequences would wait). It then reads its queue (`Answer`), turning each
@@ -25,8 +25,10 @@ in every chunk, by responses.choice_events) or collects them into one body (resp
 logprobs spelled as logprobs.py says). A client that goes away aborts every choice of its
 request: their slots and blocks are free before the next step, and nothing else in flight
 notices; a request that the engine fails on fails alone. `/health` says whether the
-engine runs (its process alive, and heard from in the last few seconds) and its KV cache's books
-are sound; it answers at once whatever the other requests are doing. Every error is an
+engine runs (its process alive, and heard from in the last few seconds), whether its KV cache's
+books are sound and what it serves (served.py: weights, decoder, speculation, cache); it answers
+at once whatever the other requests are doing. The sampling fields a request leaves out take the
+model's defaults (served.py), which `/v1/models` shows. Every error is an
 OpenAI-style JSON body, a server's fault a 500 that says what failed.
 
 Seam: `sse_events` (exercise 10; its `dispatch` is engine_loop.py's).
@@ -35,16 +37,12 @@ Seam: `sse_events` (exercise 10; its `dispatch` is engine_loop.py's).
 import asyncio
 import gc
 import json
-import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tinyllm.build import add_quant_argument, load, make_engine
-from tinyllm.core.config import EngineConfig
 from tinyllm.core.continuous import ContinuousEngine
 from tinyllm.core.requests import Event
-from tinyllm.ext.structured import LLGuidance
 from tinyllm.serving.api import (
     CHAT,
     COMPLETIONS,
@@ -76,6 +74,7 @@ from tinyllm.serving.responses import (
     sse_event,
 )
 from tinyllm.serving.responses import usage as usage  # the exercise's files take it from here
+from tinyllm.serving.served import NO_DEFAULTS, ModelDefaults, describe
 from tinyllm.serving.textstream import TextStream
 
 
@@ -85,8 +84,10 @@ class Served:
     and its EOS ids), the model's name, the positions a request may use, the most characters
     one token stands for (a longer prompt is refused by its size before it is tokenized), the
     largest body it reads, in bytes, the model's vocabulary size (None: the tokenizer's), its
-    tokens' texts as logprobs spell them, and the grammar backend that checks a constraint
-    before it goes to the engine (the engine's own, LLGuidance; None: a constraint is refused)."""
+    tokens' texts as logprobs spell them, the grammar backend that checks a constraint before
+    it goes to the engine (the engine's own, LLGuidance; None: a constraint is refused), the
+    model's sampling defaults for the fields a request leaves out (served.ModelDefaults), and
+    what the engine is made of (served.describe: /health says it)."""
 
     loop: EngineLoop
     tok: object
@@ -98,6 +99,8 @@ class Served:
     vocab_size: int | None = None
     texts: TokenTexts | None = None
     grammars: object = None
+    defaults: ModelDefaults = NO_DEFAULTS
+    about: dict = field(default_factory=dict)
 
     def limit(self) -> tuple[int, int]:
         """(positions a request may use, characters a token stands for at most)."""
@@ -333,18 +336,20 @@ async def starting_with(first, rest):
         yield item
 
 
-def health(loop: EngineLoop) -> tuple[int, dict]:
+def health(loop: EngineLoop, about: dict | None = None) -> tuple[int, dict]:
     """GET /health: (status code, body). 200 while the engine serves: {"status": "ok",
     "kv_cache": "ok"}, or "degraded" with the sentence that says what is wrong with the KV
     cache's books when they were last checked (the engine still serves, on fewer blocks than
     it should); 503 once the engine has failed: {"status": "failed", "engine": why}, as vLLM
-    and SGLang answer when their engine is gone. It asks the loop (`check`) first: an engine
-    whose process ended, or that was not heard from for silence_s, has failed."""
+    and SGLang answer when their engine is gone; each with "serving": about, what the engine is
+    made of (served.describe), when given. It asks the loop (`check`) first: an engine whose
+    process ended, or that was not heard from for silence_s, has failed."""
+    serving = {} if about is None else {"serving": about}
     if (why := loop.check()) is not None:
-        return 503, {"status": "failed", "engine": why}
+        return 503, {"status": "failed", "engine": why, **serving}
     if loop.integrity is not None:
-        return 200, {"status": "degraded", "kv_cache": loop.integrity}
-    return 200, {"status": "ok", "kv_cache": "ok"}
+        return 200, {"status": "degraded", "kv_cache": loop.integrity, **serving}
+    return 200, {"status": "ok", "kv_cache": "ok", **serving}
 
 
 async def json_body(http, limit: int) -> object:
@@ -377,7 +382,16 @@ async def serve_completion(served: Served, http, kind: str):
         await asyncio.to_thread(check_constraint, served.grammars, *constraint)
     ids = await asyncio.to_thread(prompt_ids, served.tok, body, kind, served.limit())
     constrained = constraint[1] if constraint is not None else None
-    asked = to_request(body, kind, ids, served.tok, served.max_len, served.vocab_size, constrained)
+    asked = to_request(
+        body,
+        kind,
+        ids,
+        served.tok,
+        served.max_len,
+        served.vocab_size,
+        constrained,
+        served.defaults.values,
+    )
     n, queue = asked.request.sampling.n, asyncio.Queue()
     tickets = [Ticket(asked.request, events=queue) for _ in range(n)]
     served.loop.submit(tickets)
@@ -487,9 +501,13 @@ def error_response(e: APIError):
 
 
 def model_list(served: Served) -> dict:
-    """GET /v1/models: the one model this server serves, with the positions a request may use."""
+    """GET /v1/models: the one model this server serves, with the positions a request may use
+    and its sampling defaults for the fields a request leaves out, with where they come from
+    ("checkpoint", "llama-server", "none" or a generation_config.json's path)."""
     model = {"id": served.name, "object": "model", "created": 0, "owned_by": "tinyllm"}
-    return {"object": "list", "data": [{**model, "max_model_len": served.max_len}]}
+    values, source = served.defaults
+    model |= {"max_model_len": served.max_len, "sampling_defaults": values}
+    return {"object": "list", "data": [{**model, "sampling_defaults_from": source}]}
 
 
 def make_app(served: Served):
@@ -502,7 +520,8 @@ def make_app(served: Served):
 
     @asynccontextmanager
     async def lifespan(app):
-        await served.loop.start()
+        if not served.loop.started:  # launch.py starts it first, to say how it goes
+            await served.loop.start()
         gc.collect()  # what lives now lives as long as the server: freezing it spares every
         gc.freeze()  # later full collection the walk over it (vLLM and SGLang freeze it too)
         yield
@@ -520,7 +539,7 @@ def make_app(served: Served):
 
     @app.get("/health")
     async def get_health():
-        status, body = health(served.loop)
+        status, body = health(served.loop, served.about)
         return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models")
@@ -551,92 +570,6 @@ def make_app(served: Served):
     return app
 
 
-def serve_parser():
-    """The flags of `python -m tinyllm serve`: the server's own, then the engine's
-    (EngineConfig.add_arguments)."""
-    import argparse
-
-    ap = argparse.ArgumentParser(
-        prog="python -m tinyllm serve",
-        description=(
-            "Serve a checkpoint over the OpenAI API (completions and chat completions, streamed or "
-            "not) with the continuous engine, in a process of its own; Ctrl-C stops it."
-        ),
-    )
-    g = ap.add_argument_group("the server")
-    g.add_argument(
-        "--model",
-        default="default",
-        metavar="DIR",
-        help="a checkpoint directory, a .gguf file, or smollm2 (SmolLM2-135M-Instruct, "
-        "fetched once) (default: the bundled model)",
-    )
-    add_quant_argument(g)
-    g.add_argument(
-        "--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)"
-    )
-    g.add_argument("--port", type=int, default=8000, help="the port to listen on (default: 8000)")
-    g.add_argument(
-        "--device", default=None, help="cpu, cuda, ... (default: cuda when there is one)"
-    )
-    g.add_argument(
-        "--max-waiting",
-        type=int,
-        default=64,
-        metavar="N",
-        help="requests that may wait for a slot; more get a 429 (default: 64)",
-    )
-    EngineConfig.add_arguments(ap)
-    return ap
-
-
-def serve_main(argv=None) -> None:
-    """python -m tinyllm serve: load a checkpoint, start the engine loop and uvicorn."""
-    import uvicorn
-
-    from tinyllm.checkpoints.checkpoint import resolve
-
-    ap = serve_parser()
-    args = ap.parse_args(argv)
-    try:
-        config = EngineConfig.from_args(args)
-    except ValueError as e:
-        ap.error(str(e))
-    model, tok = load(args.model, device=args.device, quant=args.quant, huge_pages=True)
-    draft = None if args.draft is None else load(args.draft, device=args.device)[0]
-    try:
-        grammars = LLGuidance(tok, model.cfg.vocab_size)  # structured output (12)
-        engine = make_engine(model, config, draft=draft, grammars=grammars)
-    except ValueError as e:
-        ap.error(str(e))
-    name = "tinyllm-" + resolve(args.model).name.removesuffix(".gguf")
-    served = build(engine, tok, name, args.max_waiting)
-    uv = uvicorn.Server(
-        uvicorn.Config(make_app(served), host=args.host, port=args.port, log_level="warning")
-    )
-    # uvicorn runs in a thread, so Ctrl-C reaches this one: it asks for a graceful stop
-    thread = threading.Thread(target=uv.run, name="uvicorn")
-    thread.start()
-    while not uv.started and thread.is_alive():
-        time.sleep(0.05)
-    if not thread.is_alive():
-        raise SystemExit(f"could not serve on {args.host}:{args.port}")
-    kv_mib = engine.stats.kv_reserved_tokens * engine.stats.kv_bytes_per_token / 2**20
-    print(
-        f"serving {served.name} at http://{args.host}:{args.port}/v1 ({config.n_slots} "
-        f"slots, kv {config.kv}: {kv_mib:.0f} MiB, up to {engine.max_len} positions a "
-        f"request); Ctrl-C stops",
-        flush=True,
-    )
-    try:
-        while thread.is_alive():
-            thread.join(0.5)
-    except KeyboardInterrupt:
-        print("stopping: requests in flight end, then the engine's process", flush=True)
-        uv.should_exit = True
-        thread.join()
-
-
 def build(
     engine: ContinuousEngine,
     tok,
@@ -644,14 +577,28 @@ def build(
     max_waiting: int = 64,
     max_body: int = MAX_BODY,
     silence_s: float = 5.0,
+    defaults: ModelDefaults | tuple = NO_DEFAULTS,
 ) -> Served:
     """What make_app serves: an engine loop around engine (not started), with its metrics; a
-    body over max_body bytes is refused, an engine not heard from for silence_s has failed. The
-    engine's grammar backend (its `grammars`) checks each constraint on this side too: the
-    engine process gets a copy of its own."""
+    body over max_body bytes is refused, an engine not heard from for silence_s has failed; the
+    sampling fields a request leaves out take the model's defaults (served.model_defaults' for
+    `python -m tinyllm serve`; none by default: OpenAI's). The engine's grammar backend (its
+    `grammars`) checks each constraint on this side too: the engine process gets a copy of its
+    own."""
     loop = EngineLoop(engine, max_waiting, silence_s)
     chars, vocab = longest_token_chars(tok), engine.model.cfg.vocab_size
     texts, grammars = TokenTexts(tok), engine.grammars
     return Served(
-        loop, tok, name, engine.max_len, Metrics(loop), chars, max_body, vocab, texts, grammars
+        loop,
+        tok,
+        name,
+        engine.max_len,
+        Metrics(loop),
+        chars,
+        max_body,
+        vocab,
+        texts,
+        grammars,
+        ModelDefaults(*defaults),
+        describe(engine),
     )
