@@ -74,6 +74,20 @@ def test_loadgen_command_line(served, capsys):
     assert "--rate takes numbers" in capsys.readouterr().err
 
 
+def test_loadgen_ignore_eos_runs_each_request_to_its_max_tokens(served, capsys):
+    """--ignore-eos (vLLM's field, which guidellm sends too): the eos workload's speeches, which
+    end at the model's <|endoftext|> after a line or so, each run to its max_tokens."""
+    prompts = [("Lear.\n", 40), ("Fool.\n", 30)] * 2
+    records, _ = asyncio.run(loadgen.run_load(served.url, prompts, concurrency=2, ignore_eos=True))
+    assert [r.tokens for r in records] == [n for _, n in prompts], [r.error for r in records]
+    flags = ["--url", served.url, "--requests", "4", "--workload", "eos", "--json"]
+    loadgen.main([*flags, "--concurrency", "2", "--ignore-eos"])
+    run = json.loads(capsys.readouterr().out)["runs"]["concurrency 2"]
+    assert run["completed"] == 4
+    assert run["output_tok_s"] * run["duration_s"] == pytest.approx(4 * 256)
+    assert served.wait_idle() == (0, 0)
+
+
 def free_port() -> int:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

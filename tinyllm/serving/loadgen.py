@@ -103,11 +103,12 @@ def summarize(
 
 
 async def one_request(
-    client, url: str, model: str, prompt: str, max_tokens: int, rec: Record
+    client, url: str, model: str, prompt: str, max_tokens: int, rec: Record, ignore_eos=False
 ) -> None:
     """Stream one completion (POST url/completions, server-sent events) into rec: a time per
-    chunk with text, and the tokens made. The events are read as plain JSON: a client that
-    builds objects for every chunk would spend more than the server does."""
+    chunk with text, and the tokens made; with ignore_eos (vLLM's field) every request runs to
+    its max_tokens. The events are read as plain JSON: a client that builds objects for every
+    chunk would spend more than the server does."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -115,6 +116,7 @@ async def one_request(
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **({"ignore_eos": True} if ignore_eos else {}),
     }
     try:
         async with client.stream("POST", f"{url}/completions", json=body) as resp:
@@ -158,10 +160,11 @@ async def run_load(
     concurrency: int | None = None,
     model: str | None = None,
     seed: int = 0,
+    ignore_eos: bool = False,
 ) -> tuple[list[Record], float]:
     """Send every (prompt, max_tokens): at Poisson arrivals of `rate` a second (None: all at
-    once), or from `concurrency` clients each waiting for its last answer. Returns the
-    records and the run's duration in seconds."""
+    once), or from `concurrency` clients each waiting for its last answer; with ignore_eos,
+    each runs to its max_tokens. Returns the records and the run's duration in seconds."""
     import httpx
 
     url = url.rstrip("/")
@@ -175,7 +178,7 @@ async def run_load(
 
         async def send(i: int) -> None:
             records[i].sent = time.perf_counter()
-            await one_request(client, url, model, *prompts[i], records[i])
+            await one_request(client, url, model, *prompts[i], records[i], ignore_eos)
 
         if concurrency:
             nxt = iter(range(len(prompts)))
@@ -275,6 +278,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--slo-tpot-ms", type=float, default=None, metavar="MS", help="goodput: TPOT at most MS"
     )
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every request runs to its max_tokens (vLLM's ignore_eos, as `vllm bench serve "
+        "--ignore-eos` and guidellm send it)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     return ap
@@ -296,7 +305,9 @@ def main(argv=None) -> None:
             else ("all at once" if rate is None else f"{rate:g} req/s")
         )
         records, duration = run(
-            run_load(args.url, prompts, rate, args.concurrency, args.model, args.seed)
+            run_load(
+                args.url, prompts, rate, args.concurrency, args.model, args.seed, args.ignore_eos
+            )
         )
         runs[name] = summarize(records, duration, args.slo_ttft_ms, args.slo_tpot_ms)
         failed = [r.error for r in records if r.error]
