@@ -10,6 +10,7 @@ import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import jsonschema
@@ -365,3 +366,15 @@ def test_smollm2_answers_a_json_request_in_its_schema(smollm2):
             assert r.choices[0].finish_reason == "stop"
     finally:
         srv.stop()
+
+
+def test_the_readme_says_how_to_bound_an_answer_and_how_make_eval_agrees():
+    """The README's server section says why the openai client's parse(response_format=Model)
+    often ends in LengthFinishReasonError on SmolLM2 (a string without maxLength) and what to
+    give, and that lm-eval through the server equals its hf model only with add_bos_token=True
+    on both."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    server = readme[readme.index("The server speaks the OpenAI API") : readme.index("With conda")]
+    for said in ("LengthFinishReasonError", "`maxLength`", "`max_tokens`", "`make eval`"):
+        assert said in server, f"the server section does not say {said}"
+    assert "`add_bos_token=True` in each one's" in server
