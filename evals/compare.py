@@ -151,7 +151,12 @@ def evaluate(model: str, model_args: dict, task: str, **kwargs) -> dict:
 
 
 def hf_args() -> dict:
-    return {"pretrained": str(WEIGHTS), "tokenizer": str(WEIGHTS), "dtype": "float32"}
+    return {
+        "pretrained": str(WEIGHTS),
+        "tokenizer": str(WEIGHTS),
+        "dtype": "float32",
+        "add_bos_token": True,  # <|endoftext|> first, as in training and as the server is sent
+    }
 
 
 def completions_args(server: Server, concurrent: int) -> dict:
@@ -161,7 +166,7 @@ def completions_args(server: Server, concurrent: int) -> dict:
         "tokenizer": str(WEIGHTS),
         "tokenizer_backend": "huggingface",
         "tokenized_requests": True,  # token ids, so both sides score the very same tokens
-        "add_bos_token": True,  # as hf does: <|endoftext|> first, as in training
+        "add_bos_token": True,  # <|endoftext|> first, as in training and as hf is given
         "num_concurrent": concurrent,
         "max_retries": 1,
         "max_length": 512,

