@@ -11,9 +11,9 @@ its blocks and whether a prefix cache shares them) and the token budget a step
 `--generation-config auto` applies a checkpoint's generation_config.json: `model_defaults` reads
 them from the checkpoint where it states them (a directory's generation_config.json, a GGUF
 file's general.sampling.* keys), and takes llama-server's (LLAMA_SERVER) where it states none,
-since a small model sampled at OpenAI's temperature 1 with nothing cut wanders off: SmolLM2
-answered "What is the capital of France?" with gibberish 2 times in 6 that way, and right 6
-times in 6 under llama-server's cuts. `--generation-config vllm` serves none (OpenAI's
+since a small model sampled at OpenAI's temperature 1 with nothing cut wanders off (SmolLM2
+answered "What is the capital of France?" with gibberish 2 times in 6 that way); llama-server's
+cuts keep it among its likelier tokens. `--generation-config vllm` serves none (OpenAI's
 defaults, as vLLM's flag of that name does); a request's own fields always win
 (api.with_defaults).
 """
