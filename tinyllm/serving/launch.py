@@ -18,6 +18,7 @@ non-zero status.
 
 import argparse
 import asyncio
+import os
 import sys
 import threading
 import time
@@ -164,6 +165,15 @@ def serve_main(argv=None) -> None:
         flush=True,
     )
     launched.wait()
+    # Stopped: the engine's process has ended and the sockets are closed. The interpreter's
+    # own exit would still join the worker threads of asyncio's executor and finalize torch's
+    # and ZeroMQ's threads, which may wait on a stopped peer or crash; nothing is left for it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+STOP_S = 30  # the longest a graceful stop is waited for
 
 
 class Launched:
@@ -180,7 +190,7 @@ class Launched:
             uvicorn.Config(make_app(served), host=host, port=port, log_level="warning")
         )
         self.loop = self.task = None
-        self.thread = threading.Thread(target=self.run, name="uvicorn")
+        self.thread = threading.Thread(target=self.run, name="uvicorn", daemon=True)
         self.thread.start()
         try:
             while not self.uv.started and self.thread.is_alive():
@@ -217,11 +227,14 @@ class Launched:
 
     def stop(self) -> None:
         """A graceful stop: requests in flight end, then the engine's process; an engine still
-        compiling its decode step is ended at once."""
+        compiling its decode step is ended at once. A stop that takes over STOP_S says so and
+        gives up waiting (the command then exits)."""
         self.uv.should_exit = True
         if not self.served.loop.started and self.task is not None:
             self.loop.call_soon_threadsafe(self.task.cancel)
-        self.thread.join()
+        self.thread.join(STOP_S)
+        if self.thread.is_alive():
+            print(f"the server did not stop within {STOP_S} s: ending it", flush=True)
 
     def wait(self) -> None:
         """Serve until Ctrl-C, then stop gracefully."""
