@@ -5,6 +5,7 @@ the step markers: a test module's docstring opens with its step ("Step 04 - ..."
 import math
 import os
 import re
+import signal
 
 import pytest
 import torch
@@ -124,3 +125,9 @@ def smollm2_model(smollm2_file):
 def bundled64():
     """The bundled model in float64: batched and solo paths must then agree token for token."""
     return tinyllm.load(device="cpu", dtype=torch.float64)
+
+
+def ctrl_c_as_from_a_terminal() -> None:
+    """Ctrl-C's default, as a terminal gives it: a shell starts what it runs in the background
+    (make test's tests) with SIGINT ignored, and Python then takes no Ctrl-C at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

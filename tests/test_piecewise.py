@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import MIXED_REQUESTS as REQS
-from tests.conftest import make_tiny
+from tests.conftest import ctrl_c_as_from_a_terminal, make_tiny
 from tests.test_fused_layer import RANDOM_ENGINES, requests_st
 from tinyllm.build import make_engine
 from tinyllm.core.config import EngineConfig
@@ -157,7 +157,13 @@ def run_serve(flags: list[str], **env) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tinyllm", "serve", *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
     return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        preexec_fn=ctrl_c_as_from_a_terminal,
     )
 
 

@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 
+from tests.conftest import ctrl_c_as_from_a_terminal
 from tinyllm.build import make_engine
 from tinyllm.core.continuous import ContinuousEngine
 from tinyllm.core.generate import generate
@@ -443,7 +444,12 @@ def test_serve_says_what_it_serves_before_it_serves(tmp_path):
     cmd = [sys.executable, "-m", "tinyllm", "serve", *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        preexec_fn=ctrl_c_as_from_a_terminal,
     )
     try:
         lines = []
