@@ -41,6 +41,11 @@ LATER = {"kv": "slots", "decoder": "eager", "max_step_tokens": None, "prefix_cac
          "speculate": None}     # what this step's engine makes itself; other values, the builder
 
 
+def compiles(decoder) -> bool:
+    """Whether a decode step compiles before it serves (06's compiled step, 13's pieces)."""
+    return hasattr(decoder, "warm_up")
+
+
 def slot_cache(model: Transformer, config: EngineConfig, device=None) -> SlotKVCache:
     """This step's cache for the model: config.n_slots slots of the config's max_len (within
     its KV budget), in the model's dtype (a GPU's compute dtype on CUDA)."""
@@ -256,10 +261,11 @@ class ContinuousEngine:
             self.speculator.sync(self.scheduler.running)
         return True
 
-    def warm_up(self) -> None:
-        """A decoder that compiles (06, 13) compiles now, before any request waits for it."""
-        if hasattr(self.decoder, "warm_up"):
-            self.decoder.warm_up()
+    def warm_up(self, progress=None) -> None:
+        """A decoder that compiles (06, 13) compiles now, before any request waits for it;
+        progress(bucket, seconds) hears each bucket as it is compiled."""
+        if compiles(self.decoder):
+            self.decoder.warm_up(progress=progress)
 
     @torch.no_grad()
     def step(self) -> list[Event]:

@@ -38,7 +38,7 @@ import torch.multiprocessing
 import zmq
 import zmq.asyncio
 
-from tinyllm.core.continuous import ContinuousEngine
+from tinyllm.core.continuous import ContinuousEngine, compiles
 from tinyllm.core.requests import Event, Request
 from tinyllm.serving.api import APIError
 from tinyllm.serving.messages import (
@@ -400,8 +400,8 @@ def engine_process(engine: ContinuousEngine, addresses: tuple[str, str], n_threa
 def warm_up(engine: ContinuousEngine, say) -> None:
     """A decoder that compiles (06's compiled step, 13's pieces) compiles every bucket now,
     saying a line (`say`) as it starts, after each bucket and when it is done."""
-    decoder, kind = engine.decoder, engine.config.decoder
-    if not hasattr(decoder, "warm_up"):
+    kind = engine.config.decoder
+    if not compiles(engine.decoder):
         return
     say(f"compiling the decode step (--decoder {kind}), a bucket at a time, before serving")
     t0 = time.perf_counter()
@@ -412,7 +412,7 @@ def warm_up(engine: ContinuousEngine, say) -> None:
         size = f"{bucket} {unit}{'s' * (bucket != 1)}" if unit else str(bucket)
         say(f"  bucket of {size}: {seconds:.1f} s")
 
-    decoder.warm_up(progress=compiled)
+    engine.warm_up(progress=compiled)
     say(f"the decode step is compiled ({time.perf_counter() - t0:.0f} s)")
 
 
