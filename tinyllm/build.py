@@ -5,7 +5,8 @@ kind it holds; every later step brings its own through the same interfaces. `mak
 the config and makes each part: the cache (04's slots, 05's paged pool, with 08's prefix cache
 in it), the decode step (the model itself, 06's graphs and compiled step, 13's pieces and fused
 layers), the planner (04's whole contexts, 07's token budget), the speculator (11); a grammar
-backend (12) is given. It imports a step's module only when the config asks for that step, so
+backend (12) is given; with tensor_parallel_size > 1 the model itself is split over processes
+(14: parallel.ParallelModel), and the engine holds it as it holds any model. It imports a step's module only when the config asks for that step, so
 `import tinyllm.build` loads no later step than 04, and a step's notebook builds its engines
 here without loading the steps after it. `run_continuous` is make_engine and
 continuous.run_engine in one call; `compiled_decoder` makes a compiled decoder ahead, to lend.
@@ -132,11 +133,19 @@ def make_engine(model: Transformer, config: EngineConfig | int, *, generator=Non
     constrains (12), `generator` serves every request without a seed, a Trace records every
     step."""
     config, lent = settings_of(config, settings)
+    if config.tensor_parallel_size > 1:                 # the model split over ranks (14)
+        from tinyllm.ext.parallel import parallel_model
+        if draft is not None:
+            raise ValueError("a draft model is not split over ranks: tensor_parallel_size > 1 "
+                             "takes speculate='ngram' or None")
+        model = parallel_model(model, config.tensor_parallel_size)
     device = next(model.parameters()).device
     max_len, n_blocks = config.kv_sizes(model.cfg.max_seq_len, kv_bytes_per_token(model, device))
     if lent is None:
         cache = make_cache(model, config, max_len, n_blocks, device)
         decoder = make_decoder(model, config, cache)
+        if config.tensor_parallel_size > 1:
+            model.attach(cache)                         # every rank makes one like it
     else:
         cache, decoder = lent_cache(model, config, max_len, n_blocks, lent), lent
     speculator = None

@@ -57,6 +57,7 @@ class EngineConfig:
     draft_layers: int | None = None         # a draft of the target's first layers (None: half)
     prompt_lookup_max: int = 4              # the n-gram proposer's longest and shortest n (11)
     prompt_lookup_min: int = 1
+    tensor_parallel_size: int = 1           # ranks the model is split over (14; 1: not split)
 
     def __post_init__(self):
         check_positive_int("n_slots", self.n_slots)
@@ -88,6 +89,7 @@ class EngineConfig:
             raise ValueError(f"kv_mib must be a finite number of MiB > 0, got {self.kv_mib!r}")
         Sampling(self.temperature, self.top_k, self.top_p)     # checks the sampling
         check_speculation(self)
+        check_parallel(self)
 
     def _check_buckets(self) -> None:
         if self.buckets is None:
@@ -165,6 +167,10 @@ class EngineConfig:
                             "the step's batch, a faster step for a longer compilation "
                             "(default: default)")
         add_speculation_arguments(g)
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                       help="split the model over N processes, one rank each (step 14: "
+                            "torch.distributed's gloo; under torchrun, the ranks of its "
+                            "machines) (default: 1)")
 
     @classmethod
     def from_args(cls, args, **changes) -> "EngineConfig":
@@ -190,6 +196,23 @@ def check_speculation(config: EngineConfig) -> None:
     if config.speculate is not None and config.decoder in ("graphs", "compiled"):
         raise ValueError(f"speculation verifies its guesses in a ragged eager pass: use "
                          f"decoder='eager', 'pieces' or 'fused' (got {config.decoder!r})")
+
+
+def check_parallel(config: EngineConfig) -> None:
+    """Raise ValueError naming a setting that a model split over ranks (14) cannot take: a
+    decode step of its own (graphs, compiled, pieces, fused: each runs the whole model in one
+    process) or a draft from the target's first layers (split too)."""
+    check_positive_int("tensor_parallel_size", config.tensor_parallel_size)
+    if config.tensor_parallel_size == 1:
+        return
+    if config.decoder != "eager":
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} splits the eager "
+                         f"forward pass over ranks: use decoder='eager' (got "
+                         f"{config.decoder!r}, whose step runs the whole model in one process)")
+    if config.speculate == "draft":
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: speculate='draft' "
+                         f"drafts with the target's first layers, which are split over the "
+                         f"ranks; use speculate='ngram' or None")
 
 
 def add_speculation_arguments(g) -> None:

@@ -38,7 +38,7 @@ from tinyllm.core.stats import Stats, Trace, kv_bytes_per_token
 from tinyllm.core.token_stage import new_matchers
 
 LATER = {"kv": "slots", "decoder": "eager", "max_step_tokens": None, "prefix_cache": False,
-         "speculate": None}     # what this step's engine makes itself; other values, the builder
+         "speculate": None, "tensor_parallel_size": 1}     # what this step's engine makes itself; other values, the builder
 
 
 def compiles(decoder) -> bool:
