@@ -30,6 +30,7 @@ other. A rank that dies or fails to start ends the engine with one error that na
     model = ParallelModel(model, 2)            # or make_engine(model, EngineConfig(8, tensor_parallel_size=2))
 """
 
+import contextlib
 import datetime
 import itertools
 import multiprocessing
@@ -360,7 +361,9 @@ class Ranks:
             while not sock.poll(50, zmq.POLLOUT):
                 if any(not p.is_alive() for p in self.procs) or \
                         time.monotonic() - t0 > RANK_TIMEOUT_S:
-                    raise self.failed(RuntimeError(f"rank {r} takes no message"))
+                    raise self.failed(RuntimeError(f"rank {r} takes no message")) or \
+                        RankFailed(f"tensor-parallel rank {r} took no message for "
+                                   f"{RANK_TIMEOUT_S} s")
             sock.send(data, zmq.NOBLOCK)
 
     def put_shard(self, rank: int, part: Transformer) -> None:
@@ -371,9 +374,10 @@ class Ranks:
         if self.broken is not None:
             raise RankFailed(self.broken)
 
-    def failed(self, e: Exception) -> RankFailed:
+    def failed(self, e: Exception) -> RankFailed | None:
         """The error of a collective that failed: what a rank said before it ended, else which
-        rank's process ended; the group is broken from then on."""
+        rank's process ended (the group is broken from then on); None when every spawned rank
+        lives and none said a word (the error was rank 0's own)."""
         import zmq
 
         said, t0 = None, time.monotonic()             # a rank that raised says so, then ends
@@ -388,8 +392,10 @@ class Ranks:
         elif dead:
             why = (f"tensor-parallel rank {dead[0][0]} died (exit code {dead[0][1]}) during a "
                    f"step: the engine cannot go on")
-        else:
-            why = f"tensor-parallel group failed during a step: {str(e).splitlines()[0]}"
+        elif self.procs:
+            return None                                 # every rank lives, and none said a word
+        else:                                           # torchrun's ranks: only what gloo said
+            why = f"the tensor-parallel group failed during a step: {str(e).splitlines()[0]}"
         self.broken = why
         return RankFailed(why)
 
@@ -505,10 +511,8 @@ class ParallelModel(nn.Module):
                              "at a time (attach the cache first)")
         plan = None if cache is None else step_plan(cache)
         self.ranks.send(("layers", self.id, idx.cpu(), plan))
-        try:
+        with self.in_step():
             return self.shard.layers_pass(idx, cache)
-        except RuntimeError as e:
-            raise self.ranks.failed(e) from None
 
     def compute_logits(self, x: Tensor) -> Tensor:
         """The final norm and the head over the ranks: x (..., d) -> logits (..., V), each rank
@@ -517,11 +521,25 @@ class ParallelModel(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.size(-1))                                     # (M, d)
         self.ranks.send(("head", self.id, x2.cpu()))
-        try:
+        with self.in_step():
             parts = gather_logits(self.shard, x2, self.size, dst=True)
-        except RuntimeError as e:
-            raise self.ranks.failed(e) from None
         return parts.reshape(*lead, -1)
+
+    @contextlib.contextmanager
+    def in_step(self):
+        """Rank 0's part of a pass. A collective that fails is a rank gone (Ranks.failed); any
+        other error leaves the ranks out of step (one waits in a collective rank 0 left): the
+        group is closed, the error raised, and the next engine starts new ranks."""
+        try:
+            yield
+        except RankFailed:
+            raise
+        except BaseException as e:
+            failed = self.ranks.failed(e) if isinstance(e, RuntimeError) else None
+            if failed is not None:
+                raise failed from None
+            close_group()
+            raise
 
     def forward(self, idx: Tensor, cache=None, targets: Tensor | None = None):
         if targets is not None:
