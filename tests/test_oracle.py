@@ -5,7 +5,8 @@ since bugs live where two settings meet. Hypothesis draws an EngineConfig from e
 value the engine accepts (slots or a paged pool, block sizes, pools down to the tightest that
 fits, KV budgets, the prefix cache, no budget or a small one, each decoder that runs on a CPU,
 the C attention or the library's, no speculation or n-gram or draft guesses, from the target's
-first layers or a model of its own, float, int8 or int4 weights), and a workload built to meet
+first layers or a model of its own, float, int8 or int4 weights, one process or the model split
+over 2 ranks), and a workload built to meet
 the interactions: newcomers of one step sharing stems of every length around the block size
 and the packed step's split (QUERY_ROWS), arrivals between steps, aborts, seeded sampling,
 penalties, logit bias, stop ids, constraints, n > 1, logprobs. Every finished choice equals its
@@ -43,6 +44,7 @@ from tinyllm.ext.quant import quantize
 from tinyllm.ext.structured import Constraint, LLGuidance, byte_alphabet
 
 V, EOS = 97, 0
+TP_SIZES = (1,) * 7 + (2,)  # ranks the model is split over (14): 2 in one example of eight
 
 
 def tiny_tokenizer() -> Tokenizer:
@@ -87,11 +89,14 @@ SOAK = False  # tools/oracle.py: compile for every weight kind too, not for floa
 
 # ---- the configuration ---------------------------------------------------------------------------
 @st.composite
-def configs(draw) -> tuple[str, EngineConfig, bool]:
+def configs(draw, tp_sizes=TP_SIZES) -> tuple[str, EngineConfig, bool]:
     """(the weights, an EngineConfig of any field and value, whether the C attention runs). The
     pool's blocks and max_len are left to fit the workload (fitted); max-autotune is left out
-    (minutes of compiling a step)."""
-    weights = draw(st.sampled_from(sorted(MODELS)))
+    (minutes of compiling a step). A model split over 2 ranks (14) is drawn with float or int4
+    weights: int8's products quantize each rank's part of a row by its own largest magnitude,
+    so a split int8 model is not the unsplit one to the last bit."""
+    tp = draw(st.sampled_from(tp_sizes))
+    weights = draw(st.sampled_from(sorted(MODELS) if tp == 1 else ["float", "int4"]))
     kv = draw(st.sampled_from(["slots", "paged"]))
     n_slots = draw(st.sampled_from([3, 2, 4, 1, 5]))
     decoders = ["eager", "graphs", "fused"] + list(COMPILING if SOAK or weights == "float" else ())
@@ -113,6 +118,7 @@ def configs(draw) -> tuple[str, EngineConfig, bool]:
         temperature=temperature,
         top_k=draw(st.sampled_from([None, 5])) if temperature else None,
         top_p=draw(st.sampled_from([None, 0.9])) if temperature else None,
+        tensor_parallel_size=tp,
     )
     if config["decoder"] == "compiled" and config["buckets"] not in (None, (8, 16, 32, 64)):
         config["buckets"] = None  # one compiled program set per bucket list: two of them
@@ -307,9 +313,9 @@ def kind_of(why: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", why)[:70]
 
 
-def run_example(data) -> None:
+def run_example(data, tp_sizes=TP_SIZES) -> None:
     """One drawn configuration and workload through the engine, every choice against solo."""
-    weights, config, c_attention = data.draw(configs())
+    weights, config, c_attention = data.draw(configs(tp_sizes))
     if isinstance(c_attention, str):  # refused by the config: named, and counted
         assert any(name in c_attention for name in config), c_attention
         COVERED["refused: " + kind_of(c_attention.split(":")[0])] += 1
@@ -341,6 +347,7 @@ def run_example(data) -> None:
         accepted=st_.spec_accepted,
     )
     COVERED[f"decoder {config.decoder}"] += 1
+    COVERED[f"ranks {config.tensor_parallel_size}"] += 1
     COVERED[f"weights {weights}"] += 1
     event(f"{config.kv} {config.decoder} {weights} speculate={config.speculate}")
 

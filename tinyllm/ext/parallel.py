@@ -27,13 +27,15 @@ under `torchrun` (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environme
 the same group. `ParallelModel` is what the engine holds: a model, to the engine, like any
 other. A rank that dies or fails to start ends the engine with one error that names it.
 
-    model = ParallelModel(model, 2)            # or make_engine(model, EngineConfig(8, tensor_parallel_size=2))
+    make_engine(model, EngineConfig(8, tensor_parallel_size=2))   # holds ParallelModel(model, 2)
 """
 
+import atexit
 import contextlib
 import datetime
 import itertools
 import multiprocessing
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -148,7 +150,8 @@ def row_layer(layer: nn.Module, lo: int, hi: int, reduce=all_reduce) -> RowParal
             raise ValueError(f"a rank's columns {lo}..{hi - 1} cut the quantized layer's groups "
                              f"of {g}: use a tensor_parallel_size whose shards hold whole groups")
         else:
-            q, scale = shard_row(layer.q, lo // g, hi // g), shard_row(layer.scale, lo // g, hi // g)
+            q = shard_row(layer.q, lo // g, hi // g)
+            scale = shard_row(layer.scale, lo // g, hi // g)
             zero = None if layer.zero is None else shard_row(layer.zero, lo // g, hi // g)
         local = QuantLinear(layer.bits, q, scale, zero, hi - lo, None, layer.kernel)
     else:
@@ -180,7 +183,8 @@ def shard(model: Transformer, rank: int, size: int, reduce=all_reduce) -> Transf
     lo, hi = shard_ranges(cfg.n_kv_heads, size)[rank]          # this rank's KV groups
     group, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     qs, kvs = (lo * group * hd, hi * group * hd), (lo * hd, hi * hd)   # rows of q, of k and v
-    ff = shard_ranges(cfg.d_ff, size)[rank]
+    unit = whole_groups(model.layers[0].mlp.down_proj)          # the MLP's width, in whole
+    ff = tuple(unit * i for i in shard_ranges(cfg.d_ff // unit, size)[rank])  # quantized groups
     part = clone(model)
     part.cfg = replace(cfg, n_heads=(hi - lo) * group, n_kv_heads=hi - lo, d_ff=ff[1] - ff[0])
     part.layers = nn.ModuleList()
@@ -190,7 +194,8 @@ def shard(model: Transformer, rank: int, size: int, reduce=all_reduce) -> Transf
         attn.q_proj = column_layer(attn.q_proj, *qs)
         attn.k_proj, attn.v_proj = column_layer(attn.k_proj, *kvs), column_layer(attn.v_proj, *kvs)
         attn.o_proj = row_layer(attn.o_proj, *qs, reduce)
-        mlp.gate_proj, mlp.up_proj = column_layer(mlp.gate_proj, *ff), column_layer(mlp.up_proj, *ff)
+        mlp.gate_proj = column_layer(mlp.gate_proj, *ff)
+        mlp.up_proj = column_layer(mlp.up_proj, *ff)
         mlp.down_proj = row_layer(mlp.down_proj, *ff, reduce)
         new = clone(block)
         new.self_attn, new.mlp = attn, mlp
@@ -198,6 +203,16 @@ def shard(model: Transformer, rank: int, size: int, reduce=all_reduce) -> Transf
     part.tp_vocab = shard_ranges(cfg.vocab_size, size)[rank]
     part.lm_head = column_layer(model.lm_head, *part.tp_vocab)
     return part
+
+
+def whole_groups(layer: nn.Module) -> int:
+    """The columns a row-parallel split of this layer keeps together: a quantized layer's group
+    (a QuantLinear in groups along its input), else 1."""
+    from tinyllm.ext.quant import QuantLinear
+
+    if isinstance(layer, QuantLinear) and layer.scale.size(1) > 1:
+        return layer.group_size
+    return 1
 
 
 def shard_bytes(part: Transformer) -> dict:
@@ -430,6 +445,8 @@ def group(size: int) -> Ranks:
         close_group()
     if _group is None:
         _group = Ranks(size)
+        atexit.register(close_group)                    # the other ranks stop with this process,
+        multiprocessing.util.Finalize(None, close_group, exitpriority=10)   # a child's too
     return _group
 
 
@@ -620,7 +637,7 @@ def serve_rank(rank: int, size: int, next_shard) -> None:
         line = traceback.format_exception_only(e)[-1].strip()
         errors.send(pickle.dumps((rank, line)))
         errors.close(linger=2000)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         ctx.destroy(linger=0)
         if dist.is_initialized():

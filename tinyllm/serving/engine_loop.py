@@ -386,6 +386,11 @@ def engine_process(engine: ContinuousEngine, addresses: tuple[str, str], n_threa
     pipe = EnginePipe(*addresses)
     try:
         pipe.beat()
+        try:  # a model split over processes (14) starts them before Ready
+            start_ranks(engine, lambda line: pipe.send(Warming(line)))
+        except Exception as e:
+            pipe.send(Failed(f"its tensor-parallel ranks could not start: {e}"))
+            return
         try:  # a decoder that compiles does it before Ready: no request waits for it
             warm_up(engine, lambda line: pipe.send(Warming(line)))
         except Exception as e:
@@ -395,6 +400,18 @@ def engine_process(engine: ContinuousEngine, addresses: tuple[str, str], n_threa
         serve_engine(engine, pipe)
     finally:
         pipe.close()
+
+
+def start_ranks(engine: ContinuousEngine, say) -> None:
+    """A model split over ranks (14: tensor_parallel_size > 1) starts its other ranks' processes
+    here, in the engine's process, whose they are, saying a line before and after."""
+    size = engine.config.tensor_parallel_size
+    if size == 1:
+        return
+    say(f"starting the model's {size} tensor-parallel ranks (--tensor-parallel-size {size})")
+    t0 = time.perf_counter()
+    engine.model.start()
+    say(f"the {size} ranks hold their shards ({time.perf_counter() - t0:.0f} s)")
 
 
 def warm_up(engine: ContinuousEngine, say) -> None:

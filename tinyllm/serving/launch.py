@@ -147,6 +147,8 @@ def serve_main(argv=None) -> None:
     except ValueError as e:
         refuse(str(e))
     model, tok = load(args.model, device=args.device, quant=args.quant, huge_pages=True)
+    if config.tensor_parallel_size > 1:
+        serve_other_rank(model, config.tensor_parallel_size)  # returns on rank 0 alone
     draft = None if args.draft is None else load(args.draft, device=args.device)[0]
     try:
         grammars = LLGuidance(tok, model.cfg.vocab_size)  # structured output (12)
@@ -170,6 +172,24 @@ def serve_main(argv=None) -> None:
     # and ZeroMQ's threads, which may wait on a stopped peer or crash; nothing is left for it.
     sys.stdout.flush()
     sys.stderr.flush()
+    os._exit(0)
+
+
+def serve_other_rank(model, size: int) -> None:
+    """Under torchrun (step 14), every rank but rank 0 serves rank 0's steps with its shard of
+    the model, then leaves; rank 0 (and a serve not started by torchrun) returns to serve."""
+    from tinyllm.ext.parallel import launched_by_torchrun, serve_torchrun_rank
+
+    if not launched_by_torchrun() or int(os.environ["RANK"]) == 0:
+        return
+    rank = os.environ["RANK"]
+    print(f"rank {rank} of {size}: serving rank 0's steps with its shard", flush=True)
+    try:
+        serve_torchrun_rank(model, size)
+    except ValueError as e:
+        refuse(str(e))
+    print(f"rank {rank}: rank 0 stopped", flush=True)
+    sys.stdout.flush()
     os._exit(0)
 
 
