@@ -39,6 +39,8 @@ SEAMS: dict[str, tuple[tuple[str, str], ...]] = {
            ("tinyllm.core.logits_processors", "apply_bitmask")),
     "13": (("tinyllm.ext.quant", "quantize_int8"), ("tinyllm.ext.quant", "quantize_int4"),
            ("tinyllm.ext.quant", "dequantize"), ("tinyllm.ext.quant", "fused_matmul")),
+    "14": (("tinyllm.ext.parallel", "shard_ranges"), ("tinyllm.ext.parallel", "shard_column"),
+           ("tinyllm.ext.parallel", "shard_row"), ("tinyllm.ext.parallel", "row_parallel")),
 }
 
 

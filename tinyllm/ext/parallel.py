@@ -97,10 +97,17 @@ TALK = {"all_reduces": 0, "all_reduce_s": 0.0, "gathers": 0, "gather_s": 0.0}  #
 
 
 def all_reduce(t: Tensor) -> None:
-    """Sum t over the ranks of the process's group, in place (torch.distributed); counted and
-    timed in TALK."""
+    """Sum t over the ranks of the process's group, in place, counted and timed in TALK: an
+    all-gather of every rank's t (torch.distributed) and their sum in rank order, the same
+    bits on every rank. gloo's own all_reduce of a small tensor takes two rounds between the
+    ranks (a reduce-scatter, then an all-gather): twice the wait of this one round on a CPU."""
     t0 = time.perf_counter()
-    dist.all_reduce(t)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    t.copy_(total)
     TALK["all_reduces"] += 1
     TALK["all_reduce_s"] += time.perf_counter() - t0
 
@@ -310,13 +317,16 @@ class Ranks:
     size-1 are processes spawned here, or (under torchrun) started elsewhere with the same
     command. `send` hands every other rank a message (ZeroMQ, one PUSH socket a rank: a rank
     waits for the next step as long as it takes, where a collective would time out); the
-    forward passes' all-reduces and the logits' gather are torch.distributed's. One group a
+    forward passes' all-reduces and the logits' gather are torch.distributed's. The ranks share
+    this process's threads (each gets threads // size; rank 0 keeps as many). One group a
     process (torch.distributed's default group): `group(size)` gives it."""
 
     def __init__(self, size: int):
         import zmq
 
         self.size, self.procs, self.broken = size, [], None
+        self.threads = max(1, torch.get_num_threads() // size)   # the cores shared by the ranks
+        torch.set_num_threads(self.threads)
         self.shards = {}                                # rank -> a queue of shards (spawned)
         timeout = datetime.timedelta(seconds=RANK_TIMEOUT_S)
         if launched_by_torchrun():
@@ -352,7 +362,7 @@ class Ranks:
             self.shards[r] = ctx.Queue()
             proc = ctx.Process(target=rank_main, name=f"tinyllm-rank-{r}", daemon=True,
                                args=(r, self.size, address, self.shards[r], joining,
-                                     torch.get_num_threads()))
+                                     self.threads))
             proc.start()
             self.procs.append(proc)
         self.wait_joining(joining)
