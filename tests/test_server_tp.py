@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 
@@ -58,6 +59,8 @@ def test_serve_over_2_ranks_streams_each_request_its_solo_text(bundled64, kv):
         for prompt, text in zip(PROMPTS[:8], got):
             assert text == tok.decode(solo_ids(model, tok, prompt, 12)), prompt
         srv.wait_idle()
+        health = httpx.get(srv.url.removesuffix("/v1") + "/health", timeout=30).json()
+        assert health["serving"]["tensor_parallel_size"] == 2, health
     finally:
         srv.stop()
 
@@ -112,6 +115,8 @@ def test_torchrun_on_two_machines_over_the_loopback(bundled):
             line = nodes[0].stdout.readline()
             assert line, f"rank 0 ended before it served: {''.join(lines)}"
             lines.append(line)
+        banner = next(line for line in lines if line.startswith("tinyllm-shakespeare: "))
+        assert "split over 2 ranks" in banner, banner
         cl = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         for prompt in PROMPTS[:3]:
             answer = cl.completions.create(

@@ -742,18 +742,18 @@ class ThreadedRanks:
 
         def run(r: int) -> None:
             try:
-                x, _ = parts[r].layers_pass(idx)
-                out[r] = parts[r].compute_logits(x)
+                with torch.inference_mode():        # a thread's own: each rank's thread
+                    x, _ = parts[r].layers_pass(idx)
+                    out[r] = parts[r].compute_logits(x)
             except BaseException as e:          # a rank that fails lets the others go
                 failed.append(e)
                 self.barrier.abort()
 
         threads = [threading.Thread(target=run, args=(r,)) for r in range(self.size)]
-        with torch.inference_mode():
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         if failed:
             raise failed[0]
         return torch.cat(out, dim=-1)

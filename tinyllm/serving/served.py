@@ -71,8 +71,8 @@ def model_defaults(model: str, setting: str = "auto") -> ModelDefaults:
 
 
 def describe(engine) -> dict:
-    """What an engine serves, as /health says it: its weights, decoder, speculation, KV cache
-    and token budget a step."""
+    """What an engine serves, as /health says it: its weights, decoder, speculation, KV cache,
+    token budget a step and the ranks its model is split over (14)."""
     model, config = engine.model, engine.config
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     quant = getattr(model, "quant", None)
@@ -82,6 +82,7 @@ def describe(engine) -> dict:
         "speculation": speculation(engine),
         "kv_cache": kv_cache(engine),
         "max_step_tokens": config.max_step_tokens,
+        "tensor_parallel_size": config.tensor_parallel_size,
     }
 
 
@@ -119,8 +120,10 @@ def banner(about: dict, defaults: ModelDefaults) -> str:
         cache += f", {kv['blocks']} blocks of {kv['block_size']}{prefix}"
     budget = about["max_step_tokens"]
     values = ", ".join(f"{k} {v}" for k, v in defaults.values.items()) or "OpenAI's"
+    ranks = about["tensor_parallel_size"]
+    split = f" split over {ranks} ranks (KV MiB a rank)" if ranks > 1 else ""
     return (
-        f"weights {about['weights']}; decoder {about['decoder']}; speculation "
+        f"weights {about['weights']}{split}; decoder {about['decoder']}; speculation "
         f"{about['speculation']}; {cache}, {kv['mib']:g} MiB; max_step_tokens "
         f"{budget if budget is not None else 'none (whole prompts)'}; sampling defaults "
         f"{values} ({defaults.source})"
