@@ -381,3 +381,25 @@ def test_a_proposer_is_named_by_the_engine_or_by_the_flag_for_all():
     }
     with pytest.raises(ValueError, match="one proposer at a time"):
         bench.engine_config("continuous+ngram+draft", flags())
+
+
+def test_an_engine_split_over_ranks_by_name_or_by_the_flag_for_all(bundled, capsys, monkeypatch):
+    """+tpN splits that engine's model over N ranks (14); -tp N every continuous engine's; a
+    split run counts its other ranks' CPU seconds and reports its all-reduces and gathers."""
+    ranks = lambda names, *argv: {
+        n: c.tensor_parallel_size
+        for n, (_, c) in bench.engine_configs(names, flags(*argv), 100).items()
+    }
+    assert ranks(["continuous", "continuous+tp2", "paged+prefix+tp2"]) == {
+        "continuous": 1,
+        "continuous+tp2": 2,
+        "paged+prefix+tp2": 2,
+    }
+    assert ranks(["continuous", "paged"], "-tp", "2") == {"continuous": 2, "paged": 2}
+    with pytest.raises(ValueError, match=r"\+tpN"):
+        bench.engine_config("continuous+tpx", flags())
+    model, tok = bundled
+    _, config = bench.engine_config("continuous+tp2", flags("--slots", "4"))
+    run = bench.run(model, tok, "uniform", config, n=4)
+    assert run["all_reduces"] >= 2 * model.cfg.n_layers * run["decode_steps"]
+    assert run["gathers"] >= run["decode_steps"] and run["cpu_s"] > 0
