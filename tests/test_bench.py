@@ -403,3 +403,17 @@ def test_an_engine_split_over_ranks_by_name_or_by_the_flag_for_all(bundled, caps
     run = bench.run(model, tok, "uniform", config, n=4)
     assert run["all_reduces"] >= 2 * model.cfg.n_layers * run["decode_steps"]
     assert run["gathers"] >= run["decode_steps"] and run["cpu_s"] > 0
+
+
+def test_tp_layer_colours_each_ranks_rows_and_columns():
+    """Step 14's picture: each rank's part of a weight is its rows (q, k, v, gate, up, the head)
+    or its columns (o, down) as `shard` cuts them, 3 KV groups over 2 ranks unevenly."""
+    model = make_tiny(seed=3, n_heads=6, n_kv_heads=3)  # q (96, 64), d_ff 160, vocabulary 97
+    ax = viz.tp_layer(model, 2)
+    texts = {t.get_text() for t in ax.texts}
+    rank0 = {"rows 0-63", "rows 0-31", "cols 0-63", "rows 0-79", "cols 0-79", "rows 0-48"}
+    rank1 = {"rows 64-95", "rows 32-47", "cols 64-95", "rows 80-159", "cols 80-159", "rows 49-96"}
+    assert rank0 | rank1 <= texts
+    assert any("KV groups 0-1" in t for t in texts) and any("KV group 2" in t for t in texts)
+    bars = [t for t in ax.texts if t.get_text() == "all-reduce (T, 64)"]
+    assert len(bars) == 2  # after o_proj and after down_proj

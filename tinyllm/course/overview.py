@@ -11,7 +11,8 @@ guessed tokens in that one pass, keeps a run of them in the token stage, and rol
 back past the guesses that fell. Structured output (12) masks a constrained request's logits in
 the token stage with its grammar's matcher, which moves on with every token kept. Quantized
 weights (13) are read from the checkpoint as small integers, and the decode step compiled in
-pieces around attention, or each of its layers one call of C.
+pieces around attention, or each of its layers one call of C. Tensor parallelism (14) splits
+the model over several processes, each rank holding its own heads and their KV cache.
 """
 
 import matplotlib.pyplot as plt
@@ -28,12 +29,13 @@ PARTS = {
                   "waiting -> admitted -> running;\npreempt; a token budget",
                   {"03", "04", "05", "07"}),
     "cache": (8.6, 0.8, 3.2, 1.5, "KV cache\none request (01), slots (04),\n"
-              "blocks of a pool (05),\nshared prefix blocks (08);\nrolled back (11)",
-              {"01", "04", "05", "08", "11"}),
-    "model": (4.9, 0.8, 3.0, 1.5, "model (00): one forward pass\na ragged step: prefill (02),\n"
-              "chunks (07), decode, guesses (11);\nreplayed, compiled (06, 13),\n"
-              "fused into C calls (13)",
-              {"00", "02", "03", "06", "07", "11", "13"}),
+              "blocks of a pool (05),\nshared prefix blocks (08);\nrolled back (11);\n"
+              "a rank's own heads (14)",
+              {"01", "04", "05", "08", "11", "14"}),
+    "model": (4.9, 0.8, 3.0, 1.5, "model (00), split over ranks (14):\none forward pass, a ragged\n"
+              "step: prefill (02), chunks (07),\ndecode, guesses (11); replayed,\n"
+              "compiled (06, 13), in C calls (13)",
+              {"00", "02", "03", "06", "07", "11", "13", "14"}),
     "tokens": (1.6, 0.8, 2.6, 1.5, "token stage (01)\nlogits, a grammar's mask (12)\n"
                "-> the next token, or the\nguesses that stand (11);\nstop at EOS",
                {"00", "01", "03", "11", "12"}),
@@ -63,7 +65,7 @@ def _anchor(name: str, toward: str) -> tuple[float, float]:
 
 def engine_map(step: str | None = None, ax=None):
     """Draw the engine's parts and a request's numbered path; the parts of `step` ("00" to
-    "13") are lit, the others pale. Returns the axes."""
+    "14") are lit, the others pale. Returns the axes."""
     if ax is None:
         _, ax = plt.subplots(figsize=(11.5, 4.6))
     for name, (x, y, w, h, text, steps) in PARTS.items():

@@ -1,11 +1,12 @@
 """Steps 03-05 - pictures of a run: who held which row at each step, KV use, latencies (in
 seconds and in steps), the scheduler's queue and slots, the paged cache's block pool and
-a block table's slot mapping; and step 04's interactive slot stepper.
+a block table's slot mapping; step 14's split of a layer over ranks (`tp_layer`); and step 04's
+interactive slot stepper.
 
 Reads only what the engines record: a `Trace` (stats.py), the Results / Stats.summary() they
-return, and the state a cache or scheduler shows. Every drawing function draws on an Axes it is
-given or makes one (matplotlib); `SlotStepper` is the one widget (ipywidgets, imported when it
-is first shown).
+return, and the state a cache or scheduler shows (tp_layer: the shapes of a model's shards).
+Every drawing function draws on an Axes it is given or makes one (matplotlib); `SlotStepper` is
+the one widget (ipywidgets, imported when it is first shown).
 """
 
 import html
@@ -460,4 +461,95 @@ def step_tokens(trace, ax=None, budget: int | None = None, title: str = "", lege
     ax.set(xlim=(-0.5, len(steps) - 0.5), xlabel="step", ylabel="tokens", title=title)
     if legend:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    return ax
+
+
+# step 14's picture: a layer's weights left to right (name, x, "col": split by rows, "row": by
+# columns), and the arrows between them on a rank's lane
+TP_WEIGHTS = [("q_proj", 0.0, "col"), ("k_proj", 1.3, "col"), ("v_proj", 2.6, "col"),
+              ("o_proj", 5.2, "row"), ("gate_proj", 7.25, "col"), ("up_proj", 8.55, "col"),
+              ("down_proj", 9.85, "row"), ("lm_head", 11.9, "col")]
+TP_ARROWS = ((1.0, 1.3), (2.3, 2.6), (3.6, 3.85), (4.95, 5.2), (6.2, 6.38), (6.82, 7.25),
+             (8.25, 8.55), (9.55, 9.85), (10.85, 11.03), (11.47, 11.9))
+
+
+def _tp_linear(part, name: str):
+    """A shard's linear layer of that name in layer 0 (the head for lm_head); a row-parallel
+    layer's own columns."""
+    block = part.layers[0]
+    found = part.lm_head if name == "lm_head" else getattr(
+        block.self_attn if name[0] in "qkvo" else block.mlp, name)
+    return getattr(found, "local", found)
+
+
+def _tp_weight(ax, x: float, y: float, name: str, kind: str, model, parts: list, r: int,
+               colour) -> None:
+    """W (out, in) as a square at (x, y): rank r's rows (col) or columns (row) in its colour."""
+    out, inp = _tp_linear(model, name).weight.shape[:2]
+    axis = 0 if kind == "col" else 1
+    mine = _tp_linear(parts[r], name).weight.shape[axis]
+    before = sum(_tp_linear(p, name).weight.shape[axis] for p in parts[:r])
+    whole = out if kind == "col" else inp
+    ax.add_patch(Rectangle((x, y), 1, 1, facecolor="0.93", edgecolor="0.4", lw=0.8))
+    if kind == "col":                                  # rows from the top: output features
+        patch = (x, y + 1 - (before + mine) / whole), 1, mine / whole
+    else:                                              # columns from the left: input features
+        patch = (x + before / whole, y), mine / whole, 1
+    ax.add_patch(Rectangle(*patch, facecolor=colour, edgecolor="none", alpha=0.85))
+    ax.text(x + 0.5, y + 1.08, f"{name}\n({out}, {inp})", ha="center", va="bottom", fontsize=7.5)
+    ax.text(x + 0.5, y - 0.08, f"{'rows' if kind == 'col' else 'cols'} {before}-"
+            f"{before + mine - 1}", ha="center", va="top", fontsize=7.5)
+
+
+def _tp_talk(ax, size: int, lane: float, d_model: int, colours) -> None:
+    """The two all-reduces across every lane, and the head's logits gathered on rank 0."""
+    top = (size - 1) * lane + 1
+    for x, after in ((6.6, "o_proj"), (11.25, "down_proj")):
+        ax.add_patch(Rectangle((x - 0.22, -0.1), 0.44, top + 0.2, facecolor="#fdd9a0",
+                               edgecolor="#c25a00", lw=1.2))
+        ax.text(x, top / 2, f"all-reduce (T, {d_model})", rotation=90, ha="center",
+                va="center", fontsize=8)
+        ax.text(x, -0.55, f"sums every rank's\n{after} partial sum", ha="center", va="top",
+                fontsize=7)
+    for r in range(size):
+        ax.annotate("", (13.35, top - 0.5), (12.95, (size - 1 - r) * lane + 0.5),
+                    arrowprops=dict(arrowstyle="->", color=colours[r], lw=1.2,
+                                    connectionstyle="arc3,rad=0.25" if r else "arc3"))
+    ax.text(13.4, top - 0.5, "gather: rank 0\nputs the logits\nside by side", ha="left",
+            va="center", fontsize=7.5)
+
+
+def tp_layer(model, size: int = 2, ax=None):
+    """Step 14's split of one layer over `size` ranks, from the shapes of `shard(model, r,
+    size)`: each weight W (out, in) as a square, the rows (column-parallel: q, k, v, gate, up,
+    the head) or the columns (row-parallel: o, down) a rank holds in its colour, the other ranks'
+    parts pale; the two all-reduces that add the row-parallel layers' partial sums, and the
+    gather of the head's logits on rank 0."""
+    from tinyllm.ext.parallel import shard, shard_ranges  # step 14's, imported when drawn
+
+    parts = [shard(model, r, size) for r in range(size)]
+    cfg, lane = model.cfg, 2.0
+    colours = plt.get_cmap("tab10")(np.arange(size))
+    group = cfg.n_heads // cfg.n_kv_heads
+    ax = _axes(ax, (13, 1.9 * size + 0.9))
+    for r, (lo, hi) in enumerate(shard_ranges(cfg.n_kv_heads, size)):
+        y = (size - 1 - r) * lane
+        ax.text(-0.35, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=10,
+                weight="bold", color=colours[r])
+        for name, x, kind in TP_WEIGHTS:
+            _tp_weight(ax, x, y, name, kind, model, parts, r, colours[r])
+        groups = f"group {lo}" if hi - lo == 1 else f"groups {lo}-{hi - 1}"
+        ax.text(4.4, y + 0.5, f"attention\nheads {lo * group}-{hi * group - 1}\nKV {groups}\n"
+                "its own KV cache", ha="center", va="center", fontsize=7.5,
+                bbox=dict(boxstyle="round", facecolor="white", edgecolor=colours[r]))
+        for x0, x1 in TP_ARROWS:
+            ax.annotate("", (x1, y + 0.5), (x0, y + 0.5),
+                        arrowprops=dict(arrowstyle="->", color="0.5", lw=0.8))
+    _tp_talk(ax, size, lane, cfg.d_model, colours)
+    ax.text(-0.35, -0.55, "the embedding and the norms: whole on every rank", ha="left",
+            va="top", fontsize=7.5, style="italic")
+    ax.set(xlim=(-1.3, 15.0), ylim=(-1.2, (size - 1) * lane + 1.65))
+    ax.set_axis_off()
+    ax.set_title(f"one layer over {size} ranks: what each rank holds (its colour), "
+                 f"and where the ranks talk", fontsize=10)
     return ax
