@@ -20,7 +20,8 @@ shard_ranges picks the rank's KV groups (their query heads with them), its part 
 width and of the vocabulary; your shard_column and shard_row cut each layer's weights (float
 ones, or a quantized layer's integers and scales, 13); each row-parallel layer becomes a
 `RowParallelLinear` whose forward pass is your row_parallel (the one the module holds when the
-layer is made: it goes with the shard to the other ranks). `ParallelModel(model, size)`, which
+layer is made: it goes with the shard to the other ranks). `ranks.ParallelModel(model, size)`,
+which
 `make_engine(model, EngineConfig(..., tensor_parallel_size=2))` builds, makes every rank's
 shard in the engine's process (rank 0) and hands the others to ranks spawned as processes,
 their all-reduces torch.distributed's (gloo); `ThreadedRanks(size)` runs the shards as

@@ -27,10 +27,11 @@ from tinyllm.core.config import EngineConfig
 from tinyllm.core.continuous import run_engine
 from tinyllm.core.generate import solo
 from tinyllm.core.requests import Request
-from tinyllm.ext import parallel
+from tinyllm.ext import ranks
 from tinyllm.ext.cpu_attention import install
-from tinyllm.ext.parallel import ParallelModel, RankFailed, ThreadedRanks, shard, shard_bytes
+from tinyllm.ext.parallel import ThreadedRanks, shard, shard_bytes
 from tinyllm.ext.quant import quantize
+from tinyllm.ext.ranks import ParallelModel, RankFailed
 
 
 def biased(seed: int = 5):
@@ -138,7 +139,7 @@ def test_a_rank_that_dies_ends_the_engine_with_one_error():
     for r in requests():
         eng.add_request(r)
     eng.step()
-    os.kill(parallel._group.procs[0].pid, signal.SIGKILL)
+    os.kill(ranks._group.procs[0].pid, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(RankFailed, match=r"rank 1 died \(exit code -9\)"):
         while eng.has_work():
@@ -153,15 +154,15 @@ def test_a_rank_that_dies_ends_the_engine_with_one_error():
 def test_a_rank_that_fails_to_start_ends_the_engine_with_one_error(monkeypatch):
     """Rank 1's process ends before it joins the group (killed as it starts): the first pass
     raises naming rank 1, within seconds, not torch.distributed's timeout."""
-    parallel.close_group()
-    wait = parallel.Ranks.wait_joining
+    ranks.close_group()
+    wait = ranks.Ranks.wait_joining
 
     def killed_first(ranks, joining):
         for proc in ranks.procs:
             proc.kill()
         wait(ranks, joining)
 
-    monkeypatch.setattr(parallel.Ranks, "wait_joining", killed_first)
+    monkeypatch.setattr(ranks.Ranks, "wait_joining", killed_first)
     model = make_tiny(seed=41, n_layers=3)
     eng = make_engine(model, EngineConfig(2, tensor_parallel_size=2))
     eng.add_request(requests(1)[0])

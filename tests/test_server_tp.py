@@ -23,7 +23,7 @@ from tinyllm.build import make_engine
 from tinyllm.core.config import EngineConfig
 from tinyllm.core.generate import generate
 from tinyllm.course.check import near_tie
-from tinyllm.ext.parallel import ParallelModel
+from tinyllm.ext.ranks import ParallelModel
 
 
 def free_port() -> int:

@@ -6,8 +6,9 @@ the config and makes each part: the cache (04's slots, 05's paged pool, with 08'
 in it), the decode step (the model itself, 06's graphs and compiled step, 13's pieces and fused
 layers), the planner (04's whole contexts, 07's token budget), the speculator (11); a grammar
 backend (12) is given; with tensor_parallel_size > 1 the model itself is split over processes
-(14: parallel.ParallelModel), and the engine holds it as it holds any model. It imports a step's module only when the config asks for that step, so
-`import tinyllm.build` loads no later step than 04, and a step's notebook builds its engines
+(14: ranks.ParallelModel), and the engine holds it as it holds any model. It imports a step's
+module only when the config asks for that step, so `import tinyllm.build` loads no later step
+than 04, and a step's notebook builds its engines
 here without loading the steps after it. `run_continuous` is make_engine and
 continuous.run_engine in one call; `compiled_decoder` makes a compiled decoder ahead, to lend.
 `load` is tinyllm.load with step 13's switches: quantized weights, the C attention, the
@@ -134,7 +135,7 @@ def make_engine(model: Transformer, config: EngineConfig | int, *, generator=Non
     step."""
     config, lent = settings_of(config, settings)
     if config.tensor_parallel_size > 1:                 # the model split over ranks (14)
-        from tinyllm.ext.parallel import parallel_model
+        from tinyllm.ext.ranks import parallel_model
         if draft is not None:
             raise ValueError("a draft model is not split over ranks: tensor_parallel_size > 1 "
                              "takes speculate='ngram' or None")

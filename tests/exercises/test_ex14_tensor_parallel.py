@@ -20,8 +20,9 @@ from tinyllm.core.config import EngineConfig
 from tinyllm.core.generate import solo
 from tinyllm.course import seams
 from tinyllm.course.check import divergence, explained, leaks
-from tinyllm.ext.parallel import ParallelModel, ThreadedRanks, close_group
+from tinyllm.ext.parallel import ThreadedRanks
 from tinyllm.ext.quant import quantize
+from tinyllm.ext.ranks import ParallelModel, close_group
 
 EXERCISE = "ex14_tensor_parallel"
 REF = seams.reference("14")  # the package's own four functions

@@ -37,8 +37,9 @@ from tinyllm.core.slot_cache import SlotCache, SlotKVCache
 from tinyllm.core.stats import Stats, Trace, kv_bytes_per_token
 from tinyllm.core.token_stage import new_matchers
 
+# what this step's engine makes itself; other values, the builder
 LATER = {"kv": "slots", "decoder": "eager", "max_step_tokens": None, "prefix_cache": False,
-         "speculate": None, "tensor_parallel_size": 1}     # what this step's engine makes itself; other values, the builder
+         "speculate": None, "tensor_parallel_size": 1}
 
 
 def compiles(decoder) -> bool:

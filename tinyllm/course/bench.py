@@ -167,7 +167,8 @@ def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed:
         grammars = LLGuidance(tok, model.cfg.vocab_size)                # the json workload (12)
     split = config.tensor_parallel_size > 1
     if split:                                   # 14: the ranks start before the clock
-        from tinyllm.ext.parallel import TALK, parallel_model
+        from tinyllm.ext.parallel import TALK
+        from tinyllm.ext.ranks import parallel_model
         parallel_model(model, config.tensor_parallel_size).start()
         talk = dict(TALK)
     serve = lambda **decoder: cpu_timed(lambda: run_continuous(
@@ -193,7 +194,7 @@ def cpu_timed(serve, ranks: bool = False) -> dict:
     when other jobs take turns on the cores; the wall clock does."""
     others = lambda: 0.0                        # noqa: E731
     if ranks:                                   # 14's, imported when a run asks
-        from tinyllm.ext.parallel import other_ranks_cpu_s as others
+        from tinyllm.ext.ranks import other_ranks_cpu_s as others
     t0 = time.process_time() + others()
     summary = serve()[1]
     cpu_s = time.process_time() + others() - t0

@@ -178,7 +178,7 @@ def serve_main(argv=None) -> None:
 def serve_other_rank(model, size: int) -> None:
     """Under torchrun (step 14), every rank but rank 0 serves rank 0's steps with its shard of
     the model, then leaves; rank 0 (and a serve not started by torchrun) returns to serve."""
-    from tinyllm.ext.parallel import launched_by_torchrun, serve_torchrun_rank
+    from tinyllm.ext.ranks import launched_by_torchrun, serve_torchrun_rank
 
     if not launched_by_torchrun() or int(os.environ["RANK"]) == 0:
         return
