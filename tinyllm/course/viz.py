@@ -525,14 +525,14 @@ def tp_layer(model, size: int = 2, ax=None):
     the head) or the columns (row-parallel: o, down) a rank holds in its colour, the other ranks'
     parts pale; the two all-reduces that add the row-parallel layers' partial sums, and the
     gather of the head's logits on rank 0."""
-    from tinyllm.ext.parallel import shard, shard_ranges  # step 14's, imported when drawn
+    from tinyllm.ext import parallel  # step 14's, imported when drawn (its seams by module)
 
-    parts = [shard(model, r, size) for r in range(size)]
+    parts = [parallel.shard(model, r, size) for r in range(size)]
     cfg, lane = model.cfg, 2.0
     colours = plt.get_cmap("tab10")(np.arange(size))
     group = cfg.n_heads // cfg.n_kv_heads
     ax = _axes(ax, (13, 1.9 * size + 0.9))
-    for r, (lo, hi) in enumerate(shard_ranges(cfg.n_kv_heads, size)):
+    for r, (lo, hi) in enumerate(parallel.shard_ranges(cfg.n_kv_heads, size)):
         y = (size - 1 - r) * lane
         ax.text(-0.35, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=10,
                 weight="bold", color=colours[r])

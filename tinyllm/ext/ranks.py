@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinyllm.core.model import Transformer, unpacked
-from tinyllm.ext.parallel import TALK, shard, shard_ranges
+from tinyllm.ext import parallel
+from tinyllm.ext.parallel import TALK, shard
 
 RANK_TIMEOUT_S = 120       # a rank that does not join, or answer within a step, for this long
 START_TIMEOUT_S = 120      # spawned ranks that have not joined by then failed to start
@@ -408,7 +409,7 @@ def gather_logits(part: Transformer, x2: Tensor, size: int, dst: bool) -> Tensor
     """Every rank's logits of x2 (M, d) for its part of the vocabulary, gathered on rank 0 (dst:
     this is rank 0, which gets (M, V); the others get None). A rank's part is padded to the
     widest part: a gather moves tensors of one shape."""
-    vocab = shard_ranges(part.cfg.vocab_size, size)
+    vocab = parallel.shard_ranges(part.cfg.vocab_size, size)   # the seam, as shard cut it
     width = max(hi - lo for lo, hi in vocab)
     local = part.compute_logits(x2)                                        # (M, width or less)
     if local.size(-1) < width:
