@@ -162,6 +162,48 @@ def test_speculation_counts_what_it_proposed_and_kept():
         assert s["decode_steps"] < results[None]["decode_steps"] or s["spec_accepted"] == 0
 
 
+def test_a_request_whose_guesses_fall_stops_guessing_and_tries_again_later(monkeypatch):
+    """Guesses are paid for: a request whose guesses keep falling (a proposer that always
+    guesses wrong) stops guessing once under PAYS of them stand, its steps then run the plain
+    decode step (no verify pass), and it tries one guess every PROBE_STEPS steps; its tokens
+    are its solo run's all along. One whose guesses half stand makes 2 a step."""
+    from tinyllm.ext import speculative
+
+    req = Request([3, 1, 4, 1, 5], 40, eos_id=None)
+    want = solo(TINY, req).tokens
+
+    def wrong(self, seqs, ks, shared=None):  # never the target's pick: its solo token, plus one
+        return [[(want[len(s.tokens)] + 1) % V] * k for s, k in zip(seqs, ks)], [None] * len(seqs)
+
+    monkeypatch.setattr(speculative.NgramProposer, "propose", wrong)
+    eng = make_engine(TINY, 1, speculate="ngram", spec_tokens=3)
+    passes = {"verify": 0, "decode": 0}
+    for name in passes:
+        run = getattr(eng.runner, name)
+        monkeypatch.setattr(
+            eng.runner,
+            name,
+            lambda *a, name=name, run=run: passes.__setitem__(name, passes[name] + 1) or run(*a),
+        )
+    rid = eng.add_request(req)
+    ks = []
+    while eng.has_work():
+        seqs = list(eng.scheduler.running.values())
+        if seqs and seqs[0].tokens:
+            ks.append(eng.speculator.allowed(seqs, None)[0])
+        eng.step()
+    assert eng.results[rid].tokens == want
+    guessed = [i for i, k in enumerate(ks) if k]
+    assert ks[0] == 3 and len(guessed) < len(ks) // 2, ks
+    later = [b - a for a, b in zip(guessed[1:], guessed[2:])]
+    assert later and all(g == speculative.PROBE_STEPS + 1 for g in later), ks
+    assert all(ks[i] == 1 for i in guessed[1:]), ks  # a try is one guess
+    assert passes["decode"] > passes["verify"] > 0, passes
+    spec = eng.speculator
+    spec.record[99] = [4.0, 2.0]
+    assert spec.guesses_for(99) == 2 and spec.guesses_for(98) == 3
+
+
 # ---- sampled: the target's distribution --------------------------------------------------------
 
 SMALL = make_tiny(seed=1, **SMALL_CFG)

@@ -221,7 +221,8 @@ def add_speculation_arguments(g) -> None:
                    help="speculative decoding (step 11): guesses by prompt lookup (ngram) "
                         "or by a draft model (draft: the target's first layers)")
     g.add_argument("--spec-tokens", type=int, default=4, metavar="K",
-                   help="guesses per request per step at most (default: 4)")
+                   help="guesses per request per step at most: a request makes as many as "
+                        "its recent guesses show pay (default: 4)")
     g.add_argument("--draft-layers", type=int, default=None, metavar="N",
                    help="the draft is the target's first N layers (default: half of them)")
     g.add_argument("--draft", default=None, metavar="MODEL",

@@ -25,6 +25,7 @@ Seams: `accept_greedy`, `accept_sampled` and `roll_back` (exercise 11).
 
 import copy
 import dataclasses
+import math
 
 import torch
 from torch import Tensor, nn
@@ -371,28 +372,73 @@ def make_proposer(model: Transformer, config, max_len: int, device, draft: Trans
     return DraftProposer(draft, config.n_slots, max_len, device)
 
 
+PAYS = 0.25         # a guess is made while the chance that it stands is at least this
+DECAY = 0.5         # the weight of a request's earlier guesses, each time it guesses again
+PROBE_STEPS = 4     # a request that stopped guessing tries one guess after this many steps
+
+
 class Speculator:
     """The decode step of a speculating engine: guesses (the proposer's), room for them in the
     cache, one ragged target pass (the engine's runner.verify), the verdicts, and the rollback
-    of what fell in both caches. The engine counts what it proposed and kept (Stats)."""
+    of what fell in both caches. The engine counts what it proposed and kept (Stats).
+
+    Guesses are paid for: every guess is a token the target computes, kept or not. So a
+    request guesses as far as its guesses stand (`guesses_for`): each keeps its own record of
+    guesses made and kept, the older ones weighing DECAY less each time it guesses again, and
+    with a share a of them kept, its j-th guess of a step stands with chance about a^j; it
+    makes the guesses whose chance is at least PAYS (k of them while all stand, 2 at a = 0.5,
+    1 at a = 0.3). Under PAYS it stops guessing, and tries one guess every PROBE_STEPS steps
+    (text the request copies from its prompt comes and goes). A step with no guess at all
+    runs the engine's plain decode step, not a verify pass: where guessing does not pay,
+    speculation costs the lookups and nothing more."""
 
     def __init__(self, proposer, k: int, cache):
         self.proposer, self.k, self.cache = proposer, k, cache
+        self.record: dict[int, list[float]] = {}       # rid -> [guesses made, kept], decayed
+        self.quiet: dict[int, int] = {}                 # rid -> steps since it last guessed
 
     def sync(self, running: dict) -> None:
-        """The proposer follows the engine's slots (a draft frees the slots of who left)."""
+        """The proposer follows the engine's slots (a draft frees the slots of who left); the
+        records of who left go."""
         self.proposer.sync(running)
+        here = {seq.rid for seq in running.values()}
+        for rid in [r for r in self.record if r not in here]:
+            del self.record[rid]
+        for rid in [r for r in self.quiet if r not in here]:
+            del self.quiet[rid]
+
+    def guesses_for(self, rid: int) -> int:
+        """The guesses that pay for a request this step: k with no record yet or every guess
+        kept; with a share a < 1 of them kept, those whose chance a^j is at least PAYS; none
+        under PAYS, but one after PROBE_STEPS steps without a guess."""
+        made, kept = self.record.get(rid, (0.0, 0.0))
+        if made < 1 or kept >= made:
+            return self.k
+        share = kept / made
+        if share < PAYS:
+            return 1 if self.quiet.get(rid, 0) >= PROBE_STEPS else 0
+        return max(1, min(self.k, int(math.log(PAYS) / math.log(share))))
+
+    def learn(self, seq: Sequence, verdict: "Verdict") -> None:
+        """A row's verdict in its record: what it guessed and kept, or one more quiet step."""
+        if verdict.proposed == 0:
+            self.quiet[seq.rid] = self.quiet.get(seq.rid, 0) + 1
+            return
+        made, kept = self.record.get(seq.rid, (0.0, 0.0))
+        self.record[seq.rid] = [made * DECAY + verdict.proposed,
+                                kept * DECAY + verdict.accepted]
+        self.quiet[seq.rid] = 0
 
     def check_integrity(self, idle: bool = False) -> str | None:
         return self.proposer.check_integrity(idle)
 
     def allowed(self, seqs: list[Sequence], tokens_left: int | None) -> list[int]:
-        """Guesses each row may have: k, less than its tokens still to make (its last comes
-        from the target), within what the step leaves of its budget (tokens_left; None: no
-        limit) and the slot's positions."""
+        """Guesses each row may have: as many as pay (guesses_for), less than its tokens still
+        to make (its last comes from the target), within what the step leaves of its budget
+        (tokens_left; None: no limit) and the slot's positions."""
         ks = []
         for seq in seqs:
-            k = min(self.k, seq.request.max_new_tokens - len(seq.tokens) - 1,
+            k = min(self.guesses_for(seq.rid), seq.request.max_new_tokens - len(seq.tokens) - 1,
                     self.cache.max_len - seq.context_len() - 1)
             if tokens_left is not None:
                 k = min(k, tokens_left)
@@ -406,10 +452,14 @@ class Speculator:
         for i, seq in enumerate(seqs):                  # memory for the guesses, or none
             if guesses[i] and not self.cache.reserve(seq.slot, 1 + len(guesses[i])):
                 guesses[i], drafts[i] = [], None
-        last = [s.tokens[-1] if s.tokens else s.request.prompt[-1] for s in seqs]
-        logits = runner.verify(seqs, [[t] + g for t, g in zip(last, guesses)])
+        if any(guesses):
+            last = [s.tokens[-1] if s.tokens else s.request.prompt[-1] for s in seqs]
+            logits = runner.verify(seqs, [[t] + g for t, g in zip(last, guesses)])
+        else:                                           # no guess: the plain decode step
+            logits = runner.decode(seqs)[:, None]                       # (B, 1, V)
         verdicts = verify(logits, seqs, guesses, drafts, shared)
         for seq, g, v in zip(seqs, guesses, verdicts):
             roll_back(self.cache, seq.slot, 1 + len(g), len(v.tokens))
             self.proposer.kept(seq, v)
+            self.learn(seq, v)
         return verdicts
