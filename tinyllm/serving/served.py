@@ -121,10 +121,11 @@ def banner(about: dict, defaults: ModelDefaults) -> str:
     budget = about["max_step_tokens"]
     values = ", ".join(f"{k} {v}" for k, v in defaults.values.items()) or "OpenAI's"
     ranks = about["tensor_parallel_size"]
-    split = f" split over {ranks} ranks (KV MiB a rank)" if ranks > 1 else ""
+    split = f", split over {ranks} ranks" if ranks > 1 else ""
+    a_rank = " a rank" if ranks > 1 else ""
     return (
         f"weights {about['weights']}{split}; decoder {about['decoder']}; speculation "
-        f"{about['speculation']}; {cache}, {kv['mib']:g} MiB; max_step_tokens "
+        f"{about['speculation']}; {cache}, {kv['mib']:g} MiB{a_rank}; max_step_tokens "
         f"{budget if budget is not None else 'none (whole prompts)'}; sampling defaults "
         f"{values} ({defaults.source})"
     )
