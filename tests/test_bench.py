@@ -417,3 +417,21 @@ def test_tp_layer_colours_each_ranks_rows_and_columns():
     assert any("KV groups 0-1" in t for t in texts) and any("KV group 2" in t for t in texts)
     bars = [t for t in ax.texts if t.get_text() == "all-reduce (T, 64)"]
     assert len(bars) == 2  # after o_proj and after down_proj
+
+
+def test_prefill_times_each_prompt_length_on_each_engine(bundled, capsys, monkeypatch):
+    """--prefill: one prompt of each length to its first token, on each continuous engine
+    (static left out), the chunked one in steps of --max-step-tokens; a row each, its tokens a
+    second the prompt's length over its TTFT."""
+    model, tok = bundled
+    monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
+    argv = ["--prefill", "24,80", "--engines", "static,continuous,continuous+chunked"]
+    bench.main([*argv, "--max-step-tokens", "16", "--rounds", "2", "--json"])
+    rows = json.loads(capsys.readouterr().out)["prefill"]
+    assert [(r["tokens"], r["engine"]) for r in rows] == [
+        (n, e) for n in (24, 80) for e in ("continuous", "continuous+chunked")
+    ]
+    for r in rows:
+        assert r["tok_per_s"] == pytest.approx(r["tokens"] / r["ttft_s"]) and r["cpu_s"] > 0
+    bench.main(argv[:2])
+    assert "x first" in capsys.readouterr().out

@@ -406,7 +406,8 @@ def test_every_tensor_type_dequantises_like_gguf(tmp_path):
 def test_a_dequantised_copy_holds_the_same_values(tmp_path):
     """write_dequantized (llama.cpp's peer file on tinyllm's values): the F32 copy of a file of
     quantised tensors loads to the same weights and tokenizer; the BF16 copy to the weights
-    rounded to bf16, norms kept in F32; the metadata is carried over."""
+    rounded to bf16, the Q8_0 copy to them in 8 bits (llama.cpp's int8 made from tinyllm's
+    values), norms kept in F32; the metadata is carried over."""
     from tinyllm.checkpoints.gguf_file import write_dequantized
 
     rng = np.random.default_rng(1)
@@ -435,8 +436,16 @@ def test_a_dequantised_copy_holds_the_same_values(tmp_path):
         assert torch.equal(w16, want), f"BF16 copy: {name} is not the weight rounded to bf16"
     kinds = {t.name: t.tensor_type for t in gguf.GGUFReader(tmp_path / "bf16.gguf").tensors}
     assert kinds["blk.0.attn_q.weight"] == Q.BF16 and kinds["output_norm.weight"] == Q.F32
-    with pytest.raises(ValueError, match="'F32' or 'BF16'"):
-        write_dequantized(tmp_path / "q.gguf", tmp_path / "x.gguf", "Q8_0")
+    q8, _ = tinyllm.load(
+        write_dequantized(tmp_path / "q.gguf", tmp_path / "q8.gguf", "Q8_0"), device="cpu"
+    )
+    kinds = {t.name: t.tensor_type for t in gguf.GGUFReader(tmp_path / "q8.gguf").tensors}
+    assert kinds["blk.0.attn_q.weight"] == Q.Q8_0 and kinds["output_norm.weight"] == Q.F32
+    for (name, w), w8 in zip(model.state_dict().items(), q8.state_dict().values()):
+        step = w.abs().amax() / 127 if w.dim() == 2 else 0  # Q8_0: 8 bits a value, by 32
+        assert (w8 - w).abs().max() <= step, f"Q8_0 copy: {name} is not the weight in 8 bits"
+    with pytest.raises(ValueError, match="'F32', 'BF16' or 'Q8_0'"):
+        write_dequantized(tmp_path / "q.gguf", tmp_path / "x.gguf", "Q4_1")
 
 
 # ---- refusals -----------------------------------------------------------------------------

@@ -420,13 +420,14 @@ def load_gguf(path: str | Path, device=None, dtype: torch.dtype | None = None,
 
 
 def write_dequantized(src: str | Path, dst: str | Path, kind: str = "F32") -> Path:
-    """Copy a GGUF file with every tensor de-quantised to `kind` (F32, or BF16 for the larger
-    ones), its metadata as it was: llama.cpp then computes on the very values tinyllm loads
-    (the peers' 'same values' comparison). Written under a temporary name, then renamed."""
+    """Copy a GGUF file with every tensor de-quantised to `kind` (F32, or BF16 or Q8_0 for the
+    matrices), its metadata as it was: llama.cpp then computes on the very values tinyllm loads
+    (the peers' 'same values' comparison), or on its own 8 bits made from them. Written under
+    a temporary name, then renamed."""
     import gguf
     src, dst = Path(src), Path(dst)
-    if kind not in ("F32", "BF16"):
-        raise ValueError(f"kind must be 'F32' or 'BF16', got {kind!r}")
+    if kind not in ("F32", "BF16", "Q8_0"):
+        raise ValueError(f"kind must be 'F32', 'BF16' or 'Q8_0', got {kind!r}")
     reader = open_reader(src)
     arch = field_value(reader.fields["general.architecture"])
     part = dst.with_name(f"{dst.name}.{os.getpid()}.part")
@@ -438,9 +439,9 @@ def write_dequantized(src: str | Path, dst: str | Path, kind: str = "F32") -> Pa
         writer.add_key_value(name, field_value(field), field.types[0], sub)
     for t in reader.tensors:
         values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        if kind == "BF16" and values.ndim > 1:      # llama.cpp keeps norms and biases in F32
-            writer.add_tensor(t.name, gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16),
-                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+        if kind != "F32" and values.ndim > 1:      # llama.cpp keeps norms and biases in F32
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(t.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(t.name, values)
     writer.write_header_to_file()

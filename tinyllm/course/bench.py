@@ -424,6 +424,10 @@ def parser() -> argparse.ArgumentParser:
                     help="tinyllm's engines (eager, compiled, compiled bf16) against "
                          "transformers' (and llama.cpp's on a .gguf) on the same weights, "
                          "batches or slots of --slots, and stop")
+    ap.add_argument("--prefill", type=batch_sizes, default=None, metavar="N,N",
+                    help="time one prompt of each length to its first token on a slot of its "
+                         "own, for each continuous engine of --engines (with --peers, beside "
+                         "llama.cpp's evaluation of it), and stop (course/prefill.py)")
     ap.add_argument("--decode-steps", action="store_true",
                     help="time one decode step per batch size: eager, graphed (bucketed on a "
                          "CPU) and compiled, and stop")
@@ -507,6 +511,24 @@ def median_run(summaries: list[dict]) -> dict:
     return sorted(summaries, key=lambda s: s["tok_per_cpu_s"])[(len(summaries) - 1) // 2]
 
 
+def compare_prefill(ap, args, models: dict) -> None:
+    """--prefill: each prompt length on each continuous engine of --engines (static ones left
+    out), each --quant, and with --peers llama.cpp; a table, or JSON."""
+    from tinyllm.course import prefill  # imported when a run asks
+    names = [n for n in args.engines.split(",") if not n.startswith("static")] or ["continuous"]
+    try:
+        configs = {n: c for n, (_, c) in engine_configs(names, args).items()}
+    except ValueError as e:
+        ap.error(str(e))
+    rows = prefill.measure(args, models, configs)
+    if args.json:
+        print(json.dumps({"prefill": rows, "torch_threads": torch.get_num_threads()}, indent=2))
+        return
+    print(f"prefill: one prompt a slot, {torch.get_num_threads()} threads; the median of "
+          f"{args.rounds} round{'s' * (args.rounds != 1)}\n")
+    print(prefill.table(rows))
+
+
 def compare_engines(ap, args, models: dict, tok) -> None:
     """--engines: each engine, its config parsed from its name and the flags, on the same
     requests, on each model of --quant (named "engine int8" when there are several); their
@@ -556,7 +578,9 @@ def main(argv=None) -> None:
     model = next(iter(models.values()))
     args.draft_model = None if args.draft is None else \
         load(args.draft, device=args.device, dtype=DTYPES.get(args.dtype), huge_pages=True)[0]
-    if args.peers:
+    if args.prefill:
+        compare_prefill(ap, args, models)
+    elif args.peers:
         compare_peers(args, model, tok)
     elif args.decode_steps:
         for quant, model in models.items():
