@@ -8,6 +8,7 @@
     python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
     python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix
     python -m tinyllm bench --engines paged,paged+compiled --slots 16 --paged-slots 64
+    python -m tinyllm bench --prefill 128,512,2048 --engines continuous,continuous+chunked
 
 The engine's flags are EngineConfig's (EngineConfig.add_arguments, as `serve`'s), and each
 engine's name parses once into the EngineConfig it runs (engine_config). Engines: static (03,
