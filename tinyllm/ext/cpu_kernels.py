@@ -16,19 +16,25 @@ activations too and multiply integers, as llama.cpp's products do:
   weight passes through the cache a tile at a time, so it comes from memory once, and the
   next tile is asked for (prefetched) while this one is multiplied.
 - `int8_gemv`: y[m, n] = (xq[m] . q[n]) * (sx[m] * scale[n]), each row of x quantized to int8
-  by its largest magnitude (quant.int8_matmul's product): 16 weights widened to int16 and
-  multiplied in pairs into int32 (`_mm256_madd_epi16`), two accumulators. The integer sum is
-  exact, so the result is torch._int_mm's, bit for bit, for any number of rows.
+  by its largest magnitude (quant.int8_matmul's product). The integer products multiply an
+  unsigned byte by a signed one, so the weights' magnitudes meet x with the weights' signs; 32
+  bytes at a time, summed by fours into int32: one instruction with VNNI (`dpbusd`: AVX-512's
+  VNNI, or AVX-VNNI), two with AVX2 (`maddubs`, then `madd` by ones). The integer sum is exact
+  on every path, so the result is torch._int_mm's, bit for bit, for any number of rows.
 - `int4_gemv`: each group of x rounded to int8 steps (quant.rounded_activations), then
   y[m, n] = sum over groups g of scale[n, g] sx[m, g] (xq's group . the group's 4-bit values)
-  + zero[n, g] sx[m, g] (the sum of xq's group): the nibbles of GGUF's layout (quant.py) and
-  the int8 activations multiplied as integers (`_mm256_maddubs_epi16`), the float16 scales and
-  zeros of 8 groups converted at once.
+  + zero[n, g] sx[m, g] (the sum of xq's group): the nibbles of GGUF's layout (quant.py),
+  unpacked by one broadcast load, a shift and a mask, and multiplied with the int8 activations
+  as integers; the integer sums of 8 groups gathered into one vector, so that 8 groups'
+  scales, zeros and conversions to float cost one vector operation each.
 - `int8g_gemv`: the same for 8-bit weights in groups (GGUF's Q8_0), without zero points.
-  The three integer products ask for the weight rows about 2 KB ahead (a prefetch) as they
-  go: their arithmetic per byte is heavier than float32's, and without it the loop and the
-  memory take turns. On one core of an Intel Xeon with AVX-512, SmolLM2's int4 layers at one
-  row went from 15.6 to 9 ms a step that way.
+  The grouped products add their floats in one order on every path (8 lanes, then the groups
+  past the last 8, then the lanes' sum in a fixed order), so the vector paths and the plain C
+  loops give the same bits (`integer_path()` names the machine's). The three integer products
+  ask for the weight rows about 2 KB ahead (a prefetch) as they go: their arithmetic per byte
+  is heavier than float32's, and without it the loop and the memory take turns. On one core
+  of an Intel Xeon with AVX-512, SmolLM2's int4 layers at one row went from 15.6 to 9 ms a step
+  that way.
 - `decode_attention`: a decode step's attention in one layer, read where the cache holds the
   keys and values (a slot's rows, a paged pool's blocks: the cache's `layout`), as
   vLLM's paged attention reads them, with no gather: the new key and value written, then for
@@ -169,6 +175,34 @@ def available() -> bool:
     if _built is None:
         _built = library() is not None
     return _built
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux names them (/proc/cpuinfo's first 'flags' line: avx2,
+    avx512_vnni, avx_vnni, ...), or an empty set where there is no such file."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def integer_path(flags: set[str] | None = None) -> str:
+    """The instructions the integer products (int8_gemv, int4_gemv, int8g_gemv) multiply with
+    in the machine's own build (-march=native): 'AVX-512 VNNI' (dpbusd on 256-bit vectors),
+    'AVX-VNNI' (the same instruction without AVX-512), 'AVX2' (maddubs and madd) or 'plain C'
+    (the loops the compiler vectorizes). Each gives the same integers, so the same outputs bit
+    for bit; the paths differ in speed. flags: cpu_flags() by default."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags:                            # no /proc/cpuinfo: what torch's build says
+        return "AVX2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") \
+            else "plain C"
+    if {"avx512_vnni", "avx512vl"} <= flags:
+        return "AVX-512 VNNI"
+    if "avx_vnni" in flags:
+        return "AVX-VNNI"
+    return "AVX2" if {"avx2", "fma", "f16c"} <= flags else "plain C"
 
 
 def int8_gemv(x: Tensor, q: list[Tensor], scale: list[Tensor], ops=None) -> Tensor:

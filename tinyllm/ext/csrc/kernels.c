@@ -35,7 +35,7 @@ static float half_to_float(uint16_t h) {              /* IEEE float16 bits -> fl
 
 #ifdef AVX2
 /* the sum of a vector's 8 floats */
-static float hsum(__m256 s) {
+static inline float hsum(__m256 s) {
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
     return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
@@ -43,32 +43,77 @@ static float hsum(__m256 s) {
 #endif
 
 #ifdef AVX2
-/* 16 int8 values as int16 at x . 16 int8 values at w: widened to int16 and multiplied in pairs
-   into 8 int32 partial sums, exact */
-static __m256i dot16_q8(const int16_t *x, const int8_t *w) {
-    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)),
-                             _mm256_loadu_si256((const __m256i *)x));
+/* The integer products' step: 32 unsigned bytes u times 32 signed bytes v, multiplied in
+   place and summed by fours into 8 int32 lanes added to acc. VNNI does it in one instruction
+   (dpbusd: AVX-512's VNNI on 256-bit vectors, or AVX-VNNI); AVX2 in two (maddubs multiplies
+   and adds pairs into int16, exact here since |u| <= 128 and |v| <= 127 keep a pair within
+   int16; madd by ones adds pairs of those into int32). The sums are exact on every path. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i dot32_add(__m256i acc, __m256i u, __m256i v) {
+    return _mm256_dpbusd_epi32(acc, u, v);
+}
+#elif defined(__AVXVNNI__)
+static inline __m256i dot32_add(__m256i acc, __m256i u, __m256i v) {
+    return _mm256_dpbusd_avx_epi32(acc, u, v);
+}
+#else
+static inline __m256i dot32_add(__m256i acc, __m256i u, __m256i v) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v),
+                                                   _mm256_set1_epi16(1)));
 }
 #endif
 
-/* x (K) int8 values as int16 . w (K) int8, exact in int32 */
-static int32_t dot_q8(const int16_t *x, const int8_t *w, int64_t K) {
+/* 32 int8 weights at w . 32 int8 values at x, into acc's 8 lanes: the products take an
+   unsigned side, so the weights' magnitudes meet x with the weights' signs (|w| * sign(w) x
+   = w x; -128's magnitude is 128, whose byte reads as unsigned) */
+static inline __m256i dot32_q8(__m256i acc, const int8_t *x, const int8_t *w) {
+    __m256i wv = _mm256_loadu_si256((const __m256i *)w);
+    return dot32_add(acc, _mm256_abs_epi8(wv),
+                     _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), wv));
+}
+
+/* the sum of a vector's 8 int32 lanes */
+static int32_t hsum_i32(__m256i s) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    return _mm_cvtsi128_si32(h);
+}
+
+/* the 8 lanes' sums of 8 vectors p[0..7], in one vector: lane i holds the sum of p[i] */
+static __m256i sums8_i32(const __m256i p[8]) {
+    __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
+    __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
+    __m256i h03 = _mm256_hadd_epi32(h01, h23), h47 = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(h03, h47, 0x20),   /* each half's */
+                            _mm256_permute2x128_si256(h03, h47, 0x31));  /* sums, added */
+}
+#endif
+
+/* x (K) int8 . w (K) int8, exact in int32 */
+static int32_t dot_q8(const int8_t *x, const int8_t *w, int64_t K) {
     int64_t k = 0;
     int32_t acc = 0;
 #ifdef AVX2
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-    for (; k + 32 <= K; k += 32) {
-        a0 = _mm256_add_epi32(a0, dot16_q8(x + k, w + k));
-        a1 = _mm256_add_epi32(a1, dot16_q8(x + k + 16, w + k + 16));
+    for (; k + 64 <= K; k += 64) {
+        a0 = dot32_q8(a0, x + k, w + k);
+        a1 = dot32_q8(a1, x + k + 32, w + k + 32);
     }
-    __m256i s = _mm256_add_epi32(a0, a1);
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-    acc = _mm_cvtsi128_si32(h);
+    if (k + 32 <= K) {
+        a0 = dot32_q8(a0, x + k, w + k);
+        k += 32;
+    }
+    acc = hsum_i32(_mm256_add_epi32(a0, a1));
 #endif
     for (; k < K; k++) acc += (int32_t)x[k] * (int32_t)w[k];
     return acc;
+}
+
+/* the sum of 8 floats in one order, the order of a vector's sum (hsum): lanes i and i + 4,
+   then those of 0 and 2, 1 and 3, then the two */
+static float sum8(const float l[8]) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
 /* the int8 step of x (n) float: its largest magnitude / 127, at least 1e-30; a value becomes
@@ -80,18 +125,16 @@ static float int8_step(const float *x, int64_t n) {
 }
 
 /* x's MG groups of n values, each quantized to int8 by its own step sx (int8_step), into
-   xq (int8) or xq16 (the same values as int16, where not NULL); xs (where not NULL): each
-   group's rounded sum, times its step */
-static void quantize_groups(const float *x, int64_t MG, int64_t n, int8_t *xq, int16_t *xq16,
-                            float *sx, float *xs) {
+   xq; xs (where not NULL): each group's rounded sum, times its step */
+static void quantize_groups(const float *x, int64_t MG, int64_t n, int8_t *xq, float *sx,
+                            float *xs) {
     for (int64_t mg = 0; mg < MG; mg++) {
         const float *xg = x + mg * n;
         int32_t sum = 0;
         sx[mg] = int8_step(xg, n);
         for (int64_t j = 0; j < n; j++) {
             int32_t v = (int32_t)nearbyintf(xg[j] / sx[mg]);
-            if (xq) xq[mg * n + j] = (int8_t)v;
-            if (xq16) xq16[mg * n + j] = (int16_t)v;
+            xq[mg * n + j] = (int8_t)v;
             sum += v;
         }
         if (xs) xs[mg] = sx[mg] * (float)sum;
@@ -211,28 +254,43 @@ void float_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float 
     }
 }
 
+/* The integer products share a weight's rows among the threads, rows SHARE(N, t, T) ..
+   SHARE(N, t + 1, T) to thread t of T, each share one call of a function that takes all it
+   reads as arguments: a loop written inside the parallel region reads them through the
+   region's shared variables, and ran a quarter slower. */
+#define SHARE(N, t, T) ((N) * (t) / (T))
+
+/* rows n0 .. n1 of y (M rows, ldy apart) for the int8 weight q (N, K), scale (N) and x's
+   rows xq (M, K) int8 at steps sx (M), asking for the rows about 2 KB ahead as it goes (as
+   int4_gemv does) */
+static void rows_q8(int64_t n0, int64_t n1, int64_t M, int64_t K, const int8_t *q,
+                    const uint16_t *scale, const int8_t *xq, const float *sx, float *y,
+                    int64_t ldy) {
+    int64_t ahead = 1 + 2048 / K;
+    for (int64_t n = n0; n < n1; n++) {
+        if (n + ahead < n1) prefetch_bytes(q + (n + ahead) * K, K);
+        for (int64_t m = 0; m < M; m++)
+            y[m * ldy + n] = (float)dot_q8(xq + m * K, q + n * K, K)
+                             * (sx[m] * half_to_float(scale[n]));
+    }
+}
+
 /* y (M, N) = x (M, K) @ W^T for the W weights W_w = q[w] (Ns[w], K) int8 times scale[w]
    (Ns[w]) float16 stacked (N = their Ns' sum: weights that read the same x, as q, k and v
    do), with each row of x quantized to int8 first, once for all:
    (xq[m] . q[n]) * (sx[m] * scale[n]) */
 void int8_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float *x,
                const int8_t **q, const uint16_t **scale, float *y, int threads) {
-    int16_t *xq = malloc(M * K * sizeof(int16_t));
+    int8_t *xq = malloc(M * K);
     float *sx = malloc(M * sizeof(float));
     int64_t N = 0;
     for (int64_t w = 0; w < W; w++) N += Ns[w];
-    quantize_groups(x, M, K, NULL, xq, sx, NULL);              /* each row, one step */
-    int64_t ahead = 1 + 2048 / K;                      /* rows ahead, as in int4_gemv */
+    quantize_groups(x, M, K, xq, sx, NULL);                    /* each row, one step */
     for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
-        const int8_t *qw = q[w];
-        const uint16_t *sw = scale[w];
         #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-        for (int64_t n = 0; n < Ns[w]; n++) {
-            if (n + ahead < Ns[w]) prefetch_bytes(qw + (n + ahead) * K, K);
-            for (int64_t m = 0; m < M; m++)
-                y[m * N + first + n] = (float)dot_q8(xq + m * K, qw + n * K, K)
-                                       * (sx[m] * half_to_float(sw[n]));
-        }
+        for (int t = 0; t < threads; t++)
+            rows_q8(SHARE(Ns[w], t, threads), SHARE(Ns[w], t + 1, threads), M, K, q[w],
+                    scale[w], xq, sx, y + first, N);
     }
     free(xq);
     free(sx);
@@ -241,88 +299,122 @@ void int8_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float *
 /* the integer dot product of a group of 2h 4-bit values (h bytes: the low nibble of byte j is
    value j, the high one value j + h) with 2h int8 values */
 static int32_t dot_q4(const uint8_t *q, const int8_t *x, int64_t h) {
-    int64_t j = 0;
     int32_t acc = 0;
-#ifdef AVX2
-    const __m128i low = _mm_set1_epi8(15);
-    if (h % 16 == 0) {
-        __m256i a = _mm256_setzero_si256();
-        for (; j < h; j += 16) {
-            __m128i b = _mm_loadu_si128((const __m128i *)(q + j));
-            __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low),
-                                         _mm_and_si128(b, low));
-            __m256i xv = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(x + h + j)),
-                                          _mm_loadu_si128((const __m128i *)(x + j)));
-            a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(v, xv),
-                                                      _mm256_set1_epi16(1)));
-        }
-        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-        return _mm_cvtsi128_si32(s);
-    }
-    if (h == 8) {
-        __m128i b = _mm_loadl_epi64((const __m128i *)q);
-        __m128i v = _mm_unpacklo_epi64(_mm_and_si128(b, low),
-                                       _mm_and_si128(_mm_srli_epi16(b, 4), low));
-        __m128i s = _mm_madd_epi16(_mm_maddubs_epi16(v, _mm_loadu_si128((const __m128i *)x)),
-                                   _mm_set1_epi16(1));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-        return _mm_cvtsi128_si32(s);
-    }
-#endif
-    for (; j < h; j++) acc += (q[j] & 15) * (int32_t)x[j] + (q[j] >> 4) * (int32_t)x[h + j];
+    for (int64_t j = 0; j < h; j++) acc += (q[j] & 15) * (int32_t)x[j] + (q[j] >> 4) * (int32_t)x[h + j];
     return acc;
 }
 
 #ifdef AVX2
 /* a group of 32 4-bit values (16 bytes at q: low nibbles, then high) . 32 int8 values at x,
-   as 8 int32 partial sums */
+   as 8 int32 partial sums: the 16 bytes loaded into both halves of a vector, the upper half
+   shifted by a nibble, both masked to 4 bits */
 static __m256i dot_group_q4(const uint8_t *q, const int8_t *x) {
-    __m128i b = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
-    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)x)),
-                             _mm256_set1_epi16(1));
+    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
+    __m256i v = _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_set_epi64x(4, 4, 0, 0)),
+                                 _mm256_set1_epi8(15));
+    return dot32_add(_mm256_setzero_si256(), v, _mm256_loadu_si256((const __m256i *)x));
 }
 #endif
 
+/* A grouped row's float part, in one order on every path. Each group brings its integer sum p
+   (exact, however it was computed). The groups go 8 at a time, group g into lane g % 8:
+   lane += (scale * sx) p and zero lane += zero * xs, fused multiply-adds (a vector's lanes on
+   the vector paths); the groups past the last 8 go one by one into acc the same way. The row
+   is acc + sum8(lanes + zero lanes). */
+
+/* lanes (8) and zero lanes (8, or NULL) += a block's 8 sums p at its scales, zeros, steps and
+   sums (each 8): the plain path's lanes */
+static void lanes_add(float *lanes, float *zl, const int32_t *p, const uint16_t *scale,
+                      const uint16_t *zero, const float *sx, const float *xs) {
+    for (int i = 0; i < 8; i++) {
+        lanes[i] = fmaf(half_to_float(scale[i]) * sx[i], (float)p[i], lanes[i]);
+        if (zl) zl[i] = fmaf(half_to_float(zero[i]), xs[i], zl[i]);
+    }
+}
+
+/* acc + a group past the last 8: its sum p at its scale and step, and (zero not NULL) its
+   zero point times x's sum */
+static inline float group_add(float acc, int32_t p, uint16_t scale, float sx,
+                              const uint16_t *zero, float xs) {
+    acc = fmaf(half_to_float(scale) * sx, (float)p, acc);
+    return zero ? fmaf(half_to_float(*zero), xs, acc) : acc;
+}
+
 /* one output: row n of a 4-bit weight (G groups, h bytes each; scale and zero (G)) . one row
    of x quantized by group (xq, sx (G)), plus the zero points times its groups' sums xs (G,
-   of the rounded values) */
-static float row_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
-                    const int8_t *xq, const float *sx, const float *xs, int64_t G, int64_t h) {
+   of the rounded values); the plain path, for any h */
+static float row_q4_plain(const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
+                          const int8_t *xq, const float *sx, const float *xs, int64_t G,
+                          int64_t h) {
+    float lanes[8] = {0}, zl[8] = {0}, acc = 0;
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+        int32_t p[8];
+        for (int i = 0; i < 8; i++) p[i] = dot_q4(q + (g + i) * h, xq + (g + i) * 2 * h, h);
+        lanes_add(lanes, zl, p, scale + g, zero + g, sx + g, xs + g);
+    }
+    for (; g < G; g++)
+        acc = group_add(acc, dot_q4(q + g * h, xq + g * 2 * h, h), scale[g], sx[g], zero + g,
+                        xs[g]);
+    for (int i = 0; i < 8; i++) lanes[i] += zl[i];
+    return acc + sum8(lanes);
+}
+
+#ifdef AVX2
+/* row_q4 for groups of 32 (h = 16): a 256-bit product a group, and a block's sums, scales
+   and zeros a vector each */
+static float row_q4_32(const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
+                       const int8_t *xq, const float *sx, const float *xs, int64_t G) {
+    __m256 a = _mm256_setzero_ps(), az = _mm256_setzero_ps();
     float acc = 0;
     int64_t g = 0;
-#ifdef AVX2
-    if (h == 16) {                      /* groups of 32, one 256-bit product each */
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), az = _mm256_setzero_ps();
-        for (; g + 8 <= G; g += 8) {    /* 8 groups: their scales and zeros in one vector */
-            float f[8];                                          /* scale * sx, a group each */
-            __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g)));
-            __m256 z8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zero + g)));
-            _mm256_storeu_ps(f, _mm256_mul_ps(s8, _mm256_loadu_ps(sx + g)));
-            az = _mm256_fmadd_ps(z8, _mm256_loadu_ps(xs + g), az);
-            for (int i = 0; i < 8; i += 2) {
-                __m256i p0 = dot_group_q4(q + (g + i) * 16, xq + (g + i) * 32);
-                __m256i p1 = dot_group_q4(q + (g + i + 1) * 16, xq + (g + i + 1) * 32);
-                a0 = _mm256_fmadd_ps(_mm256_set1_ps(f[i]), _mm256_cvtepi32_ps(p0), a0);
-                a1 = _mm256_fmadd_ps(_mm256_set1_ps(f[i + 1]), _mm256_cvtepi32_ps(p1), a1);
-            }
-        }
-        for (; g < G; g++) {                                     /* the last groups, one by one */
-            __m256i p = dot_group_q4(q + g * 16, xq + g * 32);
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(scale[g]) * sx[g]),
-                                 _mm256_cvtepi32_ps(p), a0);
-            acc += half_to_float(zero[g]) * xs[g];
-        }
-        return acc + hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), az));
+    for (; g + 8 <= G; g += 8) {
+        __m256i p[8];
+        for (int i = 0; i < 8; i++) p[i] = dot_group_q4(q + (g + i) * 16, xq + (g + i) * 32);
+        __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g))),
+                                 _mm256_loadu_ps(sx + g));
+        a = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(sums8_i32(p)), a);
+        az = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zero + g))),
+                             _mm256_loadu_ps(xs + g), az);
     }
-#endif
     for (; g < G; g++)
-        acc += half_to_float(scale[g]) * sx[g] * (float)dot_q4(q + g * h, xq + g * 2 * h, h)
-             + half_to_float(zero[g]) * xs[g];
-    return acc;
+        acc = group_add(acc, hsum_i32(dot_group_q4(q + g * 16, xq + g * 32)), scale[g], sx[g],
+                        zero + g, xs[g]);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(a, az));
+    return acc + sum8(lanes);
+}
+#endif
+
+/* one output of a 4-bit weight (row_q4_plain's), on the machine's vector path where it has
+   one for this h */
+static inline float row_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
+                           const int8_t *xq, const float *sx, const float *xs, int64_t G,
+                           int64_t h) {
+#ifdef AVX2
+    if (h == 16) return row_q4_32(q, scale, zero, xq, sx, xs, G);
+#endif
+    return row_q4_plain(q, scale, zero, xq, sx, xs, G, h);
+}
+
+/* rows n0 .. n1 of y (M rows, ldy apart) for the 4-bit weight q (N, G, h), scale and zero
+   (N, G) and x's rows xq (M, G 2h) int8 at steps sx (M, G) with sums xs (M, G), asking for
+   each weight row about 2 KB ahead, with its scales and zeros: asked for now, multiplied
+   later */
+static void rows_q4(int64_t n0, int64_t n1, int64_t M, int64_t G, int64_t h, const uint8_t *q,
+                    const uint16_t *scale, const uint16_t *zero, const int8_t *xq,
+                    const float *sx, const float *xs, float *y, int64_t ldy) {
+    int64_t ahead = 1 + 2048 / (G * h), K = G * 2 * h;
+    for (int64_t n = n0; n < n1; n++) {
+        if (n + ahead < n1) {
+            prefetch_bytes(q + (n + ahead) * G * h, G * h);
+            prefetch_bytes(scale + (n + ahead) * G, 2 * G);
+            prefetch_bytes(zero + (n + ahead) * G, 2 * G);
+        }
+        for (int64_t m = 0; m < M; m++)
+            y[m * ldy + n] = row_q4(q + n * G * h, scale + n * G, zero + n * G, xq + m * K,
+                                    sx + m * G, xs + m * G, G, h);
+    }
 }
 
 /* y (M, N) = x (M, K) @ W^T for the W weights W_w (Ns[w], K = G * 2h) in 4 bits (q[w]
@@ -337,22 +429,12 @@ void int4_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t h, co
     for (int64_t w = 0; w < W; w++) N += Ns[w];
     int8_t *xq = malloc(M * K);
     float *sx = malloc(M * G * sizeof(float)), *xs = malloc(M * G * sizeof(float));
-    quantize_groups(x, M * G, 2 * h, xq, NULL, sx, xs);
-    int64_t ahead = 1 + 2048 / (G * h);          /* rows ahead: about 2 KB of nibbles */
+    quantize_groups(x, M * G, 2 * h, xq, sx, xs);
     for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
-        const uint8_t *qw = q[w];
-        const uint16_t *sw = scale[w], *zw = zero[w];
         #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-        for (int64_t n = 0; n < Ns[w]; n++) {
-            if (n + ahead < Ns[w]) {                  /* asked for now, multiplied later */
-                prefetch_bytes(qw + (n + ahead) * G * h, G * h);
-                prefetch_bytes(sw + (n + ahead) * G, 2 * G);
-                prefetch_bytes(zw + (n + ahead) * G, 2 * G);
-            }
-            for (int64_t m = 0; m < M; m++)
-                y[m * N + first + n] = row_q4(qw + n * G * h, sw + n * G, zw + n * G,
-                                              xq + m * K, sx + m * G, xs + m * G, G, h);
-        }
+        for (int t = 0; t < threads; t++)
+            rows_q4(SHARE(Ns[w], t, threads), SHARE(Ns[w], t + 1, threads), M, G, h, q[w],
+                    scale[w], zero[w], xq, sx, xs, y + first, N);
     }
     free(xq);
     free(sx);
@@ -360,28 +442,70 @@ void int4_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t h, co
 }
 
 /* one output: row n of an 8-bit weight in G groups of g (q (G g) int8, scale (G) float16)
-   . one row of x quantized by group (xq (G g) int8 values as int16, sx (G)) */
-static float row_q8(const int8_t *q, const uint16_t *scale, const int16_t *xq,
-                    const float *sx, int64_t G, int64_t g) {
+   . one row of x quantized by group (xq (G g) int8, sx (G)), in row_q4's order (no zero
+   points); the plain path, for any g */
+static float row_q8_plain(const int8_t *q, const uint16_t *scale, const int8_t *xq,
+                          const float *sx, int64_t G, int64_t g) {
+    float lanes[8] = {0}, acc = 0;
+    int64_t k = 0;
+    for (; k + 8 <= G; k += 8) {
+        int32_t p[8];
+        for (int i = 0; i < 8; i++) p[i] = dot_q8(xq + (k + i) * g, q + (k + i) * g, g);
+        lanes_add(lanes, NULL, p, scale + k, NULL, sx + k, NULL);
+    }
+    for (; k < G; k++)
+        acc = group_add(acc, dot_q8(xq + k * g, q + k * g, g), scale[k], sx[k], NULL, 0);
+    return acc + sum8(lanes);
+}
+
+#ifdef AVX2
+/* row_q8 for groups of 32 (GGUF's Q8_0 blocks): a 256-bit product a group */
+static float row_q8_32(const int8_t *q, const uint16_t *scale, const int8_t *xq,
+                       const float *sx, int64_t G) {
+    __m256 a = _mm256_setzero_ps();
     float acc = 0;
     int64_t k = 0;
-#ifdef AVX2
-    if (g == 32) {                      /* groups of 32 (GGUF's Q8_0 blocks) */
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        for (; k < G; k++) {
-            const int8_t *qk = q + k * 32;
-            const int16_t *xk = xq + k * 32;
-            __m256i p = _mm256_add_epi32(dot16_q8(xk, qk), dot16_q8(xk + 16, qk + 16));
-            __m256 f = _mm256_set1_ps(half_to_float(scale[k]) * sx[k]);
-            if (k & 1) a1 = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), a1);
-            else a0 = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), a0);
-        }
-        return hsum(_mm256_add_ps(a0, a1));
+    for (; k + 8 <= G; k += 8) {
+        __m256i p[8];
+        for (int i = 0; i < 8; i++)
+            p[i] = dot32_q8(_mm256_setzero_si256(), xq + (k + i) * 32, q + (k + i) * 32);
+        __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + k))),
+                                 _mm256_loadu_ps(sx + k));
+        a = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(sums8_i32(p)), a);
     }
-#endif
     for (; k < G; k++)
-        acc += half_to_float(scale[k]) * sx[k] * (float)dot_q8(xq + k * g, q + k * g, g);
-    return acc;
+        acc = group_add(acc, hsum_i32(dot32_q8(_mm256_setzero_si256(), xq + k * 32, q + k * 32)),
+                        scale[k], sx[k], NULL, 0);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, a);
+    return acc + sum8(lanes);
+}
+#endif
+
+/* one output of an 8-bit grouped weight (row_q8_plain's), on the machine's vector path where
+   it has one for this g */
+static inline float row_q8(const int8_t *q, const uint16_t *scale, const int8_t *xq,
+                           const float *sx, int64_t G, int64_t g) {
+#ifdef AVX2
+    if (g == 32) return row_q8_32(q, scale, xq, sx, G);
+#endif
+    return row_q8_plain(q, scale, xq, sx, G, g);
+}
+
+/* rows n0 .. n1 of y (M rows, ldy apart) for the 8-bit weight q (N, G g) in groups, scale
+   (N, G), and x's rows xq (M, G g) int8 at steps sx (M, G), asking ahead as rows_q4 does */
+static void rows_q8g(int64_t n0, int64_t n1, int64_t M, int64_t G, int64_t g, const int8_t *q,
+                     const uint16_t *scale, const int8_t *xq, const float *sx, float *y,
+                     int64_t ldy) {
+    int64_t K = G * g, ahead = 1 + 2048 / K;
+    for (int64_t n = n0; n < n1; n++) {
+        if (n + ahead < n1) {
+            prefetch_bytes(q + (n + ahead) * K, K);
+            prefetch_bytes(scale + (n + ahead) * G, 2 * G);
+        }
+        for (int64_t m = 0; m < M; m++)
+            y[m * ldy + n] = row_q8(q + n * K, scale + n * G, xq + m * K, sx + m * G, G, g);
+    }
 }
 
 /* y (M, N) = x (M, K) @ W^T for the W weights W_w = q[w] (Ns[w], K = G g) int8 times
@@ -392,23 +516,14 @@ void int8g_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t g, c
                 const int8_t **q, const uint16_t **scale, float *y, int threads) {
     int64_t K = G * g, N = 0;
     for (int64_t w = 0; w < W; w++) N += Ns[w];
-    int16_t *xq = malloc(M * K * sizeof(int16_t));
+    int8_t *xq = malloc(M * K);
     float *sx = malloc(M * G * sizeof(float));
-    quantize_groups(x, M * G, g, NULL, xq, sx, NULL);
-    int64_t ahead = 1 + 2048 / K;
+    quantize_groups(x, M * G, g, xq, sx, NULL);
     for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
-        const int8_t *qw = q[w];
-        const uint16_t *sw = scale[w];
         #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-        for (int64_t n = 0; n < Ns[w]; n++) {
-            if (n + ahead < Ns[w]) {                  /* as in int4_gemv */
-                prefetch_bytes(qw + (n + ahead) * K, K);
-                prefetch_bytes(sw + (n + ahead) * G, 2 * G);
-            }
-            for (int64_t m = 0; m < M; m++)
-                y[m * N + first + n] = row_q8(qw + n * K, sw + n * G, xq + m * K, sx + m * G,
-                                              G, g);
-        }
+        for (int t = 0; t < threads; t++)
+            rows_q8g(SHARE(Ns[w], t, threads), SHARE(Ns[w], t + 1, threads), M, G, g, q[w],
+                     scale[w], xq, sx, y + first, N);
     }
     free(xq);
     free(sx);
