@@ -435,3 +435,34 @@ def test_prefill_times_each_prompt_length_on_each_engine(bundled, capsys, monkey
         assert r["tok_per_s"] == pytest.approx(r["tokens"] / r["ttft_s"]) and r["cpu_s"] > 0
     bench.main(argv[:2])
     assert "x first" in capsys.readouterr().out
+
+
+def test_solo_times_one_requests_decode_on_each_engine_and_weights(bundled, capsys, monkeypatch):
+    """--solo N: one request's N tokens after a 16-token prompt, its N - 1 decode steps timed
+    on each continuous engine and each --quant; a row each, with the weights' bytes a token and
+    their share of the memory's read speed."""
+    model, tok = bundled
+    monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
+    bench.main(["--solo", "12", "--engines", "continuous,paged", "--quant", "none,int8", "--json"])
+    rows = json.loads(capsys.readouterr().out)["solo"]
+    assert [r["engine"] for r in rows] == [
+        f"{e} {q}" for q in ("none", "int8") for e in ("continuous", "paged")
+    ]
+    for r in rows:
+        assert r["tokens"] == 11 and r["tok_per_cpu_s"] > 0 and r["tok_per_s"] > 0
+        assert r["of_bound"] == pytest.approx(
+            r["bytes_per_token"] * r["tok_per_cpu_s"] / (r["read_gb_per_s"] * 1e9)
+        )
+    assert rows[2]["bytes_per_token"] < rows[0]["bytes_per_token"] / 3  # int8 against float32
+
+
+@pytest.mark.parametrize("argv", [["--prefill", "10,4000"], ["--solo", "4000"]])
+def test_one_request_longer_than_the_model_is_refused_before_any_run(
+    bundled, capsys, monkeypatch, argv
+):
+    model, tok = bundled
+    monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    err = capsys.readouterr().err
+    assert f"{argv[0]} 4000" in err and f"{model.cfg.max_seq_len}" in err

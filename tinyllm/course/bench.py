@@ -8,7 +8,8 @@
     python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
     python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix
     python -m tinyllm bench --engines paged,paged+compiled --slots 16 --paged-slots 64
-    python -m tinyllm bench --prefill 128,512,2048 --engines continuous,continuous+chunked
+    python -m tinyllm bench --prefill 128,512,2047 --engines continuous,continuous+chunked
+    python -m tinyllm bench --model smollm2 --solo 128 --quant int8,int4 --peers
 
 The engine's flags are EngineConfig's (EngineConfig.add_arguments, as `serve`'s), and each
 engine's name parses once into the EngineConfig it runs (engine_config). Engines: static (03,
@@ -428,7 +429,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill", type=batch_sizes, default=None, metavar="N,N",
                     help="time one prompt of each length to its first token on a slot of its "
                          "own, for each continuous engine of --engines (with --peers, beside "
-                         "llama.cpp's evaluation of it), and stop (course/prefill.py)")
+                         "llama.cpp's evaluation of it), and stop (course/one_request.py)")
+    ap.add_argument("--solo", type=int, default=None, metavar="N",
+                    help="time one request's N new tokens at batch 1, after a 16-token prompt, "
+                         "for each continuous engine of --engines and each --quant (with "
+                         "--peers, beside llama.cpp's), and stop (course/one_request.py)")
     ap.add_argument("--decode-steps", action="store_true",
                     help="time one decode step per batch size: eager, graphed (bucketed on a "
                          "CPU) and compiled, and stop")
@@ -512,22 +517,32 @@ def median_run(summaries: list[dict]) -> dict:
     return sorted(summaries, key=lambda s: s["tok_per_cpu_s"])[(len(summaries) - 1) // 2]
 
 
-def compare_prefill(ap, args, models: dict) -> None:
-    """--prefill: each prompt length on each continuous engine of --engines (static ones left
-    out), each --quant, and with --peers llama.cpp; a table, or JSON."""
-    from tinyllm.course import prefill  # imported when a run asks
+def compare_one_request(ap, args, models: dict) -> None:
+    """--prefill or --solo: one request alone on each continuous engine of --engines (static
+    ones left out), each --quant, and with --peers llama.cpp; a table, or JSON."""
+    from tinyllm.course import one_request  # imported when a run asks
     names = [n for n in args.engines.split(",") if not n.startswith("static")] or ["continuous"]
     try:
         configs = {n: c for n, (_, c) in engine_configs(names, args).items()}
+        rows = (one_request.measure if args.prefill else one_request.measure_solo)(
+            args, models, configs)
     except ValueError as e:
         ap.error(str(e))
-    rows = prefill.measure(args, models, configs)
+    what = "prefill" if args.prefill else "solo"
     if args.json:
-        print(json.dumps({"prefill": rows, "torch_threads": torch.get_num_threads()}, indent=2))
+        print(json.dumps({what: rows, "torch_threads": torch.get_num_threads()}, indent=2))
         return
-    print(f"prefill: one prompt a slot, {torch.get_num_threads()} threads; the median of "
-          f"{args.rounds} round{'s' * (args.rounds != 1)}\n")
-    print(prefill.table(rows))
+    rounds = f"the median of {args.rounds} round{'s' * (args.rounds != 1)}"
+    if args.prefill:
+        print(f"prefill: one prompt a slot, {torch.get_num_threads()} threads; {rounds}\n")
+        print(one_request.table(rows))
+        return
+    print(f"decode at batch 1: {args.solo} new tokens after {one_request.SOLO_PROMPT} prompt "
+          f"tokens, {torch.get_num_threads()} threads; {rounds}; the memory reads "
+          f"{rows[0]['read_gb_per_s']:.1f} GB a CPU-second\n")
+    print(one_request.solo_table(rows))
+    print("\nof bound: the bytes a token times tokens a CPU-second, over the memory's read "
+          "speed (llama.cpp: its file's bytes)")
 
 
 def compare_engines(ap, args, models: dict, tok) -> None:
@@ -579,8 +594,8 @@ def main(argv=None) -> None:
     model = next(iter(models.values()))
     args.draft_model = None if args.draft is None else \
         load(args.draft, device=args.device, dtype=DTYPES.get(args.dtype), huge_pages=True)[0]
-    if args.prefill:
-        compare_prefill(ap, args, models)
+    if args.prefill or args.solo:
+        compare_one_request(ap, args, models)
     elif args.peers:
         compare_peers(args, model, tok)
     elif args.decode_steps:
