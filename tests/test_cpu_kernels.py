@@ -2,8 +2,8 @@
 one torch._int_mm's bit for bit, the grouped ones the library's product of the rounded
 activations and the same bits on every build, on the machine's vector path (and AVX2's beside
 AVX-512's or VNNI's) and on the portable one; a row's result is the same in any batch and with
-any number of threads; the layers pick them on a CPU in float32; and every engine on a float or quantized model still gives each
-request its solo tokens in float32, where they run."""
+any number of threads; the layers pick them on a CPU in float32; and every engine on a float
+or quantized model still gives each request its solo tokens in float32, where they run."""
 
 from fnmatch import fnmatch
 from importlib import resources
