@@ -26,6 +26,7 @@ from tinyllm.core.generate import solo
 from tinyllm.core.requests import Request
 from tinyllm.core.sampling import Sampling
 from tinyllm.core.static import run_static
+from tinyllm.ext import quant
 from tinyllm.ext.quant import (
     GemvLinear,
     QuantLinear,
@@ -94,6 +95,21 @@ def test_a_gemv_layer_is_the_float_layer_read_by_the_c_loop(bundled):
         for rows in (x, x.expand(1, 5, -1), x.expand(1, 20, -1)):
             want = model.lm_head(rows)
             torch.testing.assert_close(gemv.lm_head(rows), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("K", [3, 1024, 1025, 4095])
+def test_the_integer_product_is_exact_on_either_path(monkeypatch, fast, K):
+    """int_matmul: torch._int_mm, or the float32 product EXACT_K columns at a time, give the
+    exact integer sums, the largest ones included: 127 against -128 everywhere, and 127 against
+    127, whose sum over 4,095 columns is odd and past 2**24, where float32 holds no odd number."""
+    gen = torch.Generator().manual_seed(K)
+    xq = torch.randint(-127, 128, (20, K), dtype=torch.int8, generator=gen)
+    q = torch.randint(-128, 128, (9, K), dtype=torch.int8, generator=gen)
+    xq[0], q[0], xq[1], q[1] = 127, -128, -127, 127
+    monkeypatch.setattr(quant, "fast_int_mm", lambda: fast)
+    want = xq.long() @ q.long().T
+    assert torch.equal(quant.int_matmul(xq, q).long(), want)
 
 
 def test_int8mm_quantizes_each_row_alone():

@@ -20,7 +20,8 @@ Five ways to compute y = x W^T (`QuantLinear.kernel`):
 - "int8mm" (int8 with one scale per row, on a CPU): the activations are quantized too, each
   row by its own largest magnitude, and the product is an integer one (exact in int32),
   scaled back: what llama.cpp's Q8_0 products do. A few rows (a decode step, `FUSED_ROWS` at
-  most) run cpu_kernels' C loop, more `torch._int_mm`: the same result, bit for bit.
+  most) run cpu_kernels' C loop, more (a prefill) the library's integer product
+  (`int_matmul`): the same result, bit for bit.
 - "int4a8" (4 bits with zero points, on a CPU): each group of the activations rounded to
   int8 steps (`rounded_activations`) and multiplied with the nibbles as integers, what
   llama.cpp's Q4_1 products do: cpu_kernels' C loop for a few rows; for more (or without a C
@@ -41,6 +42,8 @@ Each row's result depends on that row alone in all five, so batching changes not
 The embeddings stay in float: a lookup reads one row per token, not the whole table; a head
 tied to them gets a quantized copy of its own.
 """
+
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -183,14 +186,49 @@ def rounded_activations(x: Tensor, group_size: int) -> Tensor:
     return (torch.round(xg / step) * step).reshape(M, K)
 
 
+# float32 holds every integer up to 2**24 exactly, so a float32 product of int8 values is
+# exact while each sum of |products| stays within it: K of 1,024 at most (1024 * 127 * 128)
+EXACT_K = 1024
+
+
+def int_matmul(xq: Tensor, q: Tensor) -> Tensor:
+    """xq (M, K) int8 @ q (N, K)^T int8 -> (M, N) int32, exact. torch._int_mm where the
+    machine multiplies 8-bit integers fast (a GPU; a CPU with VNNI or AMX); on other CPUs its
+    fallback is a plain loop (on a 2-core AMD EPYC with AVX2, 15 times slower than float32's
+    product), so there the library's float32 product computes it, EXACT_K columns at a time:
+    every partial sum is an integer within 2**24, exact in any order of additions, and the
+    slices add in int32. The same integers either way."""
+    if xq.device.type != "cpu" or fast_int_mm():
+        return torch._int_mm(xq, q.T)
+    acc = None
+    for k in range(0, xq.size(1), EXACT_K):
+        part = (xq[:, k:k + EXACT_K].float() @ q[:, k:k + EXACT_K].float().T).to(torch.int32)
+        acc = part if acc is None else acc + part
+    return acc
+
+
+def fast_int_mm() -> bool:
+    """Whether torch._int_mm is the CPU's integer product: the CPU multiplies 8-bit integers
+    in one instruction (VNNI's dpbusd, AMX's tiles), or the library's float32 products may
+    round (a precision below the default "highest")."""
+    return integer_instructions() or torch.get_float32_matmul_precision() != "highest"
+
+
+@cache
+def integer_instructions() -> bool:
+    """Whether this CPU has VNNI or AMX's 8-bit integer instructions."""
+    flags = cpu_kernels.cpu_flags()
+    return cpu_kernels.integer_path(flags) in ("AVX-512 VNNI", "AVX-VNNI") or "amx_int8" in flags
+
+
 def int8_matmul(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """x (M, K) @ W^T for an int8 weight of one scale per row (q (N, K), scale (N, 1)), with
     x quantized too, row by row (its largest magnitude over 127): an integer matrix product
-    (torch._int_mm, exact in int32), then both scales. llama.cpp's Q8_0 products quantize
-    the activations the same way. Each row's result depends on that row alone."""
+    (int_matmul, exact in int32), then both scales. llama.cpp's Q8_0 products quantize the
+    activations the same way. Each row's result depends on that row alone."""
     sx = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127                # (M, 1)
     xq = torch.round(x / sx).to(torch.int8)                                   # (M, K)
-    return torch._int_mm(xq, q.T).to(x.dtype) * (sx * scale.to(x.dtype).T)     # (M, N)
+    return int_matmul(xq, q).to(x.dtype) * (sx * scale.to(x.dtype).T)          # (M, N)
 
 
 class QuantLinear(nn.Module):
