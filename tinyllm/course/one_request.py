@@ -32,7 +32,7 @@ from tinyllm.checkpoints.checkpoint import resolve
 from tinyllm.core.requests import Request
 
 # llama.cpp's weights beside each --quant (FILE: the GGUF file as it is)
-PEER_KIND = {"none": "F32", "int8": "Q8_0", "int4": "FILE", "gguf": "FILE"}
+PEER_KIND = {"none": "F32", "float": "F32", "int8": "Q8_0", "int4": "FILE", "gguf": "FILE"}
 
 
 def prompt_of(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -86,7 +86,7 @@ def peer_files(args, models: dict) -> dict:
     for quant in models if args.peers else ():
         kind = PEER_KIND.get(quant)
         if kind is not None and (f := peer_file(args.model, kind)) is not None:
-            peers[quant] = (resolve(args.model).stem if kind == "FILE" else kind, f)
+            peers[quant] = (f.stem.rpartition(".")[2] if kind == "FILE" else kind, f)
     return peers
 
 
