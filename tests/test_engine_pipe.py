@@ -446,6 +446,62 @@ def test_a_decoder_compiles_before_the_engine_is_ready_saying_each_bucket(bundle
     assert lines[4].startswith("the decode step is compiled"), lines
 
 
+class LaterDecoder(SlowDecoder):
+    """A decoder that compiles its bucket of one row before Ready and the buckets of 2 and 4
+    rows later (compile_next, WARM_S each), writing each bucket it compiles to a file: the
+    engine process's own record."""
+
+    def __init__(self, model, record):
+        super().__init__(model)
+        self.record, self.done = record, []
+        self.eager_until_compiled = False
+
+    def buckets(self):
+        return [1, 2, 4]
+
+    def compiled(self, rows):
+        return rows in self.done
+
+    def compile_next(self):
+        rows = next((r for r in self.buckets() if r not in self.done), None)
+        if rows is None:
+            return None
+        time.sleep(self.WARM_S)
+        self.done.append(rows)
+        with open(self.record, "a") as f:
+            f.write(f"{rows} {int(self.eager_until_compiled)}\n")
+        return rows, self.WARM_S
+
+
+def test_a_decoder_compiles_one_row_before_ready_and_the_rest_while_it_serves(bundled64, tmp_path):
+    """A decoder that can compile later (13's pieces) compiles the bucket of one row before
+    Ready and says the rest compile while the engine serves; they do, in a thread, eager until
+    then, and the first request waits for none of them."""
+    model, tok = bundled64
+    record = tmp_path / "compiled.txt"
+    engine = ContinuousEngine(model, 4, decoder=LaterDecoder(model, record))
+    loop, lines = server.EngineLoop(engine), []
+
+    async def start_then_ask():
+        t0 = time.perf_counter()
+        await loop.start(lines.append)
+        started = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        tokens = await answer_of(loop, Request(tok.encode(PROMPTS[0]), 1))
+        first = time.perf_counter() - t1
+        await asyncio.sleep(3 * LaterDecoder.WARM_S)
+        await loop.stop()
+        return started, first, tokens
+
+    started, first, tokens = asyncio.run(start_then_ask())
+    assert started >= LaterDecoder.WARM_S, f"ready after {started:.1f} s, before its bucket of one"
+    assert first < LaterDecoder.WARM_S, f"the first token took {first:.1f} s"
+    assert len(tokens) == 1, tokens
+    assert [line.split(":")[0].strip() for line in lines[1:2]] == ["bucket of 1"], lines
+    assert lines[2].startswith("the buckets of 2, 4 rows compile while it serves"), lines
+    assert record.read_text().split("\n")[:3] == ["1 0", "2 1", "4 1"]
+
+
 def test_a_decoder_that_cannot_compile_stops_the_start_in_one_line(bundled64):
     """A warm-up that fails (TorchInductor without a C++ compiler) ends the start with one
     sentence: what failed, the error's first line, and what to do; the engine process is gone."""

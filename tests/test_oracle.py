@@ -339,6 +339,9 @@ def run_example(data, tp_sizes=TP_SIZES) -> None:
         COVERED["refused: " + kind_of(str(e))] += 1
         event("refused by the engine")
         return
+    if hasattr(eng.decoder, "compile_next") and data.draw(st.booleans()):
+        eng.decoder.eager_until_compiled = True  # as serve runs the pieces: uncompiled rows eager
+        COVERED["pieces eager until compiled"] += 1
     rids, aborted = drive(eng, reqs, data)
     check_solo(MODELS[weights], config, reqs, rids, aborted, eng.results)  # the plain model
     assert not eng.results, "results of requests nobody added"

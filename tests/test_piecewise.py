@@ -134,6 +134,26 @@ def test_warm_up_compiles_every_bucket_ahead():
     assert piecewise.PROGRAMS[model] == programs, "a step compiled"
 
 
+def test_a_bucket_not_compiled_yet_runs_eager_and_compiles_when_asked():
+    """With eager_until_compiled, a step whose bucket has no programs runs the model's eager
+    step (the solo tokens, nothing compiled during the steps); compile_next then compiles the
+    missing buckets, smallest first, one a call, and says None when none is left."""
+    model = make_tiny(seed=25)  # float64: the eager step's tokens are the pieces' too
+    want = [solo(model, r).tokens for r in REQS[:3]]
+    eng = make_engine(model, 3, decoder="pieces")  # buckets of 1, 2 and 4 rows
+    decoder = eng.decoder
+    assert decoder.buckets() == [1, 2, 4] and decoder.compile_next()[0] == 1
+    decoder.eager_until_compiled = True
+    before = dict(piecewise.PROGRAMS[model])
+    rids = [eng.add_request(r) for r in REQS[:3]]
+    while eng.has_work():
+        eng.step()
+    assert [eng.results[r].tokens for r in rids] == want
+    assert piecewise.PROGRAMS[model] == before, "a step compiled"
+    assert [decoder.compile_next()[0], decoder.compile_next()[0]] == [2, 4]
+    assert decoder.compile_next() is None and all(decoder.compiled(b) for b in (1, 2, 4))
+
+
 def test_a_decoder_sent_to_another_process_leaves_its_programs_behind():
     """The server's engine process gets the decoder pickled: the model goes, the programs (this
     process's) do not, and the copy compiles its own on first use."""
@@ -167,9 +187,10 @@ def run_serve(flags: list[str], **env) -> subprocess.Popen:
     )
 
 
-def test_serve_compiles_the_pieces_before_it_says_it_serves():
-    """`serve --decoder pieces` compiles every bucket (1 and 2 rows) before it says "serving",
-    a line for each as it goes; the first request then waits for no compilation."""
+def test_serve_compiles_the_pieces_for_one_row_before_it_says_it_serves():
+    """`serve --decoder pieces` compiles the bucket of one row before it says "serving", and
+    says that the bucket of 2 rows compiles while it serves; the first request then waits for no
+    compilation."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -181,8 +202,8 @@ def test_serve_compiles_the_pieces_before_it_says_it_serves():
             assert lines[-1], f"serve ended before it served: {''.join(lines)}"
         said = [line.strip() for line in lines[1:]]
         assert said[0].startswith("compiling the decode step (--decoder pieces)"), said
-        assert [line.split(":")[0] for line in said[1:3]] == ["bucket of 1 row", "bucket of 2 rows"]
-        assert said[3].startswith("the decode step is compiled"), said
+        assert said[1].split(":")[0] == "bucket of 1 row", said
+        assert said[2].startswith("the buckets of 2 rows compile while it serves"), said
         body = {"prompt": "Ham.\nTo be", "max_tokens": 4, "temperature": 0}
         t0 = time.perf_counter()
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)

@@ -17,8 +17,12 @@ attention stay eager between them (the model's `Attention.decode`), so any cache
 a paged pool, a prefix cache. Every layer runs the same code at the same shapes, so a piece is
 compiled once for all the layers, with the layer's weights as inputs: one program for each
 power of two of rows (a batch is padded up to the next), a few seconds each on first use, or
-ahead with `warm_up(max_rows)` (bench and serve call it before any request). A prefill, a chunk
-or speculation's verification (more than one token a row) runs the model as it is.
+ahead with `warm_up(max_rows)` (bench calls it before any run). A server starts sooner: it
+compiles the bucket of one row before it serves and the others in a thread while it serves
+(`compile_next`, one bucket a call), and with `eager_until_compiled` set, a step whose bucket
+is not compiled yet runs the model's own eager step instead of waiting for a compilation. A
+prefill, a chunk or speculation's verification (more than one token a row) runs the model as
+it is.
 
 A program is traced with make_fx and compiled by TorchInductor directly (`program`), not by
 torch.compile: torch.compile would check its guards (the inputs' shapes, the modules'
@@ -146,10 +150,29 @@ class PiecewiseDecoder:
 
     def __init__(self, model: Transformer, max_rows: int = 1):
         self.model, self.max_rows = model, max_rows     # the rows warm_up compiles for
+        self.eager_until_compiled = False   # an uncompiled bucket's step: eager, not compiled now
         self._ready = False
 
     def __getstate__(self):                             # the programs stay in this process
-        return {"model": self.model, "max_rows": self.max_rows, "_ready": False}
+        return {"model": self.model, "max_rows": self.max_rows, "_ready": False,
+                "eager_until_compiled": self.eager_until_compiled}
+
+    def buckets(self, max_rows: int | None = None) -> list[int]:
+        """The rows a program is compiled for, up to max_rows (default: the decoder's): 1, 2,
+        4, ..., the power of two that holds max_rows."""
+        max_rows = max_rows or self.max_rows
+        return sorted({1 << (b - 1).bit_length() for b in range(1, max_rows + 1)})
+
+    def compiled(self, rows: int) -> bool:
+        """Whether the pieces are compiled for this bucket of rows."""
+        programs = PROGRAMS.get(self.model, {})
+        return all((piece, rows) in programs for piece in (before, between, last))
+
+    def compile_next(self) -> tuple[int, float] | None:
+        """Compile the smallest bucket of the decoder's that is not compiled yet -> (its rows,
+        the seconds it took), or None when every bucket is."""
+        rows = next((r for r in self.buckets() if not self.compiled(r)), None)
+        return None if rows is None else (rows, self.warm_up(rows, only=rows))
 
     def _prepare(self) -> None:
         m = self.model
@@ -174,16 +197,15 @@ class PiecewiseDecoder:
         return run(*held, *args)
 
     @torch.no_grad()
-    def warm_up(self, max_rows: int | None = None, progress=None) -> float:
+    def warm_up(self, max_rows: int | None = None, progress=None, only: int | None = None) -> float:
         """Compile the pieces now for every bucket of rows up to max_rows (default: the
-        decoder's, its engine's slots) (1, 2, 4, ...), on zeros, so that no request waits for a
-        compilation -> the seconds it took. progress(rows, seconds), if given, hears of each
-        bucket as it is compiled."""
-        max_rows = max_rows or self.max_rows
+        decoder's, its engine's slots) (1, 2, 4, ...), or for the bucket `only`, on zeros, so
+        that no request waits for a compilation -> the seconds it took. progress(rows,
+        seconds), if given, hears of each bucket as it is compiled."""
         m, attn = self.model, self.model.layers[0].self_attn
         p = m.embed_tokens.weight
         t0 = time.perf_counter()
-        for rows in sorted({1 << (b - 1).bit_length() for b in range(1, max_rows + 1)}):
+        for rows in [only] if only else self.buckets(max_rows):
             t = time.perf_counter()
             x = p.new_zeros(rows, 1, m.cfg.d_model)                              # (B, 1, d)
             cos, sin = (p.new_zeros(rows, 1, 1, attn.head_dim) for _ in "cs")  # (B, 1, 1, hd)
@@ -213,6 +235,8 @@ class PiecewiseDecoder:
     @torch.no_grad()
     def __call__(self, idx: Tensor, cache) -> tuple[Tensor, None]:
         m = self.model
+        if self.eager_until_compiled and not self.compiled(1 << (idx.size(0) - 1).bit_length()):
+            return m(idx, cache=cache)                  # (B, 1, V), None: the eager step
         cos, sin = m.rope(cache.begin_step(1).to(idx.device))             # (B, 1, 1, hd)
         logits = self.pieces(m.embed_tokens(idx), cos, sin,
                              lambda block, q, k, v: block.self_attn.decode(q, k, v, cache))

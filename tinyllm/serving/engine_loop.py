@@ -397,6 +397,7 @@ def engine_process(engine: ContinuousEngine, addresses: tuple[str, str], n_threa
             pipe.send(Failed(warm_up_failure(engine.config.decoder, e)))
             return
         pipe.send(Ready())
+        compile_rest(engine)
         serve_engine(engine, pipe)
     finally:
         pipe.close()
@@ -415,12 +416,17 @@ def start_ranks(engine: ContinuousEngine, say) -> None:
 
 
 def warm_up(engine: ContinuousEngine, say) -> None:
-    """A decoder that compiles (06's compiled step, 13's pieces) compiles every bucket now,
-    saying a line (`say`) as it starts, after each bucket and when it is done."""
-    kind = engine.config.decoder
-    if not compiles(engine.decoder):
+    """A decoder that compiles (06's compiled step, 13's pieces) compiles now, saying a line
+    (`say`) as it starts, after each bucket and when it is done: every bucket, or, for a
+    decoder that can compile the rest later (13's pieces: `compile_next`), the bucket of one
+    row, the rest left to a thread of their own once it serves (compile_rest), their steps
+    eager until then."""
+    kind, decoder = engine.config.decoder, engine.decoder
+    if not compiles(decoder):
         return
-    say(f"compiling the decode step (--decoder {kind}), a bucket at a time, before serving")
+    later = hasattr(decoder, "compile_next")
+    what = "its bucket of one row" if later else "a bucket at a time"
+    say(f"compiling the decode step (--decoder {kind}), {what}, before serving")
     t0 = time.perf_counter()
 
     unit = {"pieces": "row", "compiled": "position"}.get(kind, "")  # what a bucket holds
@@ -429,8 +435,37 @@ def warm_up(engine: ContinuousEngine, say) -> None:
         size = f"{bucket} {unit}{'s' * (bucket != 1)}" if unit else str(bucket)
         say(f"  bucket of {size}: {seconds:.1f} s")
 
+    if later:
+        compiled(*decoder.compile_next())
+        decoder.eager_until_compiled = True
+        rest = [b for b in decoder.buckets() if not decoder.compiled(b)]
+        if rest:
+            say(
+                f"the buckets of {', '.join(map(str, rest))} rows compile while it serves; "
+                f"until then their steps run eager"
+            )
+        return
     engine.warm_up(progress=compiled)
     say(f"the decode step is compiled ({time.perf_counter() - t0:.0f} s)")
+
+
+def compile_rest(engine: ContinuousEngine) -> threading.Thread | None:
+    """A decoder that left buckets for later (warm_up) compiles them in a thread of its own,
+    one after another, while the engine serves: a step whose bucket is not compiled yet runs
+    eager meanwhile, so no request waits for a compilation (the steps share the interpreter
+    with it, and run slower while it lasts) -> the thread, or None where nothing is left."""
+    compile_next = getattr(engine.decoder, "compile_next", None)
+    if compile_next is None:
+        return None
+
+    def rest() -> None:
+        with torch.no_grad():
+            while compile_next() is not None:
+                pass
+
+    thread = threading.Thread(target=rest, name="compile-rest", daemon=True)
+    thread.start()
+    return thread
 
 
 def warm_up_failure(kind: str, e: Exception) -> str:
