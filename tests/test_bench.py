@@ -454,6 +454,9 @@ def test_solo_times_one_requests_decode_on_each_engine_and_weights(bundled, caps
             r["bytes_per_token"] * r["tok_per_cpu_s"] / (r["read_gb_per_s"] * 1e9)
         )
     assert rows[2]["bytes_per_token"] < rows[0]["bytes_per_token"] / 3  # int8 against float32
+    bench.main(["--solo", "6", "--pages", "both", "--json"])
+    rows = json.loads(capsys.readouterr().out)["solo"]
+    assert [r["engine"] for r in rows] == ["continuous (2 MB pages)", "continuous (4 KB pages)"]
 
 
 @pytest.mark.parametrize("argv", [["--prefill", "10,4000"], ["--solo", "4000"]])

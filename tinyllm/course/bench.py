@@ -434,6 +434,9 @@ def parser() -> argparse.ArgumentParser:
                     help="time one request's N new tokens at batch 1, after a 16-token prompt, "
                          "for each continuous engine of --engines and each --quant (with "
                          "--peers, beside llama.cpp's), and stop (course/one_request.py)")
+    ap.add_argument("--pages", default="2m", choices=("2m", "4k", "both"),
+                    help="--solo: every contender's weights on 2 MB pages, on 4 KB pages, or "
+                         "each on both, side by side" + default)
     ap.add_argument("--decode-steps", action="store_true",
                     help="time one decode step per batch size: eager, graphed (bucketed on a "
                          "CPU) and compiled, and stop")

@@ -153,14 +153,39 @@ def tinyllm_decode(model, config, prompt: list[int], n: int) -> tuple[float, flo
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def llamacpp_decode(gguf, prompt: list[int], n: int, threads: int) -> tuple[float, float]:
+def llamacpp_decode(gguf, prompt: list[int], n: int, threads: int,
+                    huge: bool = False) -> tuple[float, float]:
     """(seconds, CPU seconds) of llama.cpp's n - 1 decode steps after the prompt's, greedy,
-    one token a call (its own threads count: they run in this process)."""
+    one token a call, in a process of its own: its weights on 4 KB pages (the file mapped, as
+    llama.cpp does by default) or, huge, on 2 MB pages (read into memory that glibc asks
+    Linux to back with 2 MB pages: GLIBC_TUNABLES=glibc.malloc.hugetlb=1, set before the
+    process starts)."""
+    import multiprocessing
+    import os
+
+    ctx = multiprocessing.get_context("spawn")
+    saved = os.environ.get("GLIBC_TUNABLES")
+    if huge:
+        os.environ["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+    try:
+        with ctx.Pool(1) as pool:
+            return pool.apply(_llamacpp_decode, (str(gguf), prompt, n, threads, not huge))
+    finally:
+        if huge:
+            os.environ.pop("GLIBC_TUNABLES")
+            if saved is not None:
+                os.environ["GLIBC_TUNABLES"] = saved
+
+
+def _llamacpp_decode(gguf: str, prompt: list[int], n: int, threads: int,
+                     mapped: bool) -> tuple[float, float]:
+    """llamacpp_decode's run, in its process (its own threads count in its CPU time)."""
     import llama_cpp
     import numpy as np
 
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt) + n + 16, n_batch=512,
-                          n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=len(prompt) + n + 16, n_batch=512,
+                          n_threads=threads, n_threads_batch=threads, use_mmap=mapped,
+                          verbose=False)
     llm.eval(prompt)
     token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     t0, c0 = time.perf_counter(), time.process_time()
@@ -185,36 +210,49 @@ def read_speed() -> float:
     return big.nbytes / min(times)
 
 
+PAGES = {"2m": (True,), "4k": (False,), "both": (True, False)}   # --pages: huge or not
+
+
 def measure_solo(args, models: dict, configs: dict) -> list[dict]:
     """--solo N: each --quant's model on each engine (and with --peers llama.cpp beside it),
     one request of SOLO_PROMPT tokens making N: a row each of who, the median decode tokens a
     second and a CPU-second over --rounds runs taken in turn, and the weights' bytes a token
-    over the memory's read speed (of_bound: what share of the bound the CPU time reaches)."""
+    over the memory's read speed (of_bound: what share of the bound the CPU time reaches).
+    --pages says where every contender's weights lie, 2 MB pages or 4 KB ones, or both (each
+    model then twice, its copy on 4 KB pages made here): the rows say which."""
+    from tinyllm.ext import huge_pages
     from tinyllm.ext.quant import weight_bytes
-    n = args.solo
+    n, sizes = args.solo, PAGES[args.pages]
     cfg = next(iter(models.values())).cfg
     if SOLO_PROMPT + n > cfg.max_seq_len:
         raise ValueError(f"--solo {n}: {SOLO_PROMPT} prompt tokens and {n} new ones exceed the "
                          f"model's {cfg.max_seq_len} positions")
     prompt = prompt_of(SOLO_PROMPT, cfg.vocab_size)
-    for model in models.values():                       # kernels built, first calls made
+    placed = {(q, True): m for q, m in models.items()} if True in sizes else {}
+    for quant, model in models.items() if False in sizes else ():    # a copy on 4 KB pages
+        placed[quant, False] = huge_pages.unplaced(model)
+    for model in placed.values():                       # kernels built, first calls made
         for config in configs.values():
             tinyllm_decode(model, config, prompt, 4)
     peers = peer_files(args, models)
     bandwidth = read_speed()
     runs: dict[str, list[tuple[float, float]]] = {}
     nbytes: dict[str, int] = {}
+
+    def named(who: str, huge: bool) -> str:
+        return who if len(sizes) == 1 else f"{who} ({'2 MB' if huge else '4 KB'} pages)"
+
     for _ in range(args.rounds):
-        for quant, model in models.items():
+        for (quant, huge), model in placed.items():
             for name, config in configs.items():
-                who = name if len(models) == 1 else f"{name} {quant}"
+                who = named(name if len(models) == 1 else f"{name} {quant}", huge)
                 nbytes[who] = weight_bytes(model)
                 runs.setdefault(who, []).append(tinyllm_decode(model, config, prompt, n))
             if quant in peers:
-                who = f"llama.cpp {peers[quant][0]}"
+                who = named(f"llama.cpp {peers[quant][0]}", huge)
                 nbytes[who] = peers[quant][1].stat().st_size
-                runs.setdefault(who, []).append(
-                    llamacpp_decode(peers[quant][1], prompt, n, torch.get_num_threads()))
+                runs.setdefault(who, []).append(llamacpp_decode(
+                    peers[quant][1], prompt, n, torch.get_num_threads(), huge))
     rows = []
     for who, got in runs.items():
         seconds, cpu = (statistics.median(x[i] for x in got) for i in (0, 1))

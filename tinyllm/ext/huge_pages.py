@@ -18,6 +18,7 @@ tensor a view of it with a storage of its own (`torch.frombuffer`), so a copy of
 way. Notebook 13 measures the difference: the memory's read speed, and a decode step.
 """
 
+import copy
 import mmap
 import sys
 
@@ -92,6 +93,13 @@ def place(model: nn.Module) -> int:
         table = module._parameters if name in module._parameters else module._buffers
         table[name] = moved[id(t)]
     return total
+
+
+def unplaced(model: nn.Module) -> nn.Module:
+    """A copy of the model whose weights lie in ordinary memory (4 KB pages, unless the system
+    gives huge pages to all memory: "always"), each tensor in an allocation of its own: what a
+    model placed (place) is measured against."""
+    return copy.deepcopy(model)
 
 
 def backed(t: Tensor) -> int:
