@@ -265,8 +265,9 @@ def measure_solo(args, models: dict, configs: dict) -> list[dict]:
 
 def solo_table(rows: list[dict]) -> str:
     """--solo's rows as a table: each engine, its speed, and its share of the read bound."""
-    lines = [f"{'engine':30}{'MB a token':>11}{'tok/s':>9}{'tok/CPU-s':>11}{'of bound':>10}"]
+    w = max(len(r["engine"]) for r in rows) + 2
+    lines = [f"{'engine':{w}}{'MB a token':>11}{'tok/s':>9}{'tok/CPU-s':>11}{'of bound':>10}"]
     for r in rows:
-        lines.append(f"{r['engine']:30}{r['bytes_per_token'] / 1e6:11.1f}{r['tok_per_s']:9.1f}"
+        lines.append(f"{r['engine']:{w}}{r['bytes_per_token'] / 1e6:11.1f}{r['tok_per_s']:9.1f}"
                      f"{r['tok_per_cpu_s']:11.1f}{r['of_bound']:10.2f}")
     return "\n".join(lines)
