@@ -380,9 +380,7 @@ static float row_q4_32(const uint8_t *q, const uint16_t *scale, const uint16_t *
     for (; g < G; g++)
         acc = group_add(acc, hsum_i32(dot_group_q4(q + g * 16, xq + g * 32)), scale[g], sx[g],
                         zero + g, xs[g]);
-    float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_add_ps(a, az));
-    return acc + sum8(lanes);
+    return acc + hsum(_mm256_add_ps(a, az));              /* hsum adds in sum8's order */
 }
 #endif
 
@@ -476,9 +474,7 @@ static float row_q8_32(const int8_t *q, const uint16_t *scale, const int8_t *xq,
     for (; k < G; k++)
         acc = group_add(acc, hsum_i32(dot32_q8(_mm256_setzero_si256(), xq + k * 32, q + k * 32)),
                         scale[k], sx[k], NULL, 0);
-    float lanes[8];
-    _mm256_storeu_ps(lanes, a);
-    return acc + sum8(lanes);
+    return acc + hsum(a);                                 /* hsum adds in sum8's order */
 }
 #endif
 
