@@ -73,9 +73,10 @@ lab: $(STAMP)                     ## open the course in JupyterLab
 # (step 06's compiled decoder) compiles with one worker in each, not one per core, and PyTorch
 # computes with one thread in each.
 WITH_TESTS := notebooks/00_the_model.ipynb
-# The test that draws every setting together (about two minutes) runs after the notebooks, in
-# their process, so that the two processes end near the same time.
-ORACLE := tests/test_oracle.py
+# The test that draws every setting together (about two minutes) and the decode step in pieces
+# (step 13's, a minute and a half of compiling) run after the notebooks, in their process, so
+# that the two processes end near the same time.
+BESIDE := tests/test_oracle.py tests/test_piecewise.py
 test: export TORCHINDUCTOR_COMPILE_THREADS = 1
 test: export OMP_NUM_THREADS = 1
 test: $(STAMP) lint               ## every test: lint, package, exercises (solutions), notebooks, stub proof
@@ -83,10 +84,10 @@ test: $(STAMP) lint               ## every test: lint, package, exercises (solut
 	@echo "stubs, and notebook 00 run beside the other notebooks and the test of every setting;"
 	@echo "their report follows the notebooks'."
 	@( $(BIN)/python -m tinyllm check --stubs-fail; proof=$$?; \
-	  $(PYTEST) tests $(WITH_TESTS) $(NBVAL) --ignore=$(ORACLE); \
+	  $(PYTEST) tests $(WITH_TESTS) $(NBVAL) $(addprefix --ignore=,$(BESIDE)); \
 	  exit $$(( $$? || proof )) ) > $(VENV)/tests.log 2>&1 & \
 	tests=$$!; \
-	$(PYTEST) $(filter-out $(WITH_TESTS),$(sort $(wildcard notebooks/[0-9]*.ipynb))) $(ORACLE) \
+	$(PYTEST) $(filter-out $(WITH_TESTS),$(sort $(wildcard notebooks/[0-9]*.ipynb))) $(BESIDE) \
 		$(NBVAL); notebooks=$$?; \
 	echo; echo "== the stub proof, then the package and exercise tests and notebook 00"; \
 	wait $$tests; status=$$?; cat $(VENV)/tests.log; echo; \

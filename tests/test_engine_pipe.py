@@ -417,23 +417,27 @@ class SlowDecoder:
         return self.model(idx, cache=cache)
 
 
+async def start_then_ask(loop, tok, lines: list, idle_s: float = 0.0):
+    """Start the loop (its Warming lines into lines), ask one token, stay idle_s, stop ->
+    (seconds to Ready, seconds to the token, the tokens)."""
+    t0 = time.perf_counter()
+    await loop.start(lines.append)
+    started = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    tokens = await answer_of(loop, Request(tok.encode(PROMPTS[0]), 1))
+    first = time.perf_counter() - t1
+    await asyncio.sleep(idle_s)
+    await loop.stop()
+    return started, first, tokens
+
+
 def test_a_decoder_compiles_before_the_engine_is_ready_saying_each_bucket(bundled64):
     """The engine loop starts once the decoder's warm-up is over, handing a line for each
     bucket to its progress (the serve command prints them); the first request then waits for
     no compilation."""
     model, tok = bundled64
     loop, lines = server.EngineLoop(ContinuousEngine(model, 2, decoder=SlowDecoder(model))), []
-
-    async def start_then_ask():
-        t0 = time.perf_counter()
-        await loop.start(lines.append)
-        started = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        tokens = await answer_of(loop, Request(tok.encode(PROMPTS[0]), 1))
-        await loop.stop()
-        return started, time.perf_counter() - t1, tokens
-
-    started, first, tokens = asyncio.run(start_then_ask())
+    started, first, tokens = asyncio.run(start_then_ask(loop, tok, lines))
     assert started >= 3 * SlowDecoder.WARM_S, f"ready after {started:.1f} s, before its warm-up"
     assert first < 2 * SlowDecoder.WARM_S, f"the first token took {first:.1f} s"
     assert len(tokens) == 1, tokens
@@ -481,19 +485,7 @@ def test_a_decoder_compiles_one_row_before_ready_and_the_rest_while_it_serves(bu
     record = tmp_path / "compiled.txt"
     engine = ContinuousEngine(model, 4, decoder=LaterDecoder(model, record))
     loop, lines = server.EngineLoop(engine), []
-
-    async def start_then_ask():
-        t0 = time.perf_counter()
-        await loop.start(lines.append)
-        started = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        tokens = await answer_of(loop, Request(tok.encode(PROMPTS[0]), 1))
-        first = time.perf_counter() - t1
-        await asyncio.sleep(3 * LaterDecoder.WARM_S)
-        await loop.stop()
-        return started, first, tokens
-
-    started, first, tokens = asyncio.run(start_then_ask())
+    started, first, tokens = asyncio.run(start_then_ask(loop, tok, lines, 3 * LaterDecoder.WARM_S))
     assert started >= LaterDecoder.WARM_S, f"ready after {started:.1f} s, before its bucket of one"
     assert first < LaterDecoder.WARM_S, f"the first token took {first:.1f} s"
     assert len(tokens) == 1, tokens
