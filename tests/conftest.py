@@ -6,6 +6,9 @@ import math
 import os
 import re
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +128,25 @@ def smollm2_model(smollm2_file):
 def bundled64():
     """The bundled model in float64: batched and solo paths must then agree token for token."""
     return tinyllm.load(device="cpu", dtype=torch.float64)
+
+
+def python_lines(args: list[str], **env) -> subprocess.Popen:
+    """`python ARGS` (this interpreter) in the repository, its output (stderr too) a line at a
+    time, Ctrl-C as a terminal gives it, env added to this process's."""
+    return subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        cwd=Path(__file__).parents[1],
+        preexec_fn=ctrl_c_as_from_a_terminal,
+    )
+
+
+def run_serve(flags: list[str], **env) -> subprocess.Popen:
+    """`python -m tinyllm serve` with these flags, its output a line at a time."""
+    return python_lines(["-m", "tinyllm", "serve", *flags], **env)
 
 
 def ctrl_c_as_from_a_terminal() -> None:

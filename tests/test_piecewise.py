@@ -2,12 +2,9 @@
 int4) and with speculation, every request gets its solo tokens; the pieces compile once for all
 the layers; the settings that cannot go with them are refused by name."""
 
-import os
 import pickle
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import MIXED_REQUESTS as REQS
-from tests.conftest import ctrl_c_as_from_a_terminal, make_tiny
+from tests.conftest import make_tiny, run_serve
 from tests.test_fused_layer import RANDOM_ENGINES, requests_st
 from tinyllm.build import make_engine
 from tinyllm.core.config import EngineConfig
@@ -170,21 +167,6 @@ def test_a_decoder_sent_to_another_process_leaves_its_programs_behind():
 
 
 ROOT = Path(__file__).parents[1]
-
-
-def run_serve(flags: list[str], **env) -> subprocess.Popen:
-    """`python -m tinyllm serve` with these flags, its output a line at a time."""
-    cmd = [sys.executable, "-m", "tinyllm", "serve", *flags]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-    return subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        preexec_fn=ctrl_c_as_from_a_terminal,
-    )
 
 
 def test_serve_compiles_the_pieces_for_one_row_before_it_says_it_serves():

@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from tests.conftest import ctrl_c_as_from_a_terminal
+from tests.conftest import run_serve
 from tinyllm.build import make_engine
 from tinyllm.core.continuous import ContinuousEngine
 from tinyllm.core.generate import generate
@@ -431,26 +431,14 @@ def test_serve_says_what_it_serves_before_it_serves(tmp_path):
     """`python -m tinyllm serve` with int8 weights, n-gram speculation, a paged pool with a
     prefix cache and a token budget: its first line says each, /health says the same, and
     Ctrl-C stops it."""
-    import os
     import signal
-    import subprocess
-    import sys
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     flags = ["--quant", "int8", "--speculate", "ngram", "--kv", "paged", "--prefix-cache"]
     flags += ["--max-step-tokens", "64", "--slots", "2", "--port", str(port)]
-    cmd = [sys.executable, "-m", "tinyllm", "serve", *flags]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        preexec_fn=ctrl_c_as_from_a_terminal,
-    )
+    proc = run_serve(flags)
     try:
         lines = []
         while not (lines and lines[-1].startswith("serving")):

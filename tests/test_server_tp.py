@@ -7,17 +7,15 @@ rank 0 serving HTTP and rank 1 serving rank 0's steps.
 """
 
 import asyncio
-import os
 import signal
 import socket
 import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import ctrl_c_as_from_a_terminal
+from tests.conftest import python_lines
 from tests.test_server import NAME, PROMPTS, Running
 from tinyllm.build import make_engine
 from tinyllm.core.config import EngineConfig
@@ -72,11 +70,9 @@ def test_torchrun_on_two_machines_over_the_loopback(bundled):
     answers (float32: a divergence only at a near-tie); Ctrl-C to rank 0 ends both."""
     model, tok = bundled
     master, port = free_port(), free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
     def node(rank: int) -> subprocess.Popen:
-        cmd = [
-            sys.executable,
+        args = [
             "-m",
             "torch.distributed.run",
             "--nnodes",
@@ -99,14 +95,7 @@ def test_torchrun_on_two_machines_over_the_loopback(bundled):
             "--port",
             str(port),
         ]
-        return subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            preexec_fn=ctrl_c_as_from_a_terminal,
-        )
+        return python_lines(args, OMP_NUM_THREADS="1")
 
     nodes = [node(0), node(1)]
     try:

@@ -7,7 +7,6 @@ quantized or not, and a ContinuousEngine over 2 ranks as processes gives every r
 tokens of its solo run on the whole model."""
 
 import copy
-import threading
 from contextlib import contextmanager
 
 import pytest
@@ -344,24 +343,7 @@ def test_row_parallel_without_a_bias(impl):
 def on_threads(size: int, work):
     """work(rank, all_reduce) on size ranks as threads of this process, ThreadedRanks's
     all-reduce between them; their answers in rank order (the first error raised)."""
-    ranks = ThreadedRanks(size)
-    out, failed = [None] * size, []
-
-    def run(r: int) -> None:
-        try:
-            out[r] = work(r, ranks.reduce(r))
-        except BaseException as e:  # a rank that fails lets the others go
-            failed.append(e)
-            ranks.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failed:
-        raise failed[0]
-    return out
+    return ThreadedRanks(size).run(work)
 
 
 @pytest.mark.parametrize("size", [2, 3], ids=["2 ranks", "3 ranks"])

@@ -245,21 +245,18 @@ class ThreadedRanks:
             t.copy_(total)
         return all_reduce
 
-    def logits(self, model: Transformer, idx: Tensor, parts: list | None = None) -> Tensor:
-        """The whole model's logits of idx (B, T) (no cache: from position 0), computed by
-        size shards in threads (made here with `shard`, or the parts given, made with
-        this group's reduce), each head's part of the vocabulary put side by side."""
+    def run(self, work) -> list:
+        """work(rank, all_reduce) on every rank, each in a thread of its own with this group's
+        all-reduce -> their answers in rank order; the first error a rank raises is raised here
+        (a rank that fails lets the others go)."""
         import threading
 
-        parts = parts or [shard(model, r, self.size, self.reduce(r)) for r in range(self.size)]
         out, failed = [None] * self.size, []
 
         def run(r: int) -> None:
             try:
-                with torch.inference_mode():        # a thread's own: each rank's thread
-                    x, _ = parts[r].layers_pass(idx)
-                    out[r] = parts[r].compute_logits(x)
-            except BaseException as e:          # a rank that fails lets the others go
+                out[r] = work(r, self.reduce(r))
+            except BaseException as e:
                 failed.append(e)
                 self.barrier.abort()
 
@@ -270,4 +267,18 @@ class ThreadedRanks:
             t.join()
         if failed:
             raise failed[0]
+        return out
+
+    def logits(self, model: Transformer, idx: Tensor, parts: list | None = None) -> Tensor:
+        """The whole model's logits of idx (B, T) (no cache: from position 0), computed by
+        size shards in threads (made here with `shard`, or the parts given, made with
+        this group's reduce), each head's part of the vocabulary put side by side."""
+        parts = parts or [shard(model, r, self.size, self.reduce(r)) for r in range(self.size)]
+
+        def logits_of(r: int, _) -> Tensor:
+            with torch.inference_mode():            # a thread's own: each rank's thread
+                x, _ = parts[r].layers_pass(idx)
+                return parts[r].compute_logits(x)
+
+        out = self.run(logits_of)
         return torch.cat(out, dim=-1)
