@@ -170,9 +170,13 @@ class PiecewiseDecoder:
 
     def compile_next(self) -> tuple[int, float] | None:
         """Compile the smallest bucket of the decoder's that is not compiled yet -> (its rows,
-        the seconds it took), or None when every bucket is."""
+        the seconds it took), or None when every bucket is (and then the steps stop asking
+        whether theirs is: eager_until_compiled goes off)."""
         rows = next((r for r in self.buckets() if not self.compiled(r)), None)
-        return None if rows is None else (rows, self.warm_up(rows, only=rows))
+        if rows is None:
+            self.eager_until_compiled = False
+            return None
+        return rows, self.warm_up(rows, only=rows)
 
     def _prepare(self) -> None:
         m = self.model
