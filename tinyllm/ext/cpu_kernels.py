@@ -45,7 +45,8 @@ activations too and multiply integers, as llama.cpp's products do:
 - `decode_layer`: a whole decoder layer's decode step in one call (fused_layer.py): the norms,
   the q, k and v product, RoPE, decode_attention, the output product, the SwiGLU MLP and the
   residuals, with float_gemv's loops (float32) or plain C's (float64), so a step of SmolLM2
-  makes 30 calls instead of about 300.
+  makes 30 calls instead of about 300. `decode_layer_q` is the same layer with quantized
+  products (float32): each product the integer one a QuantLinear of its layout calls.
 
 Each product takes a list of weights that read the same x (q, k and v; gate and up:
 quant.projections), their outputs side by side: x is read (and quantized) once, and the
@@ -269,13 +270,27 @@ def decode_layer(x: Tensor, w: list[Tensor], cos: Tensor, sin: Tensor, keys: Ten
                                            head_stride, mask, n_heads, eps)
 
 
+def decode_layer_q(x: Tensor, norms: list[Tensor], q: list[Tensor], scale: list[Tensor],
+                   zero: list[Tensor], cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
+                   write: Tensor, read: Tensor, head_stride: int, mask: Tensor, n_heads: int,
+                   eps: float, ops=None) -> Tensor:
+    """decode_layer for a layer of quantized products, in float32: norms [input norm,
+    post-attention norm] (d) float32; q, scale, zero: the seven products' (q, k, v, o, gate, up,
+    down) as QuantLinear keeps them (zero an empty tensor where a weight has none). Each
+    product is the call a QuantLinear's own C product makes (int8_gemv, int4_gemv or
+    int8g_gemv, by its layout), bit for bit; q, k and v, and gate and up, must be of one
+    kind."""
+    return (ops or library()).decode_layer_q(x, norms, q, scale, zero, cos, sin, keys, values,
+                                             write, read, head_stride, mask, n_heads, eps)
+
+
 def _fake(name: str):
     """What an operator returns, for torch.compile and make_fx to trace: (M, N_1 + N_2 + ...)
     for a product, q's shape for attention, x's for a layer."""
-    if name in ("decode_attention", "decode_layer"):
+    if name in ("decode_attention", "decode_layer", "decode_layer_q"):
         return lambda x, *rest: torch.empty_like(x)
     return lambda x, q, *rest: x.new_empty((x.size(0), sum(t.size(0) for t in q)))
 
 
 OPS = ("float_gemv", "int8_gemv", "int4_gemv", "int8g_gemv", "decode_attention",
-       "decode_layer")
+       "decode_layer", "decode_layer_q")

@@ -20,6 +20,13 @@ a CPU, with a cache that says where its keys lie (`layout`: slots, a paged pool,
 cache), the continuous engine's decoder="fused"; a model it cannot compute is refused by name
 (`FusedDecoder.refusal`). A step of several tokens a row, or a cache without a layout or in
 another dtype, runs the model as it is.
+
+A quantized model's layers (int8, int4, a GGUF file's blocks) are one call too, of
+`cpu_kernels.decode_layer_q`: each product there is the integer product its QuantLinear makes
+(the same C loop, the same bits), and the rest is decode_layer's. At batch 1 a quantized step
+is a third of a float32 one, so the calls it no longer makes from Python are a larger share:
+the layers' own time is what is left. In float64 (the oracle's) a quantized model's step is
+the model's, as its products are.
 """
 
 import torch
@@ -31,6 +38,9 @@ from tinyllm.ext.cpu_attention import kernel_rows
 from tinyllm.ext.quant import FUSED_ROWS, QuantLinear
 
 
+C_PRODUCTS = ("int8_gemv", "int4_gemv", "int8g_gemv")   # QuantLinear's C products
+
+
 def layer_weights(block) -> list[Tensor]:
     """A layer's weights in decode_layer's order: input norm, q, k, v, o, post-attention
     norm, gate, up, down."""
@@ -38,6 +48,24 @@ def layer_weights(block) -> list[Tensor]:
     return [m.weight.detach() for m in (block.input_layernorm, attn.q_proj, attn.k_proj,
                                         attn.v_proj, attn.o_proj, block.post_attention_layernorm,
                                         mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+
+
+def quant_weights(block) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+    """A quantized layer's weights in decode_layer_q's order: the two norms, then the q, scale
+    and zero (an empty tensor where it has none) of q, k, v, o, gate, up and down."""
+    attn, mlp = block.self_attn, block.mlp
+    products = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                mlp.down_proj)
+    none = torch.empty(0, dtype=torch.float16)
+    return ([block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach()],
+            [m.q for m in products], [m.scale for m in products],
+            [none if m.zero is None else m.zero for m in products])
+
+
+def c_product_of(m: nn.Module) -> str | None:
+    """The C product a linear layer makes of a row of float32 on this CPU, or None."""
+    c_kernel = getattr(m, "c_kernel", None)
+    return None if c_kernel is None else c_kernel(torch.empty(1, m.in_features))
 
 
 class FusedDecoder:
@@ -49,7 +77,9 @@ class FusedDecoder:
         if why is not None:
             raise ValueError(f"decoder='fused' cannot run this model: {why}")
         self.model = model
-        self.weights = [layer_weights(block) for block in model.layers]
+        self.quantized = isinstance(model.layers[0].self_attn.q_proj, QuantLinear)
+        weights = quant_weights if self.quantized else layer_weights
+        self.weights = [weights(block) for block in model.layers]
 
     @staticmethod
     def refusal(model: Transformer) -> str | None:
@@ -61,12 +91,27 @@ class FusedDecoder:
             return f"its weights are {p.dtype} on {p.device.type}, not float32 or float64 on a CPU"
         for block in model.layers:
             linears = [m for m in block.modules() if isinstance(m, (nn.Linear, QuantLinear))]
-            if any(isinstance(m, QuantLinear) for m in linears):
-                return "its layers are quantized (decode_layer reads float weights)"
             if any(m.bias is not None for m in linears):
                 return "its layers have biases"
-            if any(w.dtype != p.dtype or not w.is_contiguous() for w in layer_weights(block)):
+            if any(isinstance(m, QuantLinear) for m in linears):
+                why = FusedDecoder.quant_refusal(block, linears)
+                if why is not None:
+                    return why
+            elif any(w.dtype != p.dtype or not w.is_contiguous() for w in layer_weights(block)):
                 return "a layer's weight is not contiguous or not in the embeddings' dtype"
+        return None
+
+    @staticmethod
+    def quant_refusal(block, linears: list[nn.Module]) -> str | None:
+        """Why decode_layer_q cannot compute this quantized layer, or None where it can."""
+        kinds = [c_product_of(m) for m in linears]
+        if any(k not in C_PRODUCTS for k in kinds):
+            return ("its layers are not all quantized with a C product here (int8, int4 with "
+                    "zero points, or GGUF's Q8_0, Q4_0, Q4_1)")
+        attn, mlp = block.self_attn, block.mlp
+        for stacked in [(attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)]:
+            if len({(c_product_of(m), m.group_size) for m in stacked}) > 1:
+                return "a layer's products that read the same x are quantized in different ways"
         return None
 
     def __getstate__(self):
@@ -83,10 +128,13 @@ class FusedDecoder:
         if (T != 1 or B > FUSED_ROWS or not hasattr(cache, "layout")
                 or cache.k[0].dtype != m.embed_tokens.weight.dtype):
             return m(idx, cache=cache)                                  # the library's GEMMs
+        if self.quantized and cache.k[0].dtype != torch.float32:
+            return m(idx, cache=cache)                       # float64: the model's products
+        layer = cpu_kernels.decode_layer_q if self.quantized else cpu_kernels.decode_layer
         cos, sin = m.rope(cache.begin_step(1))                          # (B or 1, 1, 1, hd)
         x = m.embed_tokens(idx).view(B, -1)                             # (B, d)
         for i, w in enumerate(self.weights):                            # x (B, d) a layer
-            x = cpu_kernels.decode_layer(x, w, cos, sin, *kernel_rows(cache, i, x),
-                                         m.cfg.n_heads, m.cfg.norm_eps)
+            w = w if self.quantized else (w,)
+            x = layer(x, *w, cos, sin, *kernel_rows(cache, i, x), m.cfg.n_heads, m.cfg.norm_eps)
         cache.end_step()
         return m.compute_logits(x).view(B, 1, -1), None                 # (B, 1, V)

@@ -26,13 +26,23 @@ int decode_attention_f32(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, i
 int decode_attention_f64(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                          const double *, const double *, const double *, double *, double *,
                          const int64_t *, const int64_t *, const double *, double, double *, int);
-int decode_layer_f32(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float *, const float **,
-                     const float *, const float *, int64_t, float *, float *, int64_t, int64_t,
-                     const int64_t *, const int64_t *, const float *, int64_t, double, int);
+int decode_layer_f32(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float *, const float *,
+                     const float *, const float **, const float *, const float *, int64_t,
+                     float *, float *, int64_t, int64_t, const int64_t *, const int64_t *,
+                     const float *, int64_t, double, int);
 int decode_layer_f64(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double *,
-                     const double **, const double *, const double *, int64_t, double *,
-                     double *, int64_t, int64_t, const int64_t *, const int64_t *,
-                     const double *, int64_t, double, int);
+                     const double *, const double *, const double **, const double *,
+                     const double *, int64_t, double *, double *, int64_t, int64_t,
+                     const int64_t *, const int64_t *, const double *, int64_t, double, int);
+typedef struct {
+    const void *q;
+    const uint16_t *scale, *zero;
+    int64_t group;
+} QWeight;
+int decode_layer_q(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float *, const float *,
+                   const float *, const QWeight *, const float *, const float *, int64_t,
+                   float *, float *, int64_t, int64_t, const int64_t *, const int64_t *,
+                   const float *, int64_t, double, int);
 }
 
 /* x (M, K) float32 on the CPU, contiguous (a copy where it is not) */
@@ -179,6 +189,58 @@ static at::Tensor decode_attention_op(const at::Tensor &q_, const at::Tensor &k_
     return y;
 }
 
+/* what a layer's step reads beside its weights, checked: x (M, d) cloned (the op's output),
+   cos and sin (rope_rows, hd), the cache's rows and the step's mask */
+struct LayerStep {
+    at::Tensor x, cos, sin, write, read, mask;
+    int64_t M, d, hd, rope_rows, W, cached;
+};
+
+static LayerStep layer_step(const at::Tensor &x_, const at::Tensor &cos_, const at::Tensor &sin_,
+                            const at::Tensor &keys, const at::Tensor &values,
+                            const at::Tensor &write_, const at::Tensor &read_,
+                            const at::Tensor &mask_, int64_t n_kv) {
+    at::ScalarType dtype = x_.scalar_type();
+    TORCH_CHECK(x_.dim() == 2 && x_.device().is_cpu(), "x must be (M, d) on the CPU, got ",
+                x_.sizes());
+    for (const at::Tensor *t : std::initializer_list<const at::Tensor *>{&cos_, &sin_, &keys,
+                                                                       &values, &mask_})
+        TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(),
+                    "cos, sin, the cache and the mask must be CPU tensors of x's dtype");
+    LayerStep s;
+    s.M = x_.size(0), s.d = x_.size(1), s.hd = cos_.size(-1);
+    s.cos = cos_.contiguous(), s.sin = sin_.contiguous();
+    s.rope_rows = s.cos.numel() / s.hd;
+    TORCH_CHECK(s.sin.sizes() == s.cos.sizes() && (s.rope_rows == 1 || s.rope_rows == s.M),
+                "cos and sin must hold one row of head_dim for every row of x, or one for all");
+    check_cache(keys, values, write_, read_, mask_, s.M, n_kv, s.hd);
+    s.x = x_.contiguous().clone(), s.read = read_.contiguous(), s.mask = mask_.contiguous();
+    s.write = write_.contiguous();
+    s.W = s.read.size(1), s.cached = keys.numel() / s.hd;
+    return s;
+}
+
+/* the layer's heads (H, n_kv) from n_heads and the rows of Wk, checked */
+static int64_t kv_heads(int64_t H, int64_t k_rows, int64_t hd) {
+    int64_t n_kv = hd > 0 ? k_rows / hd : 0;
+    TORCH_CHECK(H > 0 && n_kv > 0 && H % n_kv == 0 && hd > 0 && hd % 2 == 0,
+                "n_heads must be a multiple of n_kv and head_dim even");
+    return n_kv;
+}
+
+/* the shapes (N, K) of a layer's seven products: q, k, v, o, gate, up, down */
+static std::vector<std::vector<int64_t>> product_shapes(int64_t d, int64_t H, int64_t n_kv,
+                                                        int64_t hd, int64_t ff) {
+    return {{H * hd, d}, {n_kv * hd, d}, {n_kv * hd, d}, {d, H * hd}, {ff, d}, {ff, d}, {d, ff}};
+}
+
+static at::Tensor layer_result(const LayerStep &s, int outside) {
+    TORCH_CHECK(outside != 2, "decode_layer: no memory for the step's ", s.M, " rows");
+    TORCH_CHECK_INDEX(!outside, "decode_layer: a row to write or read lies outside the cache's ",
+                      s.cached, " rows");
+    return s.x;
+}
+
 static at::Tensor decode_layer_op(const at::Tensor &x_, at::TensorList w, const at::Tensor &cos_,
                                   const at::Tensor &sin_, at::Tensor &keys, at::Tensor &values,
                                   const at::Tensor &write_, const at::Tensor &read_,
@@ -187,53 +249,103 @@ static at::Tensor decode_layer_op(const at::Tensor &x_, at::TensorList w, const 
     at::ScalarType dtype = x_.scalar_type();
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
                 "decode_layer runs in float32 or float64, not ", dtype);
-    TORCH_CHECK(x_.dim() == 2 && x_.device().is_cpu(), "x must be (M, d) on the CPU, got ",
-                x_.sizes());
     TORCH_CHECK(w.size() == 9, "w must hold the layer's 9 weights (ln1, q, k, v, o, ln2, gate, "
                 "up, down), got ", w.size());
-    int64_t M = x_.size(0), d = x_.size(1), hd = cos_.size(-1);
-    int64_t n_kv = w[2].dim() == 2 && hd > 0 ? w[2].size(0) / hd : 0;
-    int64_t ff = w[6].dim() == 2 ? w[6].size(0) : 0, H = n_heads;
-    TORCH_CHECK(H > 0 && n_kv > 0 && H % n_kv == 0 && hd > 0 && hd % 2 == 0,
-                "n_heads must be a multiple of n_kv and head_dim even");
-    const std::vector<std::vector<int64_t>> shapes = {{d}, {H * hd, d}, {n_kv * hd, d},
-        {n_kv * hd, d}, {d, H * hd}, {d}, {ff, d}, {ff, d}, {d, ff}};
+    int64_t d = x_.dim() == 2 ? x_.size(1) : 0, hd = cos_.size(-1), H = n_heads;
+    int64_t n_kv = kv_heads(H, w[2].dim() == 2 ? w[2].size(0) : 0, hd);
+    int64_t ff = w[6].dim() == 2 ? w[6].size(0) : 0;
+    std::vector<std::vector<int64_t>> shapes = product_shapes(d, H, n_kv, hd, ff);
+    shapes.insert(shapes.begin() + 4, {d});
+    shapes.insert(shapes.begin(), {d});
     std::vector<const void *> wd;
     for (size_t i = 0; i < 9; i++) {
         TORCH_CHECK(w[i].scalar_type() == dtype && w[i].device().is_cpu() &&
                     w[i].is_contiguous() && w[i].sizes() == at::IntArrayRef(shapes[i]),
                     "w[", i, "] must be a contiguous CPU tensor of x's dtype, shaped ",
                     at::IntArrayRef(shapes[i]), ", got ", w[i].scalar_type(), " ", w[i].sizes());
-        wd.push_back(w[i].data_ptr());
+        if (i != 0 && i != 5) wd.push_back(w[i].data_ptr());
     }
-    for (const at::Tensor *t : std::initializer_list<const at::Tensor *>{&cos_, &sin_, &keys,
-                                                                       &values, &mask_})
-        TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(),
-                    "cos, sin, the cache and the mask must be CPU tensors of x's dtype");
-    at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous();
-    int64_t rope_rows = cos.numel() / hd;
-    TORCH_CHECK(sin.sizes() == cos.sizes() && (rope_rows == 1 || rope_rows == M),
-                "cos and sin must hold one row of head_dim for every row of x, or one for all");
-    check_cache(keys, values, write_, read_, mask_, M, n_kv, hd);
-    at::Tensor x = x_.contiguous().clone(), read = read_.contiguous(), mask = mask_.contiguous();
-    at::Tensor write = write_.contiguous();
-    int64_t W = read.size(1), cached = keys.numel() / hd, threads = at::get_num_threads();
+    LayerStep s = layer_step(x_, cos_, sin_, keys, values, write_, read_, mask_, n_kv);
+    int threads = at::get_num_threads();
     int outside = dtype == at::kFloat
-        ? decode_layer_f32(M, d, H, n_kv, hd, ff, x.data_ptr<float>(), (const float **)wd.data(),
-                           cos.data_ptr<float>(), sin.data_ptr<float>(), rope_rows,
-                           keys.data_ptr<float>(), values.data_ptr<float>(), cached,
-                           head_stride, write.data_ptr<int64_t>(), read.data_ptr<int64_t>(),
-                           mask.data_ptr<float>(), W, eps, threads)
-        : decode_layer_f64(M, d, H, n_kv, hd, ff, x.data_ptr<double>(),
-                           (const double **)wd.data(), cos.data_ptr<double>(),
-                           sin.data_ptr<double>(), rope_rows, keys.data_ptr<double>(),
-                           values.data_ptr<double>(), cached, head_stride,
-                           write.data_ptr<int64_t>(), read.data_ptr<int64_t>(),
-                           mask.data_ptr<double>(), W, eps, threads);
-    TORCH_CHECK(outside != 2, "decode_layer: no memory for the step's ", M, " rows");
-    TORCH_CHECK_INDEX(!outside, "decode_layer: a row to write or read lies outside the cache's ",
-                      cached, " rows");
-    return x;
+        ? decode_layer_f32(s.M, d, H, n_kv, hd, ff, s.x.data_ptr<float>(), w[0].data_ptr<float>(),
+                           w[5].data_ptr<float>(), (const float **)wd.data(),
+                           s.cos.data_ptr<float>(), s.sin.data_ptr<float>(), s.rope_rows,
+                           keys.data_ptr<float>(), values.data_ptr<float>(), s.cached,
+                           head_stride, s.write.data_ptr<int64_t>(), s.read.data_ptr<int64_t>(),
+                           s.mask.data_ptr<float>(), s.W, eps, threads)
+        : decode_layer_f64(s.M, d, H, n_kv, hd, ff, s.x.data_ptr<double>(),
+                           w[0].data_ptr<double>(), w[5].data_ptr<double>(),
+                           (const double **)wd.data(), s.cos.data_ptr<double>(),
+                           s.sin.data_ptr<double>(), s.rope_rows, keys.data_ptr<double>(),
+                           values.data_ptr<double>(), s.cached, head_stride,
+                           s.write.data_ptr<int64_t>(), s.read.data_ptr<int64_t>(),
+                           s.mask.data_ptr<double>(), s.W, eps, threads);
+    return layer_result(s, outside);
+}
+
+/* product i's weight (N, K) as QWeight: scale (N, G) float16 (group K / G); zero as scale, or
+   empty; q int8 (N, K) without zero, else (N, G, group / 2) bytes of two 4-bit values */
+static QWeight quant_weight(size_t i, const at::Tensor &q, const at::Tensor &scale,
+                            const at::Tensor &zero, int64_t N, int64_t K) {
+    for (const at::Tensor *t : {&q, &scale, &zero})
+        TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "q[", i, "], scale[", i,
+                    "] and zero[", i, "] must be contiguous CPU tensors");
+    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 2 && scale.size(0) == N &&
+                scale.size(1) > 0 && K % scale.size(1) == 0,
+                "scale[", i, "] must be float16 (", N, ", G) with G dividing ", K, ", got ",
+                scale.scalar_type(), " ", scale.sizes());
+    int64_t G = scale.size(1), g = K / G;
+    bool four = zero.numel() > 0;
+    TORCH_CHECK(!four || (zero.scalar_type() == at::kHalf && zero.sizes() == scale.sizes()),
+                "zero[", i, "] must be empty or float16 shaped as scale[", i, "]");
+    std::vector<int64_t> shape = four ? std::vector<int64_t>{N, G, g / 2}
+                                      : std::vector<int64_t>{N, K};
+    TORCH_CHECK(q.scalar_type() == (four ? at::kByte : at::kChar) && q.sizes() ==
+                at::IntArrayRef(shape) && (!four || g % 2 == 0),
+                "q[", i, "] must be ", four ? "uint8 " : "int8 ", at::IntArrayRef(shape),
+                ", got ", q.scalar_type(), " ", q.sizes());
+    return {q.data_ptr(), (const uint16_t *)scale.data_ptr(),
+            four ? (const uint16_t *)zero.data_ptr() : nullptr, g};
+}
+
+static at::Tensor decode_layer_q_op(const at::Tensor &x_, at::TensorList norms, at::TensorList q,
+                                    at::TensorList scale, at::TensorList zero,
+                                    const at::Tensor &cos_, const at::Tensor &sin_,
+                                    at::Tensor &keys, at::Tensor &values,
+                                    const at::Tensor &write_, const at::Tensor &read_,
+                                    int64_t head_stride, const at::Tensor &mask_, int64_t n_heads,
+                                    double eps) {
+    TORCH_CHECK(x_.scalar_type() == at::kFloat, "decode_layer_q runs in float32, not ",
+                x_.scalar_type());
+    TORCH_CHECK(norms.size() == 2 && q.size() == 7 && scale.size() == 7 && zero.size() == 7,
+                "decode_layer_q takes the 2 norms and 7 q, scale and zero (q, k, v, o, gate, up, "
+                "down)");
+    int64_t d = x_.dim() == 2 ? x_.size(1) : 0, hd = cos_.size(-1), H = n_heads;
+    int64_t n_kv = kv_heads(H, q[1].dim() >= 1 ? q[1].size(0) : 0, hd);
+    int64_t ff = q[4].dim() >= 1 ? q[4].size(0) : 0;
+    std::vector<std::vector<int64_t>> shapes = product_shapes(d, H, n_kv, hd, ff);
+    for (const at::Tensor &n : norms)
+        TORCH_CHECK(n.scalar_type() == at::kFloat && n.is_contiguous() && n.device().is_cpu() &&
+                    n.sizes() == at::IntArrayRef({d}),
+                    "the norms must be contiguous float32 (", d, ") CPU tensors");
+    std::vector<QWeight> w;
+    for (size_t i = 0; i < 7; i++)
+        w.push_back(quant_weight(i, q[i], scale[i], zero[i], shapes[i][0], shapes[i][1]));
+    auto same = [&](size_t a, size_t b) {
+        TORCH_CHECK((w[a].zero == nullptr) == (w[b].zero == nullptr) && w[a].group == w[b].group,
+                    "q[", a, "] and q[", b, "] read the same x and must be of one kind");
+    };
+    same(0, 1), same(0, 2), same(4, 5);
+    LayerStep s = layer_step(x_, cos_, sin_, keys, values, write_, read_, mask_, n_kv);
+    int outside = decode_layer_q(s.M, d, H, n_kv, hd, ff, s.x.data_ptr<float>(),
+                                 norms[0].data_ptr<float>(), norms[1].data_ptr<float>(), w.data(),
+                                 s.cos.data_ptr<float>(), s.sin.data_ptr<float>(), s.rope_rows,
+                                 keys.data_ptr<float>(), values.data_ptr<float>(), s.cached,
+                                 head_stride, s.write.data_ptr<int64_t>(),
+                                 s.read.data_ptr<int64_t>(), s.mask.data_ptr<float>(), s.W, eps,
+                                 at::get_num_threads());
+    return layer_result(s, outside);
 }
 
 #define DEFINE(ns) TORCH_LIBRARY(ns, m)      /* TINYLLM_NS expanded first */
@@ -248,6 +360,9 @@ DEFINE(TINYLLM_NS) {
     m.def("decode_layer(Tensor x, Tensor[] w, Tensor cos, Tensor sin, Tensor(a!) keys, "
           "Tensor(b!) values, Tensor write, Tensor read, int head_stride, Tensor mask, "
           "int n_heads, float eps) -> Tensor");
+    m.def("decode_layer_q(Tensor x, Tensor[] norms, Tensor[] q, Tensor[] scale, Tensor[] zero, "
+          "Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, Tensor write, Tensor read, "
+          "int head_stride, Tensor mask, int n_heads, float eps) -> Tensor");
 }
 IMPLEMENT(TINYLLM_NS) {
     m.impl("float_gemv", float_gemv_op);
@@ -256,4 +371,5 @@ IMPLEMENT(TINYLLM_NS) {
     m.impl("int8g_gemv", int8g_gemv_op);
     m.impl("decode_attention", decode_attention_op);
     m.impl("decode_layer", decode_layer_op);
+    m.impl("decode_layer_q", decode_layer_q_op);
 }
