@@ -361,19 +361,57 @@ static float row_q4_plain(const uint8_t *q, const uint16_t *scale, const uint16_
 }
 
 #ifdef AVX2
-/* row_q4 for groups of 32 (h = 16): a 256-bit product a group, and a block's sums, scales
-   and zeros a vector each */
+/* Groups of 32 (h = 16) go two at a time: 32 bytes of q hold groups A and B, whose low
+   nibbles (one AND) are A's values 0..15 and B's 0..15, the high ones (a shift, an AND) their
+   values 16..31. x's groups meet them in that order: each pair of a block of 8 groups laid out
+   as A 0..15, B 0..15, A 16..31, B 16..31 (pair_groups, once per x). */
+static void pair_groups(int8_t *xq, int64_t M, int64_t G) {
+    int8_t t[64];
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G / 8 * 8; g += 2) {
+            int8_t *a = xq + (m * G + g) * 32;
+            memcpy(t, a, 16), memcpy(t + 16, a + 32, 16);
+            memcpy(t + 32, a + 16, 16), memcpy(t + 48, a + 48, 16);
+            memcpy(a, t, 64);
+        }
+}
+
+/* two groups' products, A's in lanes 0..3 and B's in 4..7: the 32 bytes at q . the 64 paired
+   values at x (pair_groups'). maddubs's int16 pairs stay within 2 * 15 * 127, two of them
+   added within int16. */
+static __m256i dot_pair_q4(const uint8_t *q, const int8_t *x) {
+    __m256i b = _mm256_loadu_si256((const __m256i *)q), mask = _mm256_set1_epi8(15);
+    __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+    __m256i xlo = _mm256_loadu_si256((const __m256i *)x);
+    __m256i xhi = _mm256_loadu_si256((const __m256i *)(x + 32));
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    return dot32_add(dot32_add(_mm256_setzero_si256(), lo, xlo), hi, xhi);
+#else
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
+                                              _mm256_maddubs_epi16(hi, xhi)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+
+/* 8 groups' sums (4 pairs, dot_pair_q4's), lane i group i */
+static __m256i sums8_pairs(const __m256i p[4]) {
+    __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    return _mm256_permutevar8x32_epi32(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* row_q4 for groups of 32 (h = 16), x's blocks of 8 groups paired (pair_groups): a block's
+   products two groups a vector, its sums, scales and zeros a vector each */
 static float row_q4_32(const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
                        const int8_t *xq, const float *sx, const float *xs, int64_t G) {
     __m256 a = _mm256_setzero_ps(), az = _mm256_setzero_ps();
     float acc = 0;
     int64_t g = 0;
     for (; g + 8 <= G; g += 8) {
-        __m256i p[8];
-        for (int i = 0; i < 8; i++) p[i] = dot_group_q4(q + (g + i) * 16, xq + (g + i) * 32);
+        __m256i p[4];
+        for (int i = 0; i < 4; i++) p[i] = dot_pair_q4(q + (g + 2 * i) * 16, xq + (g + 2 * i) * 32);
         __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g))),
                                  _mm256_loadu_ps(sx + g));
-        a = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(sums8_i32(p)), a);
+        a = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(sums8_pairs(p)), a);
         az = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zero + g))),
                              _mm256_loadu_ps(xs + g), az);
     }
@@ -428,6 +466,9 @@ void int4_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t h, co
     int8_t *xq = malloc(M * K);
     float *sx = malloc(M * G * sizeof(float)), *xs = malloc(M * G * sizeof(float));
     quantize_groups(x, M * G, 2 * h, xq, sx, xs);
+#ifdef AVX2
+    if (h == 16) pair_groups(xq, M, G);                         /* row_q4_32's order */
+#endif
     for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
         #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int t = 0; t < threads; t++)
