@@ -35,11 +35,11 @@ TIMED  := import pathlib, resource, subprocess, sys, time; t = time.perf_counter
 	sys.exit(rc)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test test-fast lint check oracle bench eval train gpu-check notebooks clean
+.PHONY: help setup lab test test-fast lint check oracle bench eval train gpu-check browser-check notebooks clean
 
 help:                             ## list the targets
 	@echo "usage: make TARGET; every target below but help and clean sets up $(VENV) first"
-	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-11s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 PIP    := $(BIN)/python -m pip --quiet --quiet --disable-pip-version-check
 # Python caches each module it imports as bytecode, unless the environment forbids it
@@ -67,6 +67,8 @@ setup: $(STAMP)                   ## only set up .venv (then: source .venv/bin/a
 lab: $(STAMP)                     ## open the course in JupyterLab
 	$(BIN)/jupyter lab $(ROOT_OK) --LabApp.default_url=/lab/tree/notebooks
 
+# The live page's test in a real browser runs in `make browser-check` alone: it needs Chromium.
+BROWSER := tests/browser
 # The package and exercise tests and the stub proof run beside the notebooks (two processes, one
 # core each): the notebooks report as they go, the tests' report follows theirs. The tests take
 # less time than the notebooks, so notebook 00 runs after them, in their process. torch.compile
@@ -84,7 +86,7 @@ test: $(STAMP) lint               ## every test: lint, package, exercises (solut
 	@echo "stubs, and notebook 00 run beside the other notebooks and the test of every setting;"
 	@echo "their report follows the notebooks'."
 	@( $(BIN)/python -m tinyllm check --stubs-fail; proof=$$?; \
-	  $(PYTEST) tests $(WITH_TESTS) $(NBVAL) $(addprefix --ignore=,$(BESIDE)); \
+	  $(PYTEST) tests $(WITH_TESTS) $(NBVAL) $(addprefix --ignore=,$(BESIDE) $(BROWSER)); \
 	  exit $$(( $$? || proof )) ) > $(VENV)/tests.log 2>&1 & \
 	tests=$$!; \
 	$(PYTEST) $(filter-out $(WITH_TESTS),$(sort $(wildcard notebooks/[0-9]*.ipynb))) $(BESIDE) \
@@ -102,7 +104,7 @@ lint: $(STAMP)                    ## ruff: the linter, and the formatter's check
 	@$(BIN)/python tools/core_lines.py --quiet
 
 test-fast: $(STAMP)               ## the package and exercise tests only
-	$(PYTEST) tests
+	$(PYTEST) tests --ignore=$(BROWSER)
 
 check: $(STAMP)                   ## check your exercise: make check EX=01
 	$(if $(EX),,$(error name the exercise: make check EX=01))
@@ -133,6 +135,15 @@ $(CORPUS): | $(STAMP)
 gpu-check: $(STAMP)               ## on a GPU: the CUDA tests, then decode-step time eager against graphed
 	$(PYTEST) tests -m cuda -s
 	$(BIN)/python -m tinyllm bench --decode-steps
+
+# The server's live page (tinyllm/serving/page/) in headless Chromium while the load generator
+# runs: Debian's chromium and chromium-driver drive it (apt-get install -y chromium
+# chromium-driver), selenium (the dev extra) speaks to them. LIVE_SCREENSHOT=PATH keeps a copy of
+# the screenshot it takes.
+browser-check: $(STAMP)           ## the server's live page in headless Chromium, under the load generator
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { echo "make browser-check needs" \
+		"Chromium and its driver: apt-get install -y chromium chromium-driver"; exit 1; }
+	$(PYTEST) $(BROWSER) -v
 
 notebooks: $(STAMP)               ## re-execute every notebook in place, then its wall and CPU time
 	@rm -f $(VENV)/times.txt

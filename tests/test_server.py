@@ -38,15 +38,13 @@ PROMPTS = [
 
 
 class Running:
-    """A server on a free loopback port, in a thread (its engine in a process), until stop()."""
+    """A server on a free loopback port (or on port), in a thread (its engine in a process),
+    until stop()."""
 
-    def __init__(self, engine, tok, **kw):
+    def __init__(self, engine, tok, port: int | None = None, **kw):
         self.engine, self.tok = engine, tok
         self.served = server.build(engine, tok, NAME, **kw)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        sock.close()
+        self.port = port or free_port()
         import uvicorn
 
         self.uv = uvicorn.Server(
@@ -68,6 +66,7 @@ class Running:
 
     def stop(self):
         self.uv.should_exit = True
+        self.served.pages.stop()  # the live page's streams end too
         self.thread.join(10)
 
     def request_counts(self) -> tuple[int, int]:
@@ -88,6 +87,13 @@ class Running:
             f"a finished or refused request leaves EngineLoop.tickets"
         )
         return self.request_counts()
+
+
+def free_port() -> int:
+    """A loopback port free now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -433,9 +439,7 @@ def test_serve_says_what_it_serves_before_it_serves(tmp_path):
     Ctrl-C stops it."""
     import signal
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     flags = ["--quant", "int8", "--speculate", "ngram", "--kv", "paged", "--prefix-cache"]
     flags += ["--max-step-tokens", "64", "--slots", "2", "--port", str(port)]
     proc = run_serve(flags)

@@ -7,9 +7,10 @@ SGLang's scheduler are joined to theirs, in the typed messages of messages.py: `
 request)` and `Abort(key)` go in; after each step one `StepReport` comes back, with the step's
 tokens (and the logprobs of those that ask for them), the requests refused or failed, the
 engine's load, its KV use and its cache's verdict on its books (`check_integrity`, asked
-whenever the engine is idle); and a `Heartbeat` every half second says that the engine's process
-lives. ZeroMQ moves a message whole, of any size, and the HTTP side's sockets are asyncio
-sockets (pyzmq's): a message of several MB never blocks the event loop.
+whenever the engine is idle), and a frame of its state for the server's live page while one is
+open (live.py); and a `Heartbeat` every half second says that the engine's process lives.
+ZeroMQ moves a message whole, of any size, and the HTTP side's sockets are asyncio sockets
+(pyzmq's): a message of several MB never blocks the event loop.
 
 On the HTTP side, `EngineProcess` starts the process and holds the sockets, and `EngineLoop`
 keeps each request's choices as `Ticket`s: it sends them in, and its listening task hands each
@@ -41,6 +42,7 @@ import zmq.asyncio
 from tinyllm.core.continuous import ContinuousEngine, compiles
 from tinyllm.core.requests import Event, Request
 from tinyllm.serving.api import APIError
+from tinyllm.serving.live import Sampler, block_counts
 from tinyllm.serving.messages import (
     BEAT_S,
     Abort,
@@ -52,6 +54,7 @@ from tinyllm.serving.messages import (
     StepReport,
     Stop,
     Warming,
+    Watch,
     dumps,
     keys_of,
     loads,
@@ -198,8 +201,9 @@ class EngineLoop:
     choices as tickets, sent in, and each step's report handed out to them.
 
     A listening task on the event loop (`listen`) puts each token of a StepReport in its
-    request's queue; a report also brings the engine's load and its KV cache's integrity (None
-    when its books are sound, else the sentence that says what is wrong). A request of n
+    request's queue; a report also brings the engine's load, its steps, its KV cache's
+    integrity (None when its books are sound, else the sentence that says what is wrong) and,
+    while a page of the live view watches, a frame for it (to `on_frame`). A request of n
     choices is n sequences in the engine, n tickets here (keys key, key + 1, ...) and one Add.
     At most max_waiting sequences wait for a slot at once; a request that would make more is
     refused with a 429.
@@ -218,6 +222,9 @@ class EngineLoop:
         self.kv_used = 0.0
         self.integrity: str | None = None  # the KV cache's books, last checked idle
         self.speculation = SpeculationCounts()  # the engine's totals (11)
+        self.steps, self.frames = 0, 0  # the engine's steps, and live frames built, so far
+        self.blocks: tuple[int, int] | None = None  # a paged pool's (held, cached) blocks
+        self.on_frame = None  # called with each live frame (live.Pages.publish)
         self.failed: str | None = None
         self.listener = None
 
@@ -313,6 +320,7 @@ class EngineLoop:
         self.submitted -= report.taken
         self.reported, self.kv_used = report.request_counts, report.kv_used
         self.integrity, self.speculation = report.integrity, report.speculation
+        self.steps, self.blocks, self.frames = report.steps, report.blocks, report.frames
         try:
             self.drop(report.failed, "the engine failed on this request: ")
             for i, (key, _, _) in enumerate(report.tokens):  # logprobs first, then their tokens
@@ -325,6 +333,16 @@ class EngineLoop:
             for key in keys & self.tickets.keys():  # their slots are free before the next step
                 self.engine.send(Abort(key))
             self.drop([(key, why) for key in keys], "")
+        if report.live is not None and self.on_frame is not None:
+            self.show(report.live)
+
+    def show(self, live: dict) -> None:
+        """A live frame to the pages that watch (on_frame); a frame they fail on is said on
+        stderr and dropped: the engine and its requests go on."""
+        try:
+            self.on_frame(live)
+        except Exception as e:
+            print(f"the live view dropped a frame: {type(e).__name__}: {e}", file=sys.stderr)
 
     def drop(self, failed: list[tuple[int, str]], says: str) -> None:
         """These choices fail, each with a 500 that says why: (key, why) for each."""
@@ -483,17 +501,24 @@ def warm_up_failure(kind: str, e: Exception) -> str:
 
 def serve_engine(engine: ContinuousEngine, pipe: "EnginePipe") -> None:
     """engine_process's loop: (1) the messages waiting, acted on; (2) a step, when there is
-    work; (3) its report. Returns at a Stop, when the HTTP side is gone, or after a Failed."""
-    keys, integrity = Keys(), None
+    work; (3) its report, with a frame of the engine's state when a page of the live view
+    watches and one is due (live.Sampler). Returns at a Stop, when the HTTP side is gone, or
+    after a Failed."""
+    keys, integrity, sampler, steps = Keys(), None, Sampler(), 0
     while pipe.http_side_lives():
         if not engine.has_work() and not pipe.wait(BEAT_S):
             continue
         try:
-            if (news := read_messages(engine, pipe, keys)) is None:
+            if (news := read_messages(engine, pipe, keys, sampler)) is None:
                 return  # a Stop
-            tokens, logprobs = keys.tokens_of(engine, engine.step() if engine.has_work() else [])
+            events = []
+            if engine.has_work():
+                sampler.before_step(engine)
+                events, steps = engine.step(), steps + 1
+            tokens, logprobs = keys.tokens_of(engine, events)
             if not engine.has_work():
                 integrity = engine.cache.check_integrity(idle=True)
+            live = sampler.after_step(engine, keys.key_of, steps)
         except Exception as e:  # the engine cannot go on: say why
             pipe.send(Failed(f"{type(e).__name__}: {e}"))
             return
@@ -501,8 +526,23 @@ def serve_engine(engine: ContinuousEngine, pipe: "EnginePipe") -> None:
         counts, kv_used = engine.request_counts(), engine.kv_used_frac()
         st = engine.stats
         spec = SpeculationCounts(st.spec_rows, st.spec_proposed, st.spec_accepted, st.spec_tokens)
+        blocks = block_counts(engine.cache)
         pipe.send(
-            StepReport(tokens, refused, taken, counts, kv_used, integrity, logprobs, spec, failed)
+            StepReport(
+                tokens,
+                refused,
+                taken,
+                counts,
+                kv_used,
+                integrity,
+                logprobs,
+                spec,
+                failed,
+                steps,
+                blocks,
+                sampler.frames,
+                live,
+            )
         )
 
 
@@ -601,12 +641,13 @@ class Keys:
 
 
 def read_messages(
-    engine: ContinuousEngine, pipe: EnginePipe, keys: Keys
+    engine: ContinuousEngine, pipe: EnginePipe, keys: Keys, sampler: Sampler | None = None
 ) -> tuple[int, list[tuple[int, str]], list[tuple[int, str]]] | None:
     """Every message waiting, acted on: an Add queues its request, its n choices under keys
     key, key + 1, ... (the engine's ids rid, rid + 1, ...), or refuses them with the engine's
     reason (a ValueError or TypeError: the request's fault), or fails them (it cannot be
-    unpickled, or adding it raised otherwise); an Abort drops one choice. Returns (the
+    unpickled, or adding it raised otherwise); an Abort drops one choice; a Watch tells the
+    sampler whether pages of the live view are open. Returns (the
     sequences taken, the choices refused as (key, message), the choices failed as (key,
     why)), or None at a Stop. A message that fails concerns its own request only."""
     taken, refused, failed = 0, [], []
@@ -633,6 +674,8 @@ def read_messages(
             case Abort(key):
                 if (rid := keys.pop(key)) is not None:
                     engine.abort(rid)
+            case Watch() if sampler is not None:
+                sampler.watch(message)
             case Stop():
                 return None
             case _:  # no request of its own to fail: said, and left

@@ -76,6 +76,12 @@ def serve_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="requests that may wait for a slot; more get a 429 (default: 64)",
     )
+    g.add_argument(
+        "--show-prompts",
+        action="store_true",
+        help="the live page at / shows each slot's prompt and answer (default: keys and counts "
+        "only, so that a shared server's users do not read each other's prompts there)",
+    )
     EngineConfig.add_arguments(ap)
     return ap
 
@@ -156,14 +162,17 @@ def serve_main(argv=None) -> None:
     except ValueError as e:
         refuse(str(e))
     name = "tinyllm-" + resolve(args.model).name.removesuffix(".gguf")
-    served = build(engine, tok, name, args.max_waiting, defaults=defaults)
+    served = build(
+        engine, tok, name, args.max_waiting, defaults=defaults, show_prompts=args.show_prompts
+    )
     print(f"{name}: {banner(served.about, defaults)}", flush=True)
     launched = Launched(served, args.host, args.port)
     if launched.failure is not None:
         refuse(launched.failure, 1)
     print(
         f"serving {name} at http://{args.host}:{args.port}/v1 (up to {engine.max_len} "
-        f"positions a request); Ctrl-C stops",
+        f"positions a request), the engine drawn live at http://{args.host}:{args.port}/; "
+        f"Ctrl-C stops",
         flush=True,
     )
     launched.wait()
@@ -246,10 +255,11 @@ class Launched:
         await self.uv.serve()
 
     def stop(self) -> None:
-        """A graceful stop: requests in flight end, then the engine's process; an engine still
-        compiling its decode step is ended at once. A stop that takes over STOP_S says so and
-        gives up waiting (the command then exits)."""
+        """A graceful stop: requests in flight end (and the live page's streams), then the
+        engine's process; an engine still compiling its decode step is ended at once. A stop
+        that takes over STOP_S says so and gives up waiting (the command then exits)."""
         self.uv.should_exit = True
+        self.served.pages.stop()  # the live page's streams end too
         if not self.served.loop.started and self.task is not None:
             self.loop.call_soon_threadsafe(self.task.cancel)
         self.thread.join(STOP_S)

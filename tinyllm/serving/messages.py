@@ -3,8 +3,8 @@
 The HTTP side (`engine_loop.EngineLoop`) and the engine's own process
 (`engine_loop.engine_process`) speak over two ZeroMQ sockets, as vLLM's engine core and
 SGLang's scheduler speak to their front ends: one carries requests to the engine, the other its
-news back. The messages are small frozen dataclasses: `Add`, `Abort` and `Stop` go to the
-engine; `Warming` lines while its decode step compiles, `Ready`, one `StepReport` per step, a
+news back. The messages are small frozen dataclasses: `Add`, `Abort`, `Watch` and `Stop` go to
+the engine; `Warming` lines while its decode step compiles, `Ready`, one `StepReport` per step, a
 `Heartbeat` every BEAT_S and `Failed` come back.
 Each side matches on the message's type. A request is called by its key, a number the HTTP side
 gives it and both sides know; a request of n choices is n sequences, keys key, key + 1, ...,
@@ -15,6 +15,9 @@ A message crosses pickled (`dumps`), as one ZeroMQ message: ZeroMQ sends and del
 message whole, whatever its size, so a reader never sees half of one. A message to the engine
 is two frames (`to_engine`): the keys it concerns, then the message, so that an Add the engine
 cannot unpickle still fails its own request, and nothing else.
+
+A `Watch` tells the engine that pages of the server's live view are open (live.py): only then
+does a report carry a frame of the engine's state, at most every few hundred milliseconds.
 """
 
 import copyreg
@@ -49,6 +52,17 @@ class Abort:
 @dataclass(frozen=True)
 class Stop:
     """End the engine process."""
+
+
+@dataclass(frozen=True)
+class Watch:
+    """Pages of the live view are open (every_s seconds: a report carries a frame of the
+    engine's state at most that often, live.py), or none is (every_s None: the engine builds
+    no frame). texts: frames carry the token ids of each slot's prompt and answer, for a
+    server that shows them (serve --show-prompts)."""
+
+    every_s: float | None
+    texts: bool = False
 
 
 # ---- from the engine ----------------------------------------------------------------------
@@ -96,7 +110,11 @@ class StepReport:
     list or None)} for the tokens of requests that ask for them (the prompt's on a request's
     first token); speculation: the engine's speculation totals so far (SpeculationCounts, step
     11); failed: (key, why) for each choice the engine failed on (it could not read its
-    Add, or adding it raised): the engine's fault, and that request's alone."""
+    Add, or adding it raised): the engine's fault, and that request's alone; steps: the steps
+    the engine has taken so far; blocks: a paged pool's (blocks held by block tables, cached
+    blocks nobody holds), None for a cache without blocks; frames: the live frames the engine
+    has built so far, and live: this report's frame (live.py), None unless a page watches and
+    one is due."""
 
     tokens: list[tuple[int, int, str | None]]
     refused: list[tuple[int, str]]
@@ -107,6 +125,10 @@ class StepReport:
     logprobs: dict[int, tuple[TokenLogprobs | None, list | None]] = field(default_factory=dict)
     speculation: SpeculationCounts = SpeculationCounts()
     failed: list[tuple[int, str]] = field(default_factory=list)
+    steps: int = 0
+    blocks: tuple[int, int] | None = None
+    frames: int = 0
+    live: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +138,7 @@ class Failed:
     why: str
 
 
-ToEngine = Add | Abort | Stop
+ToEngine = Add | Abort | Stop | Watch
 FromEngine = Ready | Warming | Heartbeat | StepReport | Failed
 
 

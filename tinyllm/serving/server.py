@@ -5,7 +5,8 @@
 `POST /v1/completions` and `POST /v1/chat/completions` (streamed as server-sent events, or one
 JSON body), `POST /tokenize` and `POST /detokenize` (as vLLM has them), `GET /v1/models`,
 `GET /health` and `GET /metrics` (Prometheus), on FastAPI and uvicorn, as vLLM and SGLang
-serve.
+serve; and at `GET /` a page that draws the engine as it serves, fed by `GET /engine/events`
+(live.py).
 
 Two processes, as in vLLM: the engine runs in one of its own, and the HTTP side (uvicorn's event
 loop) holds it through an `EngineLoop` (engine_loop.py: the sockets, the tickets, each step's
@@ -63,6 +64,7 @@ from tinyllm.serving.api import (
     usage_of,
 )
 from tinyllm.serving.engine_loop import EngineLoop, Ticket, next_event
+from tinyllm.serving.live import MAX_PAGES, Pages, page_file
 from tinyllm.serving.logprobs import TokenTexts, vllm_prompt_logprobs
 from tinyllm.serving.responses import (
     Piece,
@@ -86,8 +88,9 @@ class Served:
     largest body it reads, in bytes, the model's vocabulary size (None: the tokenizer's), its
     tokens' texts as logprobs spell them, the grammar backend that checks a constraint before
     it goes to the engine (the engine's own, LLGuidance; None: a constraint is refused), the
-    model's sampling defaults for the fields a request leaves out (served.ModelDefaults), and
-    what the engine is made of (served.describe: /health says it)."""
+    model's sampling defaults for the fields a request leaves out (served.ModelDefaults), what
+    the engine is made of (served.describe: /health says it), and the open pages of the live
+    view (live.Pages)."""
 
     loop: EngineLoop
     tok: object
@@ -101,6 +104,7 @@ class Served:
     grammars: object = None
     defaults: ModelDefaults = NO_DEFAULTS
     about: dict = field(default_factory=dict)
+    pages: Pages | None = None
 
     def limit(self) -> tuple[int, int]:
         """(positions a request may use, characters a token stands for at most)."""
@@ -113,7 +117,8 @@ class Metrics:
     prompt and generated tokens, finished requests by finish reason, histograms of TTFT,
     inter-token latency and end-to-end latency, and with speculation (11) the guesses proposed
     and accepted (vLLM's spec_decode counters), the acceptance rate and the tokens a request
-    makes per target pass."""
+    makes per target pass; the requests answered 429, the engine's steps, a paged pool's
+    blocks held and cached, and the frames the engine built for the live page (live.py)."""
 
     def __init__(self, loop: EngineLoop):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -159,6 +164,19 @@ class Metrics:
         self.per_pass = Gauge(
             spec + "tokens_per_pass", "a request's new tokens per target pass", registry=r
         )
+        self.rejected = Counter(
+            "tinyllm_requests_rejected", "requests answered 429: too many waited", registry=r
+        )
+        self.steps = Gauge("tinyllm_engine_steps", "steps the engine has taken", registry=r)
+        self.blocks = Gauge(
+            "tinyllm_kv_blocks",
+            "a paged pool's blocks: held by block tables, or cached and held by none",
+            ["state"],
+            registry=r,
+        )
+        self.frames = Gauge(
+            "tinyllm_live_frames", "frames the engine built for the live page", registry=r
+        )
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -175,6 +193,11 @@ class Metrics:
         self.spec_seen = now
         self.acceptance.set(accepted / proposed if proposed else 0.0)
         self.per_pass.set(tokens / rows if rows else 0.0)
+        self.steps.set(self.loop.steps)
+        self.frames.set(self.loop.frames)
+        if self.loop.blocks is not None:
+            for state, n in zip(("held", "cached"), self.loop.blocks):
+                self.blocks.labels(state).set(n)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
@@ -531,6 +554,8 @@ def make_app(served: Served):
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
+        if exc.status == 429:
+            served.metrics.rejected.inc()
         return error_response(exc)
 
     @app.exception_handler(Exception)  # the server's fault: still a JSON 500
@@ -567,7 +592,37 @@ def make_app(served: Served):
     async def detokenize(http: HTTPRequest):
         return await serve_detokenize(served, http)
 
+    live_routes(app, served)
     return app
+
+
+def live_routes(app, served: Served) -> None:
+    """The live view (live.py): the page at / and /engine, its script and style, and the
+    server-sent events of the engine's frames at /engine/events (a 503 past MAX_PAGES)."""
+    from fastapi import Request as HTTPRequest
+    from fastapi.responses import Response, StreamingResponse
+
+    def page(name: str):
+        content, media_type = page_file(name)
+        return Response(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
+
+    app.get("/", include_in_schema=False)(lambda: page("index.html"))
+    app.get("/engine", include_in_schema=False)(lambda: page("index.html"))
+    app.get("/engine/page.js", include_in_schema=False)(lambda: page("page.js"))
+    app.get("/engine/page.css", include_in_schema=False)(lambda: page("page.css"))
+
+    @app.get("/engine/events", include_in_schema=False)
+    async def engine_events(http: HTTPRequest):
+        if served.pages.full():
+            raise APIError(
+                503,
+                f"{MAX_PAGES} pages watch already, the most this server feeds",
+                kind="server_error",
+            )
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(
+            served.pages.events(http), media_type="text/event-stream", headers=headers
+        )
 
 
 def build(
@@ -578,8 +633,10 @@ def build(
     max_body: int = MAX_BODY,
     silence_s: float = 5.0,
     defaults: ModelDefaults | tuple = NO_DEFAULTS,
+    show_prompts: bool = False,
 ) -> Served:
-    """What make_app serves: an engine loop around engine (not started), with its metrics; a
+    """What make_app serves: an engine loop around engine (not started), with its metrics and
+    its live view's pages (show_prompts: the page shows each slot's prompt and answer); a
     body over max_body bytes is refused, an engine not heard from for silence_s has failed; the
     sampling fields a request leaves out take the model's defaults (served.model_defaults' for
     `python -m tinyllm serve`; none by default: OpenAI's). The engine's grammar backend (its
@@ -588,7 +645,7 @@ def build(
     loop = EngineLoop(engine, max_waiting, silence_s)
     chars, vocab = longest_token_chars(tok), engine.model.cfg.vocab_size
     texts, grammars = TokenTexts(tok), engine.grammars
-    return Served(
+    served = Served(
         loop,
         tok,
         name,
@@ -602,3 +659,6 @@ def build(
         ModelDefaults(*defaults),
         describe(engine),
     )
+    served.pages = Pages(served, show_prompts)
+    loop.on_frame = served.pages.publish
+    return served

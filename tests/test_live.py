@@ -1,0 +1,280 @@
+"""Step 10 - the server's live page: a server with no page open builds no frame; a page's frames
+show the slots and blocks that /metrics shows at the same step; many pages at once each get
+every frame, and one that closes leaves the others be; the stream carries no prompt or answer
+text unless the server was started to show them; a page reconnects to a restarted server."""
+
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.test_server import NAME, Running
+from tinyllm.build import make_engine
+from tinyllm.core.config import EngineConfig
+from tinyllm.core.continuous import ContinuousEngine
+from tinyllm.serving import live
+from tinyllm.serving.loadgen import run, run_load
+
+STEMS = ["Ham.\nTo be, or not to be, that is the question:\n", "Rom.\nBut soft, what light\n"]
+PROMPTS = [stem + tail for stem in STEMS for tail in ("Whether", "Through", "It is", "Arise")]
+
+
+def paged_engine(model, kind=None):
+    """8 slots over a paged pool of blocks of 8 with a prefix cache (blocks held, shared and
+    cached all show), as make_engine makes it, or as an engine of class kind of its parts."""
+    engine = make_engine(model, EngineConfig(8, kv="paged", block_size=8, prefix_cache=True))
+    if kind is None:
+        return engine
+    parts = dict(cache=engine.cache, decoder=engine.decoder, planner=engine.scheduler.planner)
+    return kind(model, engine.config, **parts)
+
+
+class SteadyEngine(ContinuousEngine):
+    """The continuous engine, STEADY_S a step at least: /metrics, asked as a frame comes, is
+    mostly still at the frame's step (the engine process imports this module to unpickle it)."""
+
+    def step(self):
+        time.sleep(STEADY_S)
+        return super().step()
+
+
+STEADY_S = 0.05
+
+
+@pytest.fixture(scope="module")
+def server(bundled):
+    model, tok = bundled
+    srv = Running(paged_engine(model), tok)
+    yield srv
+    srv.stop()
+
+
+class Page:
+    """An SSE client of /engine/events in a thread of its own, as a page's EventSource holds
+    one: the raw text it got, its events as (name, data), the stream's retry field;
+    on_frame(data) hears each frame as it comes."""
+
+    def __init__(self, base: str, on_frame=None):
+        self.url, self.on_frame = f"{base}/engine/events", on_frame
+        self.raw, self.events, self.retry = [], [], None
+        self.opened, self.ended = threading.Event(), threading.Event()
+        self.response = None
+        self.thread = threading.Thread(target=self.read, daemon=True)
+        self.thread.start()
+        assert self.opened.wait(10), "the page's stream did not open"
+
+    def read(self) -> None:
+        import json
+
+        try:
+            with httpx.Client(timeout=30) as client, client.stream("GET", self.url) as r:
+                self.response, name = r, "message"
+                self.opened.set()
+                for line in r.iter_lines():
+                    self.raw.append(line)
+                    if line.startswith("retry:"):
+                        self.retry = int(line[6:])
+                    elif line.startswith("event:"):
+                        name = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data = json.loads(line[5:])
+                        self.events.append((name, data))
+                        if name == "frame" and self.on_frame is not None:
+                            self.on_frame(data)
+        except (httpx.HTTPError, RuntimeError):
+            pass  # closed by close(), or the server went away
+        finally:
+            self.opened.set()
+            self.ended.set()
+
+    def frames(self) -> list[dict]:
+        return [data for name, data in self.events if name == "frame"]
+
+    def close(self) -> None:
+        if self.response is not None:
+            self.response.close()
+        self.ended.wait(5)
+
+
+def load(srv, prompts=PROMPTS, max_tokens=24) -> list:
+    """The course's load generator sends every prompt at once, greedy, each to max_tokens;
+    returns its records."""
+    records, _ = run(run_load(srv.url, [(p, max_tokens) for p in prompts], ignore_eos=True))
+    assert all(r.error is None for r in records), [r.error for r in records]
+    return records
+
+
+def metrics(srv) -> dict:
+    """/metrics as {sample: value}, the samples this file reads."""
+    text = httpx.get(f"http://127.0.0.1:{srv.port}/metrics").text
+    return {k: float(v) for k, v in re.findall(r"^(tinyllm_\S+) (\S+)$", text, re.M)}
+
+
+def wait_for(condition, timeout=10.0) -> bool:
+    t0 = time.time()
+    while not condition() and time.time() - t0 < timeout:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_a_server_with_no_page_open_builds_no_frame(server):
+    """With no page open, the engine steps and reports, and builds no frame: its count of
+    frames stays as it was (0 on a fresh server), in its reports and in /metrics."""
+    assert wait_for(lambda: not server.served.pages.queues)
+    before = server.served.loop.frames
+    steps = server.served.loop.steps
+    load(server)
+    assert server.served.loop.steps > steps
+    assert server.served.loop.frames == before, "a frame was built with no page open"
+    assert metrics(server)["tinyllm_live_frames"] == before
+
+
+def test_a_frame_shows_the_slots_and_blocks_metrics_show_at_its_step(bundled):
+    """While the load generator runs, each frame's busy slots and held and cached blocks equal
+    /metrics' running requests and blocks whenever /metrics reports the frame's step (fetched
+    as the frame comes, from an engine of STEADY_S a step); a frame's blocks agree with its
+    slots' block tables."""
+    model, tok = bundled
+    server, pairs = Running(paged_engine(model, SteadyEngine), tok), []
+    page = Page(f"http://127.0.0.1:{server.port}", lambda f: pairs.append((f, metrics(server))))
+    try:
+        load(server, PROMPTS, 20)
+        wait_for(lambda: server.served.loop.request_counts() == (0, 0))
+        time.sleep(0.3)
+    finally:
+        page.close()
+        server.stop()
+    same = [(f, m) for f, m in pairs if m["tinyllm_engine_steps"] == f["steps"]]
+    busy = [(f, m) for f, m in same if any(f["slots"])]
+    assert len(busy) >= 3, f"{len(busy)} frames of a busy engine met /metrics at their step"
+    for f, m in same:
+        slots = sum(s is not None for s in f["slots"])
+        held, cached = sum(b > 0 for b in f["blocks"]), sum(b < 0 for b in f["blocks"])
+        at = f"at step {f['steps']}"
+        assert slots == m["tinyllm_requests_running"], (at, slots, m)
+        assert held == m['tinyllm_kv_blocks{state="held"}'], (at, held, m)
+        assert cached == m['tinyllm_kv_blocks{state="cached"}'], (at, cached, m)
+        tables = [b for s in f["slots"] if s is not None for b in s["table"]]
+        assert sorted(set(tables)) == [b for b, n in enumerate(f["blocks"]) if n > 0], at
+    assert any(f["step"] and f["step"]["chunk"] for f, _ in pairs), "no prefill chunk drawn"
+    assert any(f["step"] and f["step"]["decode"] for f, _ in pairs), "no decode drawn"
+    assert any(b > 1 for f, _ in pairs for b in f["blocks"]), "no shared block drawn"
+    assert not any(pairs[-1][0]["slots"]), "the idle engine's frame still shows a busy slot"
+
+
+def test_eight_pages_at_once_each_get_frames_and_one_closing_disturbs_none(server):
+    """8 pages open at once each get the frames of a run; one closes, and the 7 others get the
+    next run's; once all close, the engine builds no more frames."""
+    pages = [Page(f"http://127.0.0.1:{server.port}") for _ in range(8)]
+    try:
+        assert wait_for(lambda: len(server.served.pages.queues) == 8)
+        load(server)
+        assert all(len(p.frames()) >= 2 for p in pages), [len(p.frames()) for p in pages]
+        pages[0].close()
+        assert wait_for(lambda: len(server.served.pages.queues) == 7)
+        seen = [len(p.frames()) for p in pages]
+        load(server)
+        assert wait_for(lambda: all(len(p.frames()) > n for p, n in zip(pages[1:], seen[1:])))
+        assert len(pages[0].frames()) == seen[0], "a closed page got frames"
+    finally:
+        for p in pages:
+            p.close()
+    assert wait_for(lambda: not server.served.pages.queues), "a closed page's queue stayed"
+    time.sleep(0.2)  # the engine reads the Watch(None)
+    frames = server.served.loop.frames
+    load(server)
+    assert server.served.loop.frames == frames, "frames were built after every page closed"
+
+
+MARKER = "Quixotry of Zanzibar"
+
+
+def raw_stream_of_a_request(srv) -> tuple[str, str, list[dict]]:
+    """The raw text a page got while a prompt holding MARKER was answered, the answer's text,
+    and the page's frames."""
+    page = Page(f"http://127.0.0.1:{srv.port}")
+    body = {"model": NAME, "prompt": f"{MARKER}.\n", "max_tokens": 48, "temperature": 0}
+    try:
+        answer = httpx.post(f"{srv.url}/completions", json=body | {"ignore_eos": True}).json()
+        time.sleep(0.3)
+    finally:
+        page.close()
+    return "\n".join(page.raw), answer["choices"][0]["text"], page.frames()
+
+
+def test_the_stream_carries_no_prompt_or_answer_text_by_default(server):
+    """A prompt with a marker is answered while a page watches: neither the marker nor any
+    piece of the answer is in the page's stream, which names requests by key."""
+    raw, answer, frames = raw_stream_of_a_request(server)
+    assert MARKER not in raw and MARKER.lower() not in raw.lower()
+    words = [w for w in answer.split() if len(w) > 3]
+    assert words and not any(w in raw for w in words), [w for w in words if w in raw]
+    assert any(s for f in frames for s in f["slots"]), "no frame showed the request"
+    assert not any("texts" in f for f in frames)
+
+
+def test_the_stream_carries_prompts_and_answers_when_the_server_shows_them(bundled):
+    """A server started to show prompts (serve --show-prompts) sends each slot's prompt and
+    its answer so far as text: the marker, and a beginning of the answer."""
+    model, tok = bundled
+    srv = Running(paged_engine(model), tok, show_prompts=True)
+    try:
+        raw, answer, frames = raw_stream_of_a_request(srv)
+    finally:
+        srv.stop()
+    assert MARKER in raw
+    texts = [t for f in frames for t in f.get("texts", {}).values()]
+    assert any(MARKER in prompt for prompt, _ in texts), texts
+    said = [a for _, a in texts if a]
+    assert said and all(answer.startswith(a) for a in said), (said, answer)
+
+
+def test_a_page_reconnects_to_a_server_restarted_on_its_port(bundled):
+    """The stream tells the page to retry within RETRY_MS; the server stops (the stream ends),
+    a new one starts on the same port, and the page, retrying, gets its hello and frames."""
+    model, tok = bundled
+    first = Running(paged_engine(model), tok)
+    page = Page(f"http://127.0.0.1:{first.port}")
+    assert wait_for(lambda: any(n == "hello" for n, _ in page.events))
+    assert page.retry == live.RETRY_MS
+    first.stop()
+    assert page.ended.wait(10), "the stream outlived its server"
+    second = Running(paged_engine(model), tok, port=first.port)
+    try:
+        for _ in range(20):  # as EventSource does: wait retry ms, open again
+            time.sleep(page.retry / 1000)
+            again = Page(f"http://127.0.0.1:{first.port}")
+            if again.response is not None:
+                break
+        assert again.response is not None, "the restarted server's stream did not open"
+        assert wait_for(lambda: len(again.frames()) >= 1)
+        load(second, PROMPTS[:2])
+        assert wait_for(lambda: again.frames()[-1]["steps"] > 0)
+        again.close()
+    finally:
+        second.stop()
+
+
+def test_a_page_past_the_most_gets_a_503_and_the_page_files_are_served(server, monkeypatch):
+    """The page and its script and style are served (no address of elsewhere in them); past
+    MAX_PAGES a new stream is refused with a 503, and the pages open go on."""
+    base = f"http://127.0.0.1:{server.port}"
+    for path, kind in [("/", "text/html"), ("/engine", "text/html")]:
+        r = httpx.get(base + path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith(kind)
+    for name in live.PAGE_TYPES:
+        text = live.page_file(name)[0].decode()
+        assert "http://" not in text and "https://" not in text, name
+        assert httpx.get(f"{base}/engine/{name}").status_code == 200 or name == "index.html"
+    monkeypatch.setattr(live, "MAX_PAGES", 1)
+    page = Page(base)
+    try:
+        assert wait_for(lambda: len(server.served.pages.queues) == 1)
+        r = httpx.get(f"{base}/engine/events")
+        assert r.status_code == 503, r.text
+        load(server, PROMPTS[:2])
+        assert wait_for(lambda: len(page.frames()) >= 2)
+    finally:
+        page.close()
