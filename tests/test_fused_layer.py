@@ -243,6 +243,29 @@ def test_a_quantized_engine_gives_each_request_what_it_gets_alone(weights, monke
     assert spy.calls and max(spy.calls) == 3, "the steps of 3 rows run decode_layer_q"
 
 
+COPYING = [Request([7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], 14, eos_id=None),  # guesses that stand
+           Request([3, 5, 3, 5, 3], 10, eos_id=None), Request([1, 2, 3, 4], 12, eos_id=None)]
+
+
+@pytest.mark.parametrize("weights", ["float64", "int4"])
+def test_speculation_verifies_its_guesses_in_the_fused_layers(weights, monkeypatch):
+    """The verify pass of a fused engine runs decode_layer with a query row per token (the
+    rows' last tokens and their guesses: more rows than slots), and gives every request its
+    tokens without speculation: its solo tokens in float64; in float32 with int4 weights the
+    fused engine's own (each token's arithmetic is the same in a verify row as in a decode
+    row, bit for bit)."""
+    model = MODEL if weights == "float64" else quantize(copy.deepcopy(MODEL).float(), "int4")
+    name = "decode_layer" if weights == "float64" else "decode_layer_q"
+    plain = [solo(MODEL, r).tokens for r in COPYING] if weights == "float64" else \
+        serve(model, COPYING, 2)[0]
+    spy = Spy(name)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
+    got, eng = serve(model, COPYING, 2, kv="paged", block_size=4, speculate="ngram",
+                     spec_tokens=3)
+    assert got == plain
+    assert eng.stats.spec_accepted > 0 and max(spy.calls) > 2, spy.calls
+
+
 def test_a_step_of_more_rows_than_the_c_loops_take_runs_the_model(monkeypatch):
     """18 slots decoding at once: the steps of 17 and 18 rows are the model's own (the
     library's products), the smaller ones decode_layer's; every request still gets its solo

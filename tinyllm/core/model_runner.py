@@ -58,14 +58,19 @@ class ModelRunner:
 
     def verify(self, seqs: list[Sequence], inputs: list[list[int]]) -> Tensor:
         """Speculation's target pass (11): each sequence's last token and its guesses (inputs,
-        1 or more a row) in one ragged batch -> every position's logits (B, T, V)."""
+        1 or more a row) in one ragged batch -> every position's logits (B, T, V). A decode
+        step that offers `verify(idx, q_lens, cache)` computes it where it can (13: the fused
+        layers), returning None where the model is to."""
         q_lens = [len(t) for t in inputs]
         T = max(q_lens)
         idx = torch.tensor([t + [0] * (T - len(t)) for t in inputs], device=self.device)
         t0 = time.perf_counter()
         self.cache.plan_step([s.slot for s in seqs], q_lens)
+        verify = getattr(self.decode_step, "verify", None)
         with autocast_for(self.device):
-            logits, _ = self.model(idx, cache=self.cache)               # (B, T, V)
+            logits = None if verify is None else verify(idx, q_lens, self.cache)
+            if logits is None:
+                logits, _ = self.model(idx, cache=self.cache)           # (B, T, V)
         sync_device(self.device)
         self.stats.forward_s += time.perf_counter() - t0
         return logits

@@ -76,8 +76,9 @@ def kernel_rows(cache, layer: int, x: Tensor, tokens: Tensor | None = None) -> t
     """decode_attention's arguments of the cache where they lie for this step: the layer's
     keys and values, write (D, n_kv), read (D, W), the head stride and the additive mask (D, W),
     for the step's query rows (a decode step's rows, or a packed step's `tokens`, D of its N,
-    each with its row's keys and its own column of the mask: causal, so a token sees its row's
-    new tokens up to itself, which the kernel writes before it attends). None where the kernel
+    or every token of a step of T tokens a row without padding: each with its row's keys and
+    its own column of the mask, causal, so a token sees its row's new tokens up to itself,
+    which the kernel writes before it attends). None where the kernel
     cannot run: a cache without a layout, x not on a CPU in float32 or float64, keys of
     another dtype, or no kernels built. Made at the step's first layer, kept in cache.memo."""
     if (not hasattr(cache, "layout") or x.device.type != "cpu"
@@ -93,6 +94,8 @@ def kernel_rows(cache, layer: int, x: Tensor, tokens: Tensor | None = None) -> t
             cols = packing.places[tokens]                                     # (D,) of B * T
             rows = torch.div(cols, packing.T, rounding_mode="floor")
             write, read, bool_mask = write[tokens], read[rows], bool_mask[cols]
+        elif bool_mask.size(0) > read.size(0):      # T > 1 tokens a row, none padded: each a row
+            read = read.repeat_interleave(bool_mask.size(0) // read.size(0), 0)   # (B * T, W)
         cache.memo["c-attention"] = (write, read, stride, additive(bool_mask, mask.dtype))
     return (keys, values, *cache.memo["c-attention"])
 

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from tinyllm.core.model import Transformer
 from tinyllm.ext import cpu_kernels
-from tinyllm.ext.cpu_attention import kernel_rows
+from tinyllm.ext.cpu_attention import QUERY_ROWS, kernel_rows
 from tinyllm.ext.quant import FUSED_ROWS, QuantLinear
 
 
@@ -122,19 +122,53 @@ class FusedDecoder:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["model"])
 
+    def computes(self, rows: int, cache) -> bool:
+        """Whether decode_layer computes a step of `rows` query rows on this cache: at most
+        FUSED_ROWS of them, a cache with a layout, in the weights' dtype (float32 where the
+        products are quantized)."""
+        dtype = self.model.embed_tokens.weight.dtype
+        return (rows <= FUSED_ROWS and hasattr(cache, "layout") and cache.k[0].dtype == dtype
+                and (dtype == torch.float32 or not self.quantized))
+
     @torch.no_grad()
     def __call__(self, idx: Tensor, cache) -> tuple[Tensor, None]:
         m, (B, T) = self.model, idx.shape
-        if (T != 1 or B > FUSED_ROWS or not hasattr(cache, "layout")
-                or cache.k[0].dtype != m.embed_tokens.weight.dtype):
+        if T != 1 or not self.computes(B, cache):
             return m(idx, cache=cache)                                  # the library's GEMMs
-        if self.quantized and cache.k[0].dtype != torch.float32:
-            return m(idx, cache=cache)                       # float64: the model's products
-        layer = cpu_kernels.decode_layer_q if self.quantized else cpu_kernels.decode_layer
         cos, sin = m.rope(cache.begin_step(1))                          # (B or 1, 1, 1, hd)
-        x = m.embed_tokens(idx).view(B, -1)                             # (B, d)
-        for i, w in enumerate(self.weights):                            # x (B, d) a layer
-            w = w if self.quantized else (w,)
-            x = layer(x, *w, cos, sin, *kernel_rows(cache, i, x), m.cfg.n_heads, m.cfg.norm_eps)
+        x = self.layers(m.embed_tokens(idx).view(B, -1), cos, sin, cache)      # (B, d)
         cache.end_step()
         return m.compute_logits(x).view(B, 1, -1), None                 # (B, 1, V)
+
+    @torch.no_grad()
+    def verify(self, idx: Tensor, q_lens: list[int], cache) -> Tensor | None:
+        """Speculation's target pass (11) on the cache's planned ragged step, row b's q_lens[b]
+        tokens of idx (B, T): each of the N new tokens a query row of decode_layer, which
+        writes every row's key before any attends, so a guess sees the guesses before it ->
+        logits (B, T, V) (a padded column's are zeros); None (nothing done) where the step
+        is more rows than decode_layer takes, and the model computes it."""
+        m, (B, T), N = self.model, idx.shape, sum(q_lens)
+        if not self.computes(N, cache) or max(q_lens) > QUERY_ROWS:
+            return None
+        positions = cache.begin_step(T)                                 # (B, T)
+        cols = (torch.arange(N, device=idx.device) if cache.packing is None
+                else cache.packing.places)                              # (N,) of B * T
+        cos, sin = m.rope(positions.reshape(1, -1)[:, cols])            # (1, 1, N, hd) each
+        x = m.embed_tokens(idx.reshape(-1)[cols])                       # (N, d)
+        x = self.layers(x, cos, sin, cache, torch.arange(N))
+        cache.end_step()
+        new = m.compute_logits(x)                                       # (N, V)
+        logits = new.new_zeros(B * T, new.size(-1))
+        logits[cols] = new
+        return logits.view(B, T, -1)                                    # (B, T, V)
+
+    def layers(self, x: Tensor, cos: Tensor, sin: Tensor, cache, tokens=None) -> Tensor:
+        """x (M, d), the step's query rows (its decode rows, or `tokens`: kernel_rows'), through
+        every layer, one C call each -> (M, d)."""
+        m = self.model
+        layer = cpu_kernels.decode_layer_q if self.quantized else cpu_kernels.decode_layer
+        for i, w in enumerate(self.weights):                            # x (M, d) a layer
+            w = w if self.quantized else (w,)
+            rows = kernel_rows(cache, i, x, tokens)
+            x = layer(x, *w, cos, sin, *rows, m.cfg.n_heads, m.cfg.norm_eps)
+        return x
