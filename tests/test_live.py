@@ -278,3 +278,74 @@ def test_a_page_past_the_most_gets_a_503_and_the_page_files_are_served(server, m
         assert wait_for(lambda: len(page.frames()) >= 2)
     finally:
         page.close()
+
+
+def test_the_sampler_builds_frames_only_while_watched_and_names_each_phase(bundled):
+    """In the engine's process: unwatched, no step is sampled and no frame built; watched, a
+    frame a step (every_s 0) with each slot's phase (a prompt computed in chunks of the token
+    budget, then decodes) and the sampled step's tokens by kind; a slot cache has no pool to
+    draw; the engine's own trace is given back after each sampled step."""
+    from tinyllm.core.requests import Request
+    from tinyllm.serving.messages import Watch
+
+    model, tok = bundled
+    engine = make_engine(model, EngineConfig(2, max_step_tokens=8))
+    sampler, frames = live.Sampler(), []
+    rid = engine.add_request(Request(tok.encode(PROMPTS[0]), 3))
+    key_of = {rid: 7}
+    for steps in range(1, 30):
+        if steps == 2:
+            sampler.watch(Watch(0.0))
+        sampler.before_step(engine)
+        if steps == 1:
+            assert engine.trace is None, "a step was sampled with no page watching"
+        engine.step()
+        frame = sampler.after_step(engine, key_of, steps)
+        assert engine.trace is None, "the engine's trace was not given back"
+        if steps == 1:
+            assert frame is None
+        elif frame is not None:
+            frames.append(frame)
+        if not engine.has_work():
+            break
+    assert sampler.frames == len(frames) == steps - 1
+    assert all(f["blocks"] is None for f in frames)
+    n = len(tok.encode(PROMPTS[0]))
+    chunks = [f["step"]["chunk"] for f in frames if f["step"]["chunk"]]
+    assert all(c == 8 for c in chunks[:-1]) and 0 < chunks[-1] <= 8, chunks
+    assert 8 + sum(chunks) == n, "the unwatched first chunk and the drawn ones make the prompt"
+    phases = [f["slots"][0]["phase"] for f in frames if f["slots"][0]]
+    assert phases[0] == "prefill" and phases[-1] == "decode", phases
+    assert frames[0]["slots"][0]["key"] == 7 and frames[0]["slots"][0]["did"] == 8
+    assert frames[-1]["slots"] == [None, None] and frames[-1]["step"]["decode"] == 1
+    sampler.watch(Watch(None))
+    engine.add_request(Request(tok.encode(PROMPTS[1]), 2))
+    while engine.has_work():
+        sampler.before_step(engine)
+        assert engine.trace is None
+        engine.step()
+        assert sampler.after_step(engine, key_of, steps) is None
+
+
+def test_loadgen_watchers_hold_pages_open_during_the_run(server):
+    """`loadgen --watchers 2` holds two pages of the live view open while it sends, and closes
+    them after."""
+    most = []
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            most.append(len(server.served.pages.queues))
+            time.sleep(0.01)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        prompts = [(p, 16) for p in PROMPTS]
+        records, _ = run(run_load(server.url, prompts, ignore_eos=True, watchers=2))
+    finally:
+        stop.set()
+        counter.join()
+    assert all(r.error is None for r in records)
+    assert max(most) == 2, max(most)
+    assert wait_for(lambda: not server.served.pages.queues)

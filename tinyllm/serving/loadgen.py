@@ -14,7 +14,8 @@ Per request it records the time of every streamed chunk, and reports what vLLM's
 reports: request throughput, output tokens per second, and at p50 / p90 / p99 the time to first
 token (TTFT), the time per output token after the first (TPOT), the gaps between chunks (ITL)
 and end-to-end latency; goodput is the rate of requests that met the SLO (--slo-ttft-ms,
---slo-tpot-ms).
+--slo-tpot-ms). Against tinyllm's server, --watchers N holds N pages of its live view open
+meanwhile (live.py), to measure what watching costs.
 
 Seam: `percentile` (exercise 10).
 """
@@ -161,10 +162,12 @@ async def run_load(
     model: str | None = None,
     seed: int = 0,
     ignore_eos: bool = False,
+    watchers: int = 0,
 ) -> tuple[list[Record], float]:
     """Send every (prompt, max_tokens): at Poisson arrivals of `rate` a second (None: all at
     once), or from `concurrency` clients each waiting for its last answer; with ignore_eos,
-    each runs to its max_tokens. Returns the records and the run's duration in seconds."""
+    each runs to its max_tokens; with watchers, that many pages of tinyllm's live view stay
+    open meanwhile (`watch`). Returns the records and the run's duration in seconds."""
     import httpx
 
     url = url.rstrip("/")
@@ -172,31 +175,50 @@ async def run_load(
     async with httpx.AsyncClient(limits=limits, timeout=600) as client:
         if model is None:
             model = (await client.get(f"{url}/models")).json()["data"][0]["id"]
-        rng = random.Random(seed)
-        records = [Record(0.0) for _ in prompts]
-        t0 = time.perf_counter()
+        pages = [asyncio.ensure_future(watch(client, url)) for _ in range(watchers)]
+        try:
+            return await send_all(client, url, model, prompts, rate, concurrency, seed, ignore_eos)
+        finally:
+            for page in pages:
+                page.cancel()
+            await asyncio.gather(*pages, return_exceptions=True)
 
-        async def send(i: int) -> None:
-            records[i].sent = time.perf_counter()
-            await one_request(client, url, model, *prompts[i], records[i], ignore_eos)
 
-        if concurrency:
-            nxt = iter(range(len(prompts)))
+async def watch(client, url: str) -> None:
+    """One page of tinyllm's live view (GET /engine/events beside url's /v1), its events read
+    and dropped, until cancelled: what an open page costs the server."""
+    async with client.stream("GET", url.removesuffix("/v1") + "/engine/events") as resp:
+        async for _ in resp.aiter_raw():
+            pass
 
-            async def worker():
-                for i in nxt:
-                    await send(i)
 
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-        else:
-            tasks, t = [], 0.0
-            for i in range(len(prompts)):
-                if rate:
-                    t += rng.expovariate(rate)
-                    await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
-                tasks.append(asyncio.ensure_future(send(i)))
-            await asyncio.gather(*tasks)
-        return records, time.perf_counter() - t0
+async def send_all(client, url, model, prompts, rate, concurrency, seed, ignore_eos):
+    """run_load's requests, sent as it says: the records and the duration."""
+    rng = random.Random(seed)
+    records = [Record(0.0) for _ in prompts]
+    t0 = time.perf_counter()
+
+    async def send(i: int) -> None:
+        records[i].sent = time.perf_counter()
+        await one_request(client, url, model, *prompts[i], records[i], ignore_eos)
+
+    if concurrency:
+        nxt = iter(range(len(prompts)))
+
+        async def worker():
+            for i in nxt:
+                await send(i)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    else:
+        tasks, t = [], 0.0
+        for i in range(len(prompts)):
+            if rate:
+                t += rng.expovariate(rate)
+                await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
+            tasks.append(asyncio.ensure_future(send(i)))
+        await asyncio.gather(*tasks)
+    return records, time.perf_counter() - t0
 
 
 def prompts_of(workload: str, n: int, seed: int = 0) -> list[tuple[str, int]]:
@@ -284,6 +306,14 @@ def parser() -> argparse.ArgumentParser:
         help="every request runs to its max_tokens (vLLM's ignore_eos, as `vllm bench serve "
         "--ignore-eos` and guidellm send it)",
     )
+    ap.add_argument(
+        "--watchers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="hold N pages of tinyllm's live view open during each run (GET /engine/events): "
+        "what watching the engine costs its server (default: 0)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     return ap
@@ -306,7 +336,14 @@ def main(argv=None) -> None:
         )
         records, duration = run(
             run_load(
-                args.url, prompts, rate, args.concurrency, args.model, args.seed, args.ignore_eos
+                args.url,
+                prompts,
+                rate,
+                args.concurrency,
+                args.model,
+                args.seed,
+                args.ignore_eos,
+                args.watchers,
             )
         )
         runs[name] = summarize(records, duration, args.slo_ttft_ms, args.slo_tpot_ms)

@@ -67,7 +67,10 @@ function onHello(hello) {
   root.dataset.slots = kv.slots;
   root.dataset.blocks = kv.kind === "paged" ? kv.blocks : 0;
   makeSlotRows(kv.slots);
-  $("pool-note").textContent = kv.kind === "paged" ? "" :
+  const paged = kv.kind === "paged";
+  $("pool-title").textContent = paged ? "Paged pool" : "KV cache: slots";
+  $("pool-legend").hidden = $("pool").hidden = !paged;
+  $("pool-note").textContent = paged ? "" :
     "This server's KV cache is slots (step 04): each slot reserves its positions up front, so " +
     "there is no pool of blocks to draw. Serve with --kv paged to see one.";
 }
