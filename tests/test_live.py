@@ -257,6 +257,23 @@ def test_a_page_reconnects_to_a_server_restarted_on_its_port(bundled):
         second.stop()
 
 
+def test_a_page_hears_that_the_engine_failed(bundled):
+    """The engine's process dies while a page watches: the page's next beat says the engine
+    failed, and why."""
+    model, tok = bundled
+    srv = Running(paged_engine(model), tok)
+    page = Page(f"http://127.0.0.1:{srv.port}")
+    try:
+        assert wait_for(lambda: any(n == "beat" for n, _ in page.events))
+        srv.served.loop.engine.process.kill()
+        failed = lambda: [d for n, d in page.events if n == "beat" and d["engine"] == "failed"]
+        assert wait_for(failed), page.events[-3:]
+        assert "process ended" in failed()[0]["why"], failed()[0]
+    finally:
+        page.close()
+        srv.stop()
+
+
 def test_a_page_past_the_most_gets_a_503_and_the_page_files_are_served(server, monkeypatch):
     """The page and its script and style are served (no address of elsewhere in them); past
     MAX_PAGES a new stream is refused with a 503, and the pages open go on."""
@@ -284,7 +301,8 @@ def test_the_sampler_builds_frames_only_while_watched_and_names_each_phase(bundl
     """In the engine's process: unwatched, no step is sampled and no frame built; watched, a
     frame a step (every_s 0) with each slot's phase (a prompt computed in chunks of the token
     budget, then decodes) and the sampled step's tokens by kind; a slot cache has no pool to
-    draw; the engine's own trace is given back after each sampled step."""
+    draw; the engine's own trace is given back after each sampled step; an idle engine is
+    drawn once, and the step that wakes it at once."""
     from tinyllm.core.requests import Request
     from tinyllm.serving.messages import Watch
 
@@ -318,6 +336,14 @@ def test_the_sampler_builds_frames_only_while_watched_and_names_each_phase(bundl
     assert phases[0] == "prefill" and phases[-1] == "decode", phases
     assert frames[0]["slots"][0]["key"] == 7 and frames[0]["slots"][0]["did"] == 8
     assert frames[-1]["slots"] == [None, None] and frames[-1]["step"]["decode"] == 1
+    sampler.watch(Watch(60.0))  # a frame a minute: the idle engine, then the step that wakes it
+    assert sampler.after_step(engine, key_of, steps)["slots"] == [None, None]
+    assert sampler.after_step(engine, key_of, steps) is None, "the idle engine drawn twice"
+    engine.add_request(Request(tok.encode(PROMPTS[1]), 4))
+    for drawn in (True, False):
+        sampler.before_step(engine)
+        engine.step()
+        assert (sampler.after_step(engine, key_of, steps) is not None) == drawn
     sampler.watch(Watch(None))
     engine.add_request(Request(tok.encode(PROMPTS[1]), 2))
     while engine.has_work():
@@ -349,3 +375,18 @@ def test_loadgen_watchers_hold_pages_open_during_the_run(server):
     assert all(r.error is None for r in records)
     assert max(most) == 2, max(most)
     assert wait_for(lambda: not server.served.pages.queues)
+
+
+def test_the_counters_percentiles_read_histogram_buckets_as_prometheus_does():
+    """p50/p90/p99 from bucket counts, as Prometheus' histogram_quantile: linear within the
+    bucket the rank falls in (from 0 in the first), the last finite bound past it."""
+    inf = float("inf")
+    bounds, cumulative = [0.01, 0.05, 0.1, inf], [2.0, 6.0, 8.0, 10.0]
+    assert live.quantile(bounds, cumulative, 0.1) == pytest.approx(0.01 * 1 / 2)
+    assert live.quantile(bounds, cumulative, 0.5) == pytest.approx(0.01 + 0.04 * 3 / 4)
+    assert live.quantile(bounds, cumulative, 0.99) == 0.1  # in the +Inf bucket
+    name = "h_bucket"
+    now = {(name, le): c for le, c in zip(bounds, cumulative)}
+    then = {(name, le): 1.0 for le in bounds}  # one observation under 10 ms before the window
+    assert live.percentiles(now, then, "h")[0] == pytest.approx(1e3 * (0.01 + 0.04 * 3.5 / 4))
+    assert live.percentiles(then, then, "h") is None

@@ -10,10 +10,11 @@ process builds from its own state, read only.
 The engine pays nothing for a page nobody opened. While no page is open, the engine builds no
 frame: the HTTP side tells it with a `Watch` message when the first page opens and when the last
 closes. While pages watch, the engine's `Sampler` builds one frame at most every EVERY_S seconds
-(a person follows no faster), and one more when the engine goes idle, so that an idle engine is
-drawn as it is. A frame is small: a dict of numbers and lists (`frame`), ready for JSON, riding
-on that step's report. The step it samples lends the engine a `StepPlan` through its trace seam
-(the continuous engine's `trace`, step 04), which hears the tokens each slot computes.
+(a person follows no faster), one more when the engine goes idle, so that an idle engine is
+drawn as it is, and one of the step that wakes it. A frame is small: a dict of numbers and
+lists (`frame`), ready for JSON, riding on that step's report. The step it samples lends the
+engine a `StepPlan` through its trace seam (the continuous engine's `trace`, step 04), which
+hears the tokens each slot computes.
 
 On the HTTP side, `Pages` fans each frame out to every open page, each a bounded asyncio queue:
 a slow page drops its oldest frames and never holds up the engine or the other pages. It adds
@@ -52,11 +53,12 @@ class StepPlan:
         self.engine, self.computed, self.decodes = engine, [], set()
         st = engine.stats
         self.spec = (st.spec_proposed, st.spec_accepted)
-        self.t0 = time.perf_counter()
+        self.t0 = self.t1 = time.perf_counter()  # the step's start and end
 
     def record(self, holders, kv_used, kv_alloc=None, computed=None) -> None:
         """The engine's trace call, after its step's plan: computed[slot] tokens each slot
-        computes (0: none). A slot computing one token after it has made some decodes."""
+        computes (0: none). A slot that computes one token, with tokens made and no more of
+        its context left, decodes; any other computes a prefill chunk."""
         running = self.engine.scheduler.running
         self.computed = list(computed or [])
         self.decodes = {
@@ -76,15 +78,16 @@ class StepPlan:
             "decode": len(self.decodes),
             "guesses": st.spec_proposed - proposed,
             "kept": st.spec_accepted - accepted,
-            "ms": round(1e3 * (time.perf_counter() - self.t0), 2),
+            "ms": round(1e3 * (self.t1 - self.t0), 2),
         }
 
 
 class Sampler:
     """The engine process's half of the live view: whether pages watch (`watch`, from the HTTP
-    side's Watch messages), and the frames of its state, one at most every every_s seconds and
-    one as the engine goes idle. `before_step` lends the engine a StepPlan for a step whose
-    frame is due; `after_step` builds the frame. Nothing is built while nobody watches."""
+    side's Watch messages), and the frames of its state, one at most every every_s seconds,
+    one as the engine goes idle and one of the first step after. `before_step` lends the
+    engine a StepPlan for a step whose frame is due; `after_step` builds the frame. Nothing is
+    built while nobody watches."""
 
     def __init__(self):
         self.every_s, self.texts = None, False
@@ -108,17 +111,18 @@ class Sampler:
 
     def after_step(self, engine, key_of: dict[int, int], steps: int) -> dict | None:
         """The frame of the engine's state after a sampled step, or after a turn that left the
-        engine idle when one is due or the idle engine is not drawn yet; else None (a frame
-        that falls due during a step waits for the next step, which is sampled)."""
+        engine idle when the idle engine is not drawn yet; else None (a frame that falls due
+        during a step waits for the next step, which is sampled). The first step after an idle
+        frame is sampled: a page sees each burst of work begin."""
         plan, self.plan = self.plan, None
         if plan is not None:
-            engine.trace = self.lent
+            engine.trace, plan.t1 = self.lent, time.perf_counter()
         idle = not engine.has_work()
-        if self.every_s is None:
-            return None
-        if plan is None and not (idle and (self.due() or not self.idle_drawn)):
+        if self.every_s is None or (plan is None and not (idle and not self.idle_drawn)):
             return None
         self.last, self.idle_drawn, self.frames = time.monotonic(), idle, self.frames + 1
+        if idle:
+            self.last = 0.0  # the next step, whenever it comes, is due
         return frame(engine, key_of, steps, plan, self.texts)
 
 
@@ -250,8 +254,9 @@ class Pages:
     def close(self, queue: asyncio.Queue) -> None:
         if queue in self.queues:
             self.queues.remove(queue)
-            if not self.queues:
+            if not self.queues:  # nobody watches: no frame is built, none is kept
                 self.tell_engine(None)
+                self.last = None
 
     def tell_engine(self, every_s: float | None) -> None:
         loop = self.served.loop
