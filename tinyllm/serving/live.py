@@ -41,6 +41,7 @@ QUEUE_FRAMES = 4  # frames a page may fall behind before its oldest are dropped
 BEAT_S = 1.0  # a page hears from the server at least this often
 RETRY_MS = 1000  # EventSource's reconnection delay (the stream's `retry:` field)
 WINDOW_S = 10.0  # the counters' window
+COUNTERS_S = 0.5  # the window's figures are read again at most this often
 
 
 # ---- the engine process's side ------------------------------------------------------------
@@ -336,8 +337,25 @@ class Counters:
     def __init__(self, served):
         self.served = served
         self.seen: deque[tuple[float, dict]] = deque()  # (time, samples) over the window
+        self.windowed: dict = {}  # the figures of the window, as last read
 
     def now(self) -> dict:
+        """The counters: the window's figures, read again at most every COUNTERS_S, and the
+        engine loop's as they are."""
+        loop, spec = self.served.loop, self.served.loop.speculation
+        if not self.seen or time.monotonic() - self.seen[-1][0] >= COUNTERS_S:
+            self.windowed = self.window()
+        waiting, running = loop.request_counts()
+        return self.windowed | {
+            "kv_used": loop.kv_used,
+            "acceptance": spec.accepted / spec.proposed if spec.proposed else None,
+            "running": running,
+            "waiting": waiting,
+        }
+
+    def window(self) -> dict:
+        """Rates and percentiles since the oldest sampling of the last WINDOW_S seconds, and
+        the totals served and refused."""
         t, samples = time.monotonic(), self.samples()
         self.seen.append((t, samples))
         while len(self.seen) > 2 and t - self.seen[1][0] >= WINDOW_S:
@@ -345,19 +363,13 @@ class Counters:
         t0, then = self.seen[0]
         dt = t - t0
         gap = lambda name: samples.get(name, 0.0) - then.get(name, 0.0)
-        loop, spec = self.served.loop, self.served.loop.speculation
-        waiting, running = loop.request_counts()
         return {
             "tok_s": gap("tinyllm_generation_tokens_total") / dt if dt > 0 else 0.0,
             "req_s": gap(FINISHED) / dt if dt > 0 else 0.0,
             "ttft_ms": percentiles(samples, then, "tinyllm_time_to_first_token_seconds"),
             "itl_ms": percentiles(samples, then, "tinyllm_inter_token_latency_seconds"),
-            "kv_used": loop.kv_used,
-            "acceptance": spec.accepted / spec.proposed if spec.proposed else None,
             "served": samples.get(FINISHED, 0.0),
             "rejected": samples.get("tinyllm_requests_rejected_total", 0.0),
-            "running": running,
-            "waiting": waiting,
         }
 
     def samples(self) -> dict:
