@@ -50,7 +50,9 @@ function setStatus(status, words) {
 
 // ---- hello: what is served ---------------------------------------------------------------
 function onHello(hello) {
-  state.hello = hello;
+  // a stream opened (again): what was drawn before may be another engine's
+  Object.assign(state, { hello, frame: null, strip: [], hits: [], stepTimes: [] });
+  state.seen.clear();
   const s = hello.serving, kv = s.kv_cache;
   $("model").textContent = hello.model;
   let cache = `KV ${kv.kind}: ${kv.slots} slots of up to ${kv.max_len} positions`;
@@ -84,7 +86,7 @@ function onFrame(f) {
   state.frame = f;
   const now = performance.now();
   state.stepTimes = state.stepTimes.filter(([t]) => now - t < 3000).concat([[now, f.steps]]);
-  noteHits(f);
+  noteHits(f, !last);
   root.dataset.step = f.steps;
   $("step").textContent = f.steps;
   drawSlots(f);
@@ -195,13 +197,14 @@ function drawWaiting(f) {
 }
 
 // ---- the paged pool ----------------------------------------------------------------------
-function noteHits(f) {
-  // a request seen for the first time with cached tokens: the prefix cache served it
+function noteHits(f, first) {
+  // a request seen for the first time with cached tokens: the prefix cache served it (those
+  // in the slots when the page opens are not news)
   const now = performance.now(), bs = state.hello ? state.hello.serving.kv_cache.block_size : 16;
   for (const s of f.slots) {
     if (!s || state.seen.has(s.key)) continue;
     state.seen.set(s.key, now);
-    if (s.cached > 0 && s.table) {
+    if (!first && s.cached > 0 && s.table) {
       state.hits.push({ key: s.key, tokens: s.cached, blocks: s.table.slice(0, Math.ceil(s.cached / bs)), t: now });
     }
   }
