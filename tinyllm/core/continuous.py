@@ -170,11 +170,12 @@ def record_trace(trace: Trace, cache: SlotCache, holders: list[int | None],
                  computed)
 
 
-def decodes_apart(speculator, decoder) -> bool:
+def decodes_apart(guessing: bool, decoder) -> bool:
     """Whether a step's decode rows have a pass of their own rather than joining its prefill
     chunks' (Orca's iteration-level batching: one pass a step): a speculating step's guesses
-    (11), or a decoder that replays every slot (06's graphs)."""
-    return speculator is not None or getattr(decoder, "computes_every_slot", False)
+    (11: `guessing`, a row of the step may guess), or a decoder that replays every slot (06's
+    graphs)."""
+    return guessing or getattr(decoder, "computes_every_slot", False)
 
 
 def chunk_tokens(planner, chunks: list[tuple[Sequence, int]]) -> list[tuple]:
@@ -282,7 +283,8 @@ class ContinuousEngine:
         if decodes:
             record_decode_step(self.stats, self.cache, len(decodes), self.decoder)
         left = tokens_left(planner.max_step_tokens, decodes, chunks)
-        if decodes and chunks and not decodes_apart(self.speculator, self.decoder):  # one pass
+        guessing = self.speculator is not None and any(self.speculator.allowed(decodes, left))
+        if decodes and chunks and not decodes_apart(guessing, self.decoder):  # one pass
             prefilled = self.runner.prefill(chunk_tokens(planner, chunks), decodes)
             events = self._decode(decodes, left, t_step, prefilled.decodes)
         else:
@@ -306,6 +308,8 @@ class ContinuousEngine:
         from a decode pass of their own (or a speculating step's verified guesses, 11)."""
         if logits is not None:
             tokens, logprobs = sample(seqs, logits, self.generator)
+            if self.speculator is not None:             # a step without guesses (11)
+                self.speculator.decoded(seqs, tokens, logprobs)
         elif self.speculator is None:
             tokens, logprobs = sample(seqs, self.runner.decode(seqs), self.generator)
         else:                                           # guesses, verified in one pass (11)

@@ -36,6 +36,7 @@ from tinyllm.core.model import Transformer
 from tinyllm.core.requests import Sequence, TokenLogprobs, is_done
 from tinyllm.core.sampling import draw, is_greedy, sampling_probs
 from tinyllm.core.slot_cache import SlotKVCache
+from tinyllm.core import token_stage
 from tinyllm.core.token_stage import token_logprobs
 
 
@@ -133,6 +134,15 @@ def verify(logits: Tensor, seqs: list[Sequence], guesses: list[list[int]],
     return verdicts
 
 
+def plain_verdicts(logits: Tensor, seqs: list[Sequence], shared: torch.Generator | None
+                   ) -> list[Verdict]:
+    """The verdicts of rows that guessed nothing, from their last token's logits (B, V): the
+    token stage's picks, as the engine's plain decode step makes them."""
+    tokens, lps = token_stage.select(logits, [s.history() for s in seqs],
+                                     [s.generator for s in seqs], shared)
+    return [Verdict([t], [lp], 0, 0) for t, lp in zip(tokens, lps)]
+
+
 def processed_logits(logits: Tensor, seqs: list[Sequence], guesses: list[list[int]]):
     """Each row's processed logits at each position it needs (position j with the history
     of its guesses before j), and the guesses its verdict reads. A constrained row's matcher
@@ -199,8 +209,8 @@ class NgramProposer:
 
     def propose(self, seqs: list[Sequence], ks: list[int], shared=None):
         """Up to ks[i] guesses per row, and None (no distributions: a lookup is certain)."""
-        return [lookup(s.context(), k, self.n_max, self.n_min) for s, k in zip(seqs, ks)], \
-            [None] * len(seqs)
+        return [lookup(s.context(), k, self.n_max, self.n_min) if k > 0 else []
+                for s, k in zip(seqs, ks)], [None] * len(seqs)
 
     def kept(self, seq: Sequence, verdict: "Verdict") -> None:
         """A lookup keeps no state: nothing to roll back."""
@@ -372,9 +382,16 @@ def make_proposer(model: Transformer, config, max_len: int, device, draft: Trans
     return DraftProposer(draft, config.n_slots, max_len, device)
 
 
-PAYS = 0.25         # a guess is made while the chance that it stands is at least this
+FREE_ROWS = 3       # a step's fixed cost (the weights read, the calls), in rows' worth
 DECAY = 0.5         # the weight of a request's earlier guesses, each time it guesses again
 PROBE_STEPS = 4     # a request that stopped guessing tries one guess after this many steps
+FIRST_SHARE = 0.5   # the share of its guesses a request is taken to keep before it guesses,
+PRIOR = 1.0         # worth this many guesses of its record
+
+
+def pays(rows: int) -> float:
+    """The chance of standing a guess needs to pay in a step of `rows` rows (Speculator)."""
+    return rows / (FREE_ROWS + rows)
 
 
 class Speculator:
@@ -382,15 +399,26 @@ class Speculator:
     cache, one ragged target pass (the engine's runner.verify), the verdicts, and the rollback
     of what fell in both caches. The engine counts what it proposed and kept (Stats).
 
-    Guesses are paid for: every guess is a token the target computes, kept or not. So a
-    request guesses as far as its guesses stand (`guesses_for`): each keeps its own record of
-    guesses made and kept, the older ones weighing DECAY less each time it guesses again, and
-    with a share a of them kept, its j-th guess of a step stands with chance about a^j; it
-    makes the guesses whose chance is at least PAYS (k of them while all stand, 2 at a = 0.5,
-    1 at a = 0.3). Under PAYS it stops guessing, and tries one guess every PROBE_STEPS steps
-    (text the request copies from its prompt comes and goes). A step with no guess at all
+    Guesses are paid for: every guess is a token the target computes, kept or not. A kept
+    guess saves a row its token of a later step, a row's share of that step's cost; a guess
+    costs about one more row. A step of B rows costs its fixed part (the weights read, the
+    calls made: FREE_ROWS rows' worth) and the B rows', so a guess pays while its chance of
+    standing is at least `pays(B)` = B / (FREE_ROWS + B): 1/4 alone, 0.4 beside one other
+    row, 0.73 among 8. So a request guesses as far as its guesses stand (`guesses_for`): each
+    keeps its own record of guesses made and kept, the older ones weighing DECAY less each
+    time it guesses again, and with a share a of them kept, its j-th guess of a step stands
+    with chance about a^j (a = FIRST_SHARE before it has guessed); it makes the guesses whose
+    chance pays (alone: k of them while nearly all stand, 2 at a = 0.5, 1 at a = 0.3). Under that it
+    stops guessing, and tries one guess after PROBE_STEPS steps without one (text the request
+    copies from its prompt comes and goes), in a step of rows few enough that a newcomer's
+    guesses pay: among more, a try costs more than it is likely to bring. On a CPU, where a
+    step's rows cost nearly as much as its fixed part, a batch of 4 rows or more then guesses
+    only for requests whose guesses have stood. A step with no guess at all
     runs the engine's plain decode step, not a verify pass: where guessing does not pay,
-    speculation costs the lookups and nothing more."""
+    speculation costs the lookups and nothing more. A decode step whose verify pass is as fast
+    as its plain step up to some rows (`verify_rows`: the fused layers', 13) gets no more
+    guesses than those rows leave beside the step's own: past them the verify pass would be
+    the model's, slower than the plain step the guesses replace."""
 
     def __init__(self, proposer, k: int, cache):
         self.proposer, self.k, self.cache = proposer, k, cache
@@ -407,17 +435,17 @@ class Speculator:
         for rid in [r for r in self.quiet if r not in here]:
             del self.quiet[rid]
 
-    def guesses_for(self, rid: int) -> int:
-        """The guesses that pay for a request this step: k with no record yet or every guess
-        kept; with a share a < 1 of them kept, those whose chance a^j is at least PAYS; none
-        under PAYS, but one after PROBE_STEPS steps without a guess."""
+    def guesses_for(self, rid: int, rows: int = 1) -> int:
+        """The guesses that pay for a request in a step of `rows` rows: with a share a of its
+        guesses kept (its record, and PRIOR guesses of which FIRST_SHARE stood: a newcomer's
+        share is FIRST_SHARE, and one guess that stands is not yet a record), those whose
+        chance a^j is at least pays(rows), k at most; none under it, but one after
+        PROBE_STEPS steps without a guess where a newcomer's guesses would pay (few rows)."""
         made, kept = self.record.get(rid, (0.0, 0.0))
-        if made < 1 or kept >= made:
-            return self.k
-        share = kept / made
-        if share < PAYS:
-            return 1 if self.quiet.get(rid, 0) >= PROBE_STEPS else 0
-        return max(1, min(self.k, int(math.log(PAYS) / math.log(share))))
+        share, bar = (kept + PRIOR * FIRST_SHARE) / (made + PRIOR), pays(rows)
+        if share < bar:                # a try, where a newcomer's guesses would pay
+            return 1 if bar <= FIRST_SHARE and self.quiet.get(rid, 0) >= PROBE_STEPS else 0
+        return max(1, min(self.k, int(math.log(bar) / math.log(share))))
 
     def learn(self, seq: Sequence, verdict: "Verdict") -> None:
         """A row's verdict in its record: what it guessed and kept, or one more quiet step."""
@@ -432,13 +460,26 @@ class Speculator:
     def check_integrity(self, idle: bool = False) -> str | None:
         return self.proposer.check_integrity(idle)
 
+    def decoded(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list]
+                ) -> None:
+        """A step where these rows guessed nothing and decoded beside the prefill chunks, in
+        their pass: their verdicts, one token each, as a step of their own would give."""
+        for seq, t, lp in zip(seqs, tokens, logprobs):
+            verdict = Verdict(t, lp, 0, 0)
+            self.proposer.kept(seq, verdict)
+            self.learn(seq, verdict)
+
     def allowed(self, seqs: list[Sequence], tokens_left: int | None) -> list[int]:
-        """Guesses each row may have: as many as pay (guesses_for), less than its tokens still
-        to make (its last comes from the target), within what the step leaves of its budget
-        (tokens_left; None: no limit) and the slot's positions."""
+        """Guesses each row may have: as many as pay (guesses_for) in a step of these rows, or
+        for a sampled row as many as pay alone (its guesses draw from its generator, so they
+        depend on its own record only, and its seeded tokens are the same alone or batched);
+        less than its tokens still to make (its last comes from the target), within what the
+        step leaves of its budget (tokens_left; None: no limit) and the slot's positions."""
         ks = []
         for seq in seqs:
-            k = min(self.guesses_for(seq.rid), seq.request.max_new_tokens - len(seq.tokens) - 1,
+            rows = len(seqs) if is_greedy(seq.sampling.temperature) else 1
+            k = min(self.guesses_for(seq.rid, rows),
+                    seq.request.max_new_tokens - len(seq.tokens) - 1,
                     self.cache.max_len - seq.context_len() - 1)
             if tokens_left is not None:
                 k = min(k, tokens_left)
@@ -448,6 +489,10 @@ class Speculator:
 
     def decode(self, seqs: list[Sequence], tokens_left: int | None, shared, runner
                ) -> list[Verdict]:
+        fast = getattr(runner.decode_step, "verify_rows", None)   # its verify's most rows
+        if fast is not None:
+            room = max(fast - len(seqs), 0)
+            tokens_left = room if tokens_left is None else min(tokens_left, room)
         guesses, drafts = self.proposer.propose(seqs, self.allowed(seqs, tokens_left), shared)
         for i, seq in enumerate(seqs):                  # memory for the guesses, or none
             if guesses[i] and not self.cache.reserve(seq.slot, 1 + len(guesses[i])):
@@ -455,9 +500,18 @@ class Speculator:
         if any(guesses):
             last = [s.tokens[-1] if s.tokens else s.request.prompt[-1] for s in seqs]
             logits = runner.verify(seqs, [[t] + g for t, g in zip(last, guesses)])
+            plain = [i for i, g in enumerate(guesses) if not g]
+            some = [i for i, g in enumerate(guesses) if g]
+            verdicts = [None] * len(seqs)
+            for i, v in zip(plain, plain_verdicts(logits[plain, 0], [seqs[i] for i in plain],
+                                                  shared)):
+                verdicts[i] = v
+            for i, v in zip(some, verify(logits[some], [seqs[i] for i in some],
+                                         [guesses[i] for i in some], [drafts[i] for i in some],
+                                         shared)):
+                verdicts[i] = v
         else:                                           # no guess: the plain decode step
-            logits = runner.decode(seqs)[:, None]                       # (B, 1, V)
-        verdicts = verify(logits, seqs, guesses, drafts, shared)
+            verdicts = plain_verdicts(runner.decode(seqs), seqs, shared)
         for seq, g, v in zip(seqs, guesses, verdicts):
             roll_back(self.cache, seq.slot, 1 + len(g), len(v.tokens))
             self.proposer.kept(seq, v)
