@@ -72,6 +72,8 @@ class FusedDecoder:
     """A model's decode step with each layer in one C call: decoder(idx (B, 1), cache) ->
     (logits (B, 1, V), None), what model(idx, cache=cache) returns. The model is not changed."""
 
+    verify_rows = FUSED_ROWS        # the most query rows verify computes; Speculator asks
+
     def __init__(self, model: Transformer):
         why = self.refusal(model)
         if why is not None:
