@@ -376,12 +376,10 @@ static void pair_groups(int8_t *xq, int64_t M, int64_t G) {
         }
 }
 
-/* two groups' products, A's in lanes 0..3 and B's in 4..7: the 32 bytes at q . the 64 paired
-   values at x (pair_groups'). maddubs's int16 pairs stay within 2 * 15 * 127, two of them
-   added within int16. */
-static __m256i dot_pair_q4(const uint8_t *q, const int8_t *x) {
-    __m256i b = _mm256_loadu_si256((const __m256i *)q), mask = _mm256_set1_epi8(15);
-    __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+/* two groups' products, A's in lanes 0..3 and B's in 4..7: their 32 bytes of q unpacked (lo:
+   the low nibbles, hi: the high ones) . the 64 paired values at x (pair_groups'). maddubs's
+   int16 pairs stay within 2 * 15 * 127, two of them added within int16. */
+static inline __m256i dot_pair_q4(__m256i lo, __m256i hi, const int8_t *x) {
     __m256i xlo = _mm256_loadu_si256((const __m256i *)x);
     __m256i xhi = _mm256_loadu_si256((const __m256i *)(x + 32));
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
@@ -394,31 +392,45 @@ static __m256i dot_pair_q4(const uint8_t *q, const int8_t *x) {
 }
 
 /* 8 groups' sums (4 pairs, dot_pair_q4's), lane i group i */
-static __m256i sums8_pairs(const __m256i p[4]) {
+static inline __m256i sums8_pairs(const __m256i p[4]) {
     __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
     return _mm256_permutevar8x32_epi32(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* row_q4 for groups of 32 (h = 16), x's blocks of 8 groups paired (pair_groups): a block's
-   products two groups a vector, its sums, scales and zeros a vector each */
-static float row_q4_32(const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
-                       const int8_t *xq, const float *sx, const float *xs, int64_t G) {
-    __m256 a = _mm256_setzero_ps(), az = _mm256_setzero_ps();
-    float acc = 0;
+/* row_q4 for groups of 32 (h = 16) and R rows of x at once (R <= 4; xq's rows K apart, sx's
+   and xs's G apart), x's blocks of 8 groups paired (pair_groups) -> out (R): a block's bytes
+   unpacked once for the R rows, its products two groups a vector, its sums, scales and zeros
+   a vector each. Each row's arithmetic is the same, in the same order, whatever R is. */
+static inline __attribute__((always_inline)) void rows_q4_32(
+    const uint8_t *q, const uint16_t *scale, const uint16_t *zero, const int8_t *xq,
+    const float *sx, const float *xs, int64_t G, int64_t K, int R, float *out) {
+    __m256 a[4], az[4];
+    __m256i mask = _mm256_set1_epi8(15);
+    for (int r = 0; r < R; r++) a[r] = az[r] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 8 <= G; g += 8) {
-        __m256i p[4];
-        for (int i = 0; i < 4; i++) p[i] = dot_pair_q4(q + (g + 2 * i) * 16, xq + (g + 2 * i) * 32);
-        __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g))),
-                                 _mm256_loadu_ps(sx + g));
-        a = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(sums8_pairs(p)), a);
-        az = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zero + g))),
-                             _mm256_loadu_ps(xs + g), az);
+        __m256i p[4][4];
+        for (int i = 0; i < 4; i++) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(q + (g + 2 * i) * 16));
+            __m256i lo = _mm256_and_si256(b, mask);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+            for (int r = 0; r < R; r++) p[r][i] = dot_pair_q4(lo, hi, xq + r * K + (g + 2 * i) * 32);
+        }
+        __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g)));
+        __m256 zc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zero + g)));
+        for (int r = 0; r < R; r++) {
+            __m256 f = _mm256_mul_ps(sc, _mm256_loadu_ps(sx + r * G + g));
+            a[r] = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(sums8_pairs(p[r])), a[r]);
+            az[r] = _mm256_fmadd_ps(zc, _mm256_loadu_ps(xs + r * G + g), az[r]);
+        }
     }
-    for (; g < G; g++)
-        acc = group_add(acc, hsum_i32(dot_group_q4(q + g * 16, xq + g * 32)), scale[g], sx[g],
-                        zero + g, xs[g]);
-    return acc + hsum(_mm256_add_ps(a, az));              /* hsum adds in sum8's order */
+    for (int r = 0; r < R; r++) {
+        float acc = 0;
+        for (int64_t t = g; t < G; t++)
+            acc = group_add(acc, hsum_i32(dot_group_q4(q + t * 16, xq + r * K + t * 32)),
+                            scale[t], sx[r * G + t], zero + t, xs[r * G + t]);
+        out[r] = acc + hsum(_mm256_add_ps(a[r], az[r]));   /* hsum adds in sum8's order */
+    }
 }
 #endif
 
@@ -428,7 +440,11 @@ static inline float row_q4(const uint8_t *q, const uint16_t *scale, const uint16
                            const int8_t *xq, const float *sx, const float *xs, int64_t G,
                            int64_t h) {
 #ifdef AVX2
-    if (h == 16) return row_q4_32(q, scale, zero, xq, sx, xs, G);
+    if (h == 16) {
+        float y;
+        rows_q4_32(q, scale, zero, xq, sx, xs, G, 0, 1, &y);
+        return y;
+    }
 #endif
     return row_q4_plain(q, scale, zero, xq, sx, xs, G, h);
 }
@@ -447,7 +463,16 @@ static void rows_q4(int64_t n0, int64_t n1, int64_t M, int64_t G, int64_t h, con
             prefetch_bytes(scale + (n + ahead) * G, 2 * G);
             prefetch_bytes(zero + (n + ahead) * G, 2 * G);
         }
-        for (int64_t m = 0; m < M; m++)
+        int64_t m = 0;
+#ifdef AVX2
+        float out[4];
+        for (; h == 16 && m + 4 <= M; m += 4) {          /* 4 rows of x a pass, then 1 */
+            rows_q4_32(q + n * G * h, scale + n * G, zero + n * G, xq + m * K, sx + m * G,
+                       xs + m * G, G, K, 4, out);
+            for (int r = 0; r < 4; r++) y[(m + r) * ldy + n] = out[r];
+        }
+#endif
+        for (; m < M; m++)
             y[m * ldy + n] = row_q4(q + n * G * h, scale + n * G, zero + n * G, xq + m * K,
                                     sx + m * G, xs + m * G, G, h);
     }
@@ -467,7 +492,7 @@ void int4_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t G, int64_t h, co
     float *sx = malloc(M * G * sizeof(float)), *xs = malloc(M * G * sizeof(float));
     quantize_groups(x, M * G, 2 * h, xq, sx, xs);
 #ifdef AVX2
-    if (h == 16) pair_groups(xq, M, G);                         /* row_q4_32's order */
+    if (h == 16) pair_groups(xq, M, G);                         /* rows_q4_32's order */
 #endif
     for (int64_t w = 0, first = 0; w < W; first += Ns[w++]) {
         #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
