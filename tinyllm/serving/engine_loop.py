@@ -201,12 +201,11 @@ class EngineLoop:
     choices as tickets, sent in, and each step's report handed out to them.
 
     A listening task on the event loop (`listen`) puts each token of a StepReport in its
-    request's queue; a report also brings the engine's load, its steps, its KV cache's
-    integrity (None when its books are sound, else the sentence that says what is wrong) and,
-    while a page of the live view watches, a frame for it (to `on_frame`). A request of n
-    choices is n sequences in the engine, n tickets here (keys key, key + 1, ...) and one Add.
-    At most max_waiting sequences wait for a slot at once; a request that would make more is
-    refused with a 429.
+    request's queue; a report also brings the engine's load and steps, its KV cache's integrity
+    (None when its books are sound, else what is wrong) and, while a page watches, a frame of
+    its state (to `on_frame`, live.Pages.publish). A request of n choices is n sequences in the
+    engine, n tickets here (keys key, key + 1, ...) and one Add. At most max_waiting sequences
+    wait for a slot at once; a request that would make more is refused with a 429.
 
     A failure stays as small as it can: a request that cannot be sent, or that the engine
     cannot read or add, fails alone; so do the requests of a report this side fails to hand
@@ -218,13 +217,10 @@ class EngineLoop:
         self.tickets: dict[int, Ticket] = {}  # key -> ticket, while it runs
         self.next_key = 0
         self.submitted = 0  # adds sent, not yet taken by the engine
-        self.reported = (0, 0)  # the engine's (waiting, running), last step
-        self.kv_used = 0.0
+        self.reported, self.kv_used = (0, 0), 0.0  # the engine's (waiting, running), KV use
         self.integrity: str | None = None  # the KV cache's books, last checked idle
         self.speculation = SpeculationCounts()  # the engine's totals (11)
-        self.steps, self.frames = 0, 0  # the engine's steps, and live frames built, so far
-        self.blocks: tuple[int, int] | None = None  # a paged pool's (held, cached) blocks
-        self.on_frame = None  # called with each live frame (live.Pages.publish)
+        self.steps, self.frames, self.blocks, self.on_frame = 0, 0, None, None  # see StepReport
         self.failed: str | None = None
         self.listener = None
 
@@ -334,15 +330,7 @@ class EngineLoop:
                 self.engine.send(Abort(key))
             self.drop([(key, why) for key in keys], "")
         if report.live is not None and self.on_frame is not None:
-            self.show(report.live)
-
-    def show(self, live: dict) -> None:
-        """A live frame to the pages that watch (on_frame); a frame they fail on is said on
-        stderr and dropped: the engine and its requests go on."""
-        try:
-            self.on_frame(live)
-        except Exception as e:
-            print(f"the live view dropped a frame: {type(e).__name__}: {e}", file=sys.stderr)
+            self.on_frame(report.live)
 
     def drop(self, failed: list[tuple[int, str]], says: str) -> None:
         """These choices fail, each with a 500 that says why: (key, why) for each."""

@@ -26,6 +26,7 @@ was started with --show-prompts, and are turned into text here.
 
 import asyncio
 import json
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -266,14 +267,19 @@ class Pages:
 
     def publish(self, live: dict) -> None:
         """One engine frame to every open page: the counters added, token ids made text (with
-        show_prompts), written as one event for all of them."""
+        show_prompts), written as one event for all of them. A frame that cannot be written
+        is said on stderr and dropped: the engine and its requests go on."""
         if not self.queues:
             return
-        live["counters"] = self.counters.now()
-        if "texts" in live:
-            decode = self.served.tok.decode
-            live["texts"] = {k: [decode(p), decode(a)] for k, (p, a) in live["texts"].items()}
-        self.last = sse("frame", live)
+        try:
+            live["counters"] = self.counters.now()
+            if "texts" in live:
+                decode = self.served.tok.decode
+                live["texts"] = {k: [decode(p), decode(a)] for k, (p, a) in live["texts"].items()}
+            self.last = sse("frame", live)
+        except Exception as e:
+            print(f"the live view dropped a frame: {type(e).__name__}: {e}", file=sys.stderr)
+            return
         for queue in self.queues:
             if queue.full():
                 queue.get_nowait()  # this page is behind: its oldest frame goes

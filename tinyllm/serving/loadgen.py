@@ -251,6 +251,12 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+WATCHERS = (
+    "hold N pages of tinyllm's live view open during each run (GET /engine/events): what "
+    "watching the engine costs its server (default: 0)"
+)
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of `python -m tinyllm loadgen`."""
     ap = argparse.ArgumentParser(
@@ -306,14 +312,7 @@ def parser() -> argparse.ArgumentParser:
         help="every request runs to its max_tokens (vLLM's ignore_eos, as `vllm bench serve "
         "--ignore-eos` and guidellm send it)",
     )
-    ap.add_argument(
-        "--watchers",
-        type=int,
-        default=0,
-        metavar="N",
-        help="hold N pages of tinyllm's live view open during each run (GET /engine/events): "
-        "what watching the engine costs its server (default: 0)",
-    )
+    ap.add_argument("--watchers", type=int, default=0, metavar="N", help=WATCHERS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     return ap
