@@ -107,7 +107,7 @@ def q8_0(model):
         N, K = w.shape
         g = next(g for g in (32, 16, 8, 4, 2, 1) if K % g == 0)
         wg = w.reshape(N, K // g, g)
-        scale = (wg.abs().amax(-1) / 127).clamp(min=1e-4).half()                   # (N, G)
+        scale = (wg.abs().amax(-1) / 127).clamp(min=1e-4).half()  # (N, G)
         q = torch.round(wg / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
         setattr(parent, name, QuantLinear(8, q.reshape(N, K), scale, None, K))
     return model
@@ -243,8 +243,11 @@ def test_a_quantized_engine_gives_each_request_what_it_gets_alone(weights, monke
     assert spy.calls and max(spy.calls) == 3, "the steps of 3 rows run decode_layer_q"
 
 
-COPYING = [Request([7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], 14, eos_id=None),  # guesses that stand
-           Request([3, 5, 3, 5, 3], 10, eos_id=None), Request([1, 2, 3, 4], 12, eos_id=None)]
+COPYING = [
+    Request([7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], 14, eos_id=None),  # guesses that stand
+    Request([3, 5, 3, 5, 3], 10, eos_id=None),
+    Request([1, 2, 3, 4], 12, eos_id=None),
+]
 
 
 @pytest.mark.parametrize("weights", ["float64", "int4"])
@@ -256,12 +259,14 @@ def test_speculation_verifies_its_guesses_in_the_fused_layers(weights, monkeypat
     row, bit for bit)."""
     model = MODEL if weights == "float64" else quantize(copy.deepcopy(MODEL).float(), "int4")
     name = "decode_layer" if weights == "float64" else "decode_layer_q"
-    plain = [solo(MODEL, r).tokens for r in COPYING] if weights == "float64" else \
-        serve(model, COPYING, 2)[0]
+    plain = (
+        [solo(MODEL, r).tokens for r in COPYING]
+        if weights == "float64"
+        else serve(model, COPYING, 2)[0]
+    )
     spy = Spy(name)
     monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
-    got, eng = serve(model, COPYING, 2, kv="paged", block_size=4, speculate="ngram",
-                     spec_tokens=3)
+    got, eng = serve(model, COPYING, 2, kv="paged", block_size=4, speculate="ngram", spec_tokens=3)
     assert got == plain
     assert eng.stats.spec_accepted > 0 and max(spy.calls) > 2, spy.calls
 
@@ -351,8 +356,13 @@ def test_bad_quantized_weights_are_named():
     with pytest.raises(RuntimeError, match=r"q\[0\] and q\[1\] read the same x"):
         no_zero = torch.empty(0, dtype=torch.float16)
         k8 = torch.zeros(q[1].size(0), 64, dtype=torch.int8)
-        run(x, norms, q[:1] + [k8] + q[2:], scale[:1] + [scale[1][:, :1].contiguous()] + scale[2:],
-            zero[:1] + [no_zero] + zero[2:])
+        run(
+            x,
+            norms,
+            q[:1] + [k8] + q[2:],
+            scale[:1] + [scale[1][:, :1].contiguous()] + scale[2:],
+            zero[:1] + [no_zero] + zero[2:],
+        )
     with pytest.raises(RuntimeError, match="runs in float32, not Double"):
         run(x.double(), norms, q, scale, zero)
 

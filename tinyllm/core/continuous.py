@@ -170,11 +170,12 @@ def record_trace(trace: Trace, cache: SlotCache, holders: list[int | None],
                  computed)
 
 
-def decodes_apart(guessing: bool, decoder) -> bool:
+def decodes_apart(speculator, decodes: list[Sequence], left: int | None, decoder) -> bool:
     """Whether a step's decode rows have a pass of their own rather than joining its prefill
     chunks' (Orca's iteration-level batching: one pass a step): a speculating step's guesses
-    (11: `guessing`, a row of the step may guess), or a decoder that replays every slot (06's
-    graphs)."""
+    (11: a row the speculator allows a guess, within the step's `left` tokens), or a decoder
+    that replays every slot (06's graphs)."""
+    guessing = speculator is not None and any(speculator.allowed(decodes, left))
     return guessing or getattr(decoder, "computes_every_slot", False)
 
 
@@ -283,8 +284,7 @@ class ContinuousEngine:
         if decodes:
             record_decode_step(self.stats, self.cache, len(decodes), self.decoder)
         left = tokens_left(planner.max_step_tokens, decodes, chunks)
-        guessing = self.speculator is not None and any(self.speculator.allowed(decodes, left))
-        if decodes and chunks and not decodes_apart(guessing, self.decoder):  # one pass
+        if decodes and chunks and not decodes_apart(self.speculator, decodes, left, self.decoder):
             prefilled = self.runner.prefill(chunk_tokens(planner, chunks), decodes)
             events = self._decode(decodes, left, t_step, prefilled.decodes)
         else:

@@ -37,7 +37,6 @@ from tinyllm.ext import cpu_kernels
 from tinyllm.ext.cpu_attention import QUERY_ROWS, kernel_rows
 from tinyllm.ext.quant import FUSED_ROWS, QuantLinear
 
-
 C_PRODUCTS = ("int8_gemv", "int4_gemv", "int8g_gemv")   # QuantLinear's C products
 
 

@@ -30,13 +30,13 @@ import math
 import torch
 from torch import Tensor, nn
 
+from tinyllm.core import token_stage
 from tinyllm.core.generate import autocast_for
 from tinyllm.core.logits_processors import process
 from tinyllm.core.model import Transformer
 from tinyllm.core.requests import Sequence, TokenLogprobs, is_done
 from tinyllm.core.sampling import draw, is_greedy, sampling_probs
 from tinyllm.core.slot_cache import SlotKVCache
-from tinyllm.core import token_stage
 from tinyllm.core.token_stage import token_logprobs
 
 
