@@ -478,12 +478,13 @@ class Speculator:
         ks = []
         for seq in seqs:
             rows = len(seqs) if is_greedy(seq.sampling.temperature) else 1
-            k = min(self.guesses_for(seq.rid, rows),
-                    seq.request.max_new_tokens - len(seq.tokens) - 1,
-                    self.cache.max_len - seq.context_len() - 1)
-            if tokens_left is not None:
-                k = min(k, tokens_left)
-                tokens_left -= max(k, 0)
+            k = self.guesses_for(seq.rid, rows)
+            if k > 0:                                   # most rows of a wide step: none
+                k = min(k, seq.request.max_new_tokens - len(seq.tokens) - 1,
+                        self.cache.max_len - seq.context_len() - 1)
+                if tokens_left is not None:
+                    k = min(k, tokens_left)
+                    tokens_left -= max(k, 0)
             ks.append(max(k, 0))
         return ks
 
