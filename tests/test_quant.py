@@ -239,3 +239,12 @@ def test_quantized_models_stay_near_the_float_models_distribution(bundled):
             q = load(device="cpu", quant=mode)[0]
             kl[mode] = (ref.exp() * (ref - q(ids)[0].log_softmax(-1))).sum(-1).mean().item()
     assert kl["int8"] < 0.01 and kl["int8"] < kl["int4"] < 0.1, kl
+
+
+def test_an_int8_product_compiles_whole():
+    """int8mm's product of more rows than the C loop takes, inside torch.compile with no graph
+    break, as a compiled decode step runs it: the same result as eager."""
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 8, bias=False), "int8", kernel="int8mm")
+    x = torch.randn(20, 64)  # more rows than the C loop takes: int8_matmul
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x), rtol=1e-4, atol=1e-4)

@@ -43,7 +43,6 @@ The embeddings stay in float: a lookup reads one row per token, not the whole ta
 tied to them gets a quantized copy of its own.
 """
 
-from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -197,8 +196,9 @@ def int_matmul(xq: Tensor, q: Tensor) -> Tensor:
     fallback is a plain loop (on a 2-core AMD EPYC with AVX2, 15 times slower than float32's
     product), so there the library's float32 product computes it, EXACT_K columns at a time:
     every partial sum is an integer within 2**24, exact in any order of additions, and the
-    slices add in int32. The same integers either way."""
-    if xq.device.type != "cpu" or fast_int_mm():
+    slices add in int32. The same integers either way. Traced into a compiled program, it is
+    torch._int_mm: the precision setting that decides the other path cannot be read there."""
+    if xq.device.type != "cpu" or tracing() or fast_int_mm():
         return torch._int_mm(xq, q.T)
     acc = None
     for k in range(0, xq.size(1), EXACT_K):
@@ -214,11 +214,19 @@ def fast_int_mm() -> bool:
     return integer_instructions() or torch.get_float32_matmul_precision() != "highest"
 
 
-@cache
+_integer: bool | None = None  # integer_instructions(), read once
+
+
 def integer_instructions() -> bool:
-    """Whether this CPU has VNNI or AMX's 8-bit integer instructions."""
-    flags = cpu_kernels.cpu_flags()
-    return cpu_kernels.integer_path(flags) in ("AVX-512 VNNI", "AVX-VNNI") or "amx_int8" in flags
+    """Whether this CPU has VNNI or AMX's 8-bit integer instructions: the CPU's flags, read once
+    (a QuantLinear reads them when it is made)."""
+    global _integer
+    if _integer is None:
+        flags = cpu_kernels.cpu_flags()
+        _integer = cpu_kernels.integer_path(flags) in ("AVX-512 VNNI", "AVX-VNNI") or (
+            "amx_int8" in flags
+        )
+    return _integer
 
 
 def int8_matmul(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
@@ -258,6 +266,7 @@ class QuantLinear(nn.Module):
         if kernel == "int8a8" and (bits != 8 or zero is not None):
             raise ValueError("kernel 'int8a8' needs 8 bits without zero points")
         cpu_kernels.available()        # built (or found wanting) now, not inside a compile
+        integer_instructions()         # the CPU's flags read now, not inside a compile
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
         self.register_buffer("zero", zero)
