@@ -6,6 +6,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +129,13 @@ def smollm2_model(smollm2_file):
 def bundled64():
     """The bundled model in float64: batched and solo paths must then agree token for token."""
     return tinyllm.load(device="cpu", dtype=torch.float64)
+
+
+def free_port() -> int:
+    """A loopback port free now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def python_lines(args: list[str], **env) -> subprocess.Popen:

@@ -6,7 +6,6 @@ import importlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.conftest import free_port
 from tests.test_server import Running
 from tinyllm.build import make_engine
 from tinyllm.checkpoints.checkpoint import resolve
@@ -86,14 +86,6 @@ def test_loadgen_ignore_eos_runs_each_request_to_its_max_tokens(served, capsys):
     assert run["completed"] == 4
     assert run["output_tok_s"] * run["duration_s"] == pytest.approx(4 * 256)
     assert served.wait_idle() == (0, 0)
-
-
-def free_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
 
 
 def test_loadgen_measures_transformers_serve_on_the_bundled_checkpoint(tmp_path):

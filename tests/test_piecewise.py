@@ -4,7 +4,6 @@ the layers; the settings that cannot go with them are refused by name."""
 
 import pickle
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import MIXED_REQUESTS as REQS
-from tests.conftest import make_tiny, run_serve
+from tests.conftest import free_port, make_tiny, run_serve
 from tests.test_fused_layer import RANDOM_ENGINES, requests_st
 from tinyllm.build import make_engine
 from tinyllm.core.config import EngineConfig
@@ -173,9 +172,7 @@ def test_serve_compiles_the_pieces_for_one_row_before_it_says_it_serves():
     """`serve --decoder pieces` compiles the bucket of one row before it says "serving", and
     says that the bucket of 2 rows compiles while it serves; the first request then waits for no
     compilation."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     proc = run_serve(["--decoder", "pieces", "--slots", "2", "--port", str(port)])
     try:
         lines = []

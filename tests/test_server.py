@@ -7,7 +7,6 @@ stop string."""
 import asyncio
 import copy
 import pickle
-import socket
 import threading
 import time
 
@@ -16,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from tests.conftest import run_serve
+from tests.conftest import free_port, run_serve
 from tinyllm.build import make_engine
 from tinyllm.core.continuous import ContinuousEngine
 from tinyllm.core.generate import generate
@@ -87,13 +86,6 @@ class Running:
             f"a finished or refused request leaves EngineLoop.tickets"
         )
         return self.request_counts()
-
-
-def free_port() -> int:
-    """A loopback port free now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

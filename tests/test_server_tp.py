@@ -8,26 +8,19 @@ rank 0 serving HTTP and rank 1 serving rank 0's steps.
 
 import asyncio
 import signal
-import socket
 import subprocess
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import python_lines
+from tests.conftest import free_port, python_lines
 from tests.test_server import NAME, PROMPTS, Running
 from tinyllm.build import make_engine
 from tinyllm.core.config import EngineConfig
 from tinyllm.core.generate import generate
 from tinyllm.course.check import near_tie
 from tinyllm.ext.ranks import ParallelModel
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def solo_ids(model, tok, prompt: str, n: int) -> list[int]:

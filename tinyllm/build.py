@@ -152,7 +152,7 @@ def make_engine(model: Transformer, config: EngineConfig | int, *, generator=Non
     speculator = None
     if config.speculate is not None or draft is not None:
         from tinyllm.ext.speculative import make_speculator
-        speculator = make_speculator(model, config, cache, draft)
+        speculator = make_speculator(model, config, cache, draft, decoder)
     return ContinuousEngine(model, config, cache=cache, decoder=decoder,
                             planner=make_planner(config), speculator=speculator,
                             grammars=grammars, generator=generator, trace=trace)

@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import python_lines, run_serve
-from tests.test_server import free_port
+from tests.conftest import free_port, python_lines, run_serve
 
 CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 FLAGS = [  # headless, and quiet: this closed network refuses every connection it would open

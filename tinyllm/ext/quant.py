@@ -43,7 +43,6 @@ The embeddings stay in float: a lookup reads one row per token, not the whole ta
 tied to them gets a quantized copy of its own.
 """
 
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn

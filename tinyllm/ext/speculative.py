@@ -30,7 +30,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from tinyllm.core import token_stage
+from tinyllm.core.continuous import sample
 from tinyllm.core.generate import autocast_for
 from tinyllm.core.logits_processors import process
 from tinyllm.core.model import Transformer
@@ -137,10 +137,13 @@ def verify(logits: Tensor, seqs: list[Sequence], guesses: list[list[int]],
 def plain_verdicts(logits: Tensor, seqs: list[Sequence], shared: torch.Generator | None
                    ) -> list[Verdict]:
     """The verdicts of rows that guessed nothing, from their last token's logits (B, V): the
-    token stage's picks, as the engine's plain decode step makes them."""
-    tokens, lps = token_stage.select(logits, [s.history() for s in seqs],
-                                     [s.generator for s in seqs], shared)
-    return [Verdict([t], [lp], 0, 0) for t, lp in zip(tokens, lps)]
+    engine's plain decode step's picks (continuous.sample)."""
+    return unguessed(*sample(seqs, logits, shared))
+
+
+def unguessed(tokens: list[list[int]], logprobs: list[list]) -> list[Verdict]:
+    """The verdicts of rows that guessed nothing and made these tokens (one each)."""
+    return [Verdict(t, lp, 0, 0) for t, lp in zip(tokens, logprobs)]
 
 
 def processed_logits(logits: Tensor, seqs: list[Sequence], guesses: list[list[int]]):
@@ -352,10 +355,11 @@ class DraftProposer:
             self.cache.rollback(seq.slot, extra)
 
 
-def make_speculator(model: Transformer, config, cache, draft: Transformer | None
-                    ) -> "Speculator | None":
+def make_speculator(model: Transformer, config, cache, draft: Transformer | None,
+                    decoder=None) -> "Speculator | None":
     """The engine's speculator over its cache (None without config.speculate); a draft model
-    is given only to speculate with (speculate='draft')."""
+    is given only to speculate with (speculate='draft'). `decoder`, the engine's decode step,
+    says how many query rows its verify pass takes (`verify_rows`), if it has one."""
     if draft is not None and config.speculate != "draft":
         raise ValueError(f"a draft model proposes only with speculate='draft' (got "
                          f"speculate={config.speculate!r})")
@@ -363,7 +367,7 @@ def make_speculator(model: Transformer, config, cache, draft: Transformer | None
         return None
     device = cache.k[0].device
     return Speculator(make_proposer(model, config, cache.max_len, device, draft),
-                      config.spec_tokens, cache)
+                      config.spec_tokens, cache, getattr(decoder, "verify_rows", None))
 
 
 def make_proposer(model: Transformer, config, max_len: int, device, draft: Transformer | None):
@@ -420,8 +424,9 @@ class Speculator:
     guesses than those rows leave beside the step's own: past them the verify pass would be
     the model's, slower than the plain step the guesses replace."""
 
-    def __init__(self, proposer, k: int, cache):
+    def __init__(self, proposer, k: int, cache, verify_rows: int | None = None):
         self.proposer, self.k, self.cache = proposer, k, cache
+        self.verify_rows = verify_rows                  # the decode step's fast verify: rows
         self.record: dict[int, list[float]] = {}       # rid -> [guesses made, kept], decayed
         self.quiet: dict[int, int] = {}                 # rid -> steps since it last guessed
 
@@ -464,8 +469,7 @@ class Speculator:
                 ) -> None:
         """A step where these rows guessed nothing and decoded beside the prefill chunks, in
         their pass: their verdicts, one token each, as a step of their own would give."""
-        for seq, t, lp in zip(seqs, tokens, logprobs):
-            verdict = Verdict(t, lp, 0, 0)
+        for seq, verdict in zip(seqs, unguessed(tokens, logprobs)):
             self.proposer.kept(seq, verdict)
             self.learn(seq, verdict)
 
@@ -474,7 +478,11 @@ class Speculator:
         for a sampled row as many as pay alone (its guesses draw from its generator, so they
         depend on its own record only, and its seeded tokens are the same alone or batched);
         less than its tokens still to make (its last comes from the target), within what the
-        step leaves of its budget (tokens_left; None: no limit) and the slot's positions."""
+        step leaves of its budget (tokens_left; None: no limit), the rows the decode step's
+        verify pass takes beside the step's own (verify_rows), and the slot's positions."""
+        if self.verify_rows is not None:
+            room = max(self.verify_rows - len(seqs), 0)
+            tokens_left = room if tokens_left is None else min(tokens_left, room)
         ks = []
         for seq in seqs:
             rows = len(seqs) if is_greedy(seq.sampling.temperature) else 1
@@ -490,10 +498,6 @@ class Speculator:
 
     def decode(self, seqs: list[Sequence], tokens_left: int | None, shared, runner
                ) -> list[Verdict]:
-        fast = getattr(runner.decode_step, "verify_rows", None)   # its verify's most rows
-        if fast is not None:
-            room = max(fast - len(seqs), 0)
-            tokens_left = room if tokens_left is None else min(tokens_left, room)
         guesses, drafts = self.proposer.propose(seqs, self.allowed(seqs, tokens_left), shared)
         for i, seq in enumerate(seqs):                  # memory for the guesses, or none
             if guesses[i] and not self.cache.reserve(seq.slot, 1 + len(guesses[i])):
