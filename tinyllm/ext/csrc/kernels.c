@@ -120,9 +120,36 @@ static float sum8(const float l[8]) {
    x / step rounded to the nearest (ties to even), within -127 .. 127 */
 static float int8_step(const float *x, int64_t n) {
     float amax = 0;
-    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
-    return fmaxf(amax, 1e-30f) / 127.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;                   /* a max the compiler keeps in line */
+    }
+    return (amax > 1e-30f ? amax : 1e-30f) / 127.0f;
 }
+
+#ifdef AVX2
+/* quantize_groups' work for one group of n values, n a multiple of 8, 8 at a time: the same
+   step, the same quotients rounded the same way (ties to even), the same sum */
+static int32_t quantize8(const float *x, int64_t n, float *step, int8_t *xq) {
+    __m256 amax = _mm256_setzero_ps(), abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t i = 0; i < n; i += 8)
+        amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(x + i), abs));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float a = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    *step = (a > 1e-30f ? a : 1e-30f) / 127.0f;
+    __m256 s = _mm256_set1_ps(*step);
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i v = _mm256_cvtps_epi32(_mm256_round_ps(
+            _mm256_div_ps(_mm256_loadu_ps(x + i), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        sum = _mm256_add_epi32(sum, v);
+        __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i *)(xq + i), _mm_packs_epi16(w, w));
+    }
+    return hsum_i32(sum);
+}
+#endif
 
 /* x's MG groups of n values, each quantized to int8 by its own step sx (int8_step), into
    xq; xs (where not NULL): each group's rounded sum, times its step */
@@ -131,6 +158,13 @@ static void quantize_groups(const float *x, int64_t MG, int64_t n, int8_t *xq, f
     for (int64_t mg = 0; mg < MG; mg++) {
         const float *xg = x + mg * n;
         int32_t sum = 0;
+#ifdef AVX2
+        if (n % 8 == 0) {
+            sum = quantize8(xg, n, sx + mg, xq + mg * n);
+            if (xs) xs[mg] = sx[mg] * (float)sum;
+            continue;
+        }
+#endif
         sx[mg] = int8_step(xg, n);
         for (int64_t j = 0; j < n; j++) {
             int32_t v = (int32_t)nearbyintf(xg[j] / sx[mg]);
@@ -260,14 +294,45 @@ void float_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float 
    region's shared variables, and ran a quarter slower. */
 #define SHARE(N, t, T) ((N) * (t) / (T))
 
+#ifdef AVX2
+/* 8 rows of the int8 weight q (K apart, K a multiple of 32) at their scales (8) . one row of
+   x, xq (K) at step sx -> y (8): rows_q8's outputs, the 8 integer sums in one vector (the
+   row's x loaded once for the 8) and scaled as rows_q8 scales one */
+static inline void rows8_q8(const int8_t *q, const uint16_t *scale, const int8_t *xq,
+                            float sx, int64_t K, float *y, const int8_t *ahead) {
+    __m256i p[8];
+    for (int i = 0; i < 8; i++) {
+        if (ahead) prefetch_bytes(ahead + i * K, K);
+        __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) {
+            a0 = dot32_q8(a0, xq + k, q + i * K + k);
+            a1 = dot32_q8(a1, xq + k + 32, q + i * K + k + 32);
+        }
+        if (k < K) a0 = dot32_q8(a0, xq + k, q + i * K + k);
+        p[i] = _mm256_add_epi32(a0, a1);
+    }
+    __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scale));
+    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_cvtepi32_ps(sums8_i32(p)),
+                                      _mm256_mul_ps(_mm256_set1_ps(sx), s)));
+}
+#endif
+
 /* rows n0 .. n1 of y (M rows, ldy apart) for the int8 weight q (N, K), scale (N) and x's
    rows xq (M, K) int8 at steps sx (M), asking for the rows about 2 KB ahead as it goes (as
    int4_gemv does) */
 static void rows_q8(int64_t n0, int64_t n1, int64_t M, int64_t K, const int8_t *q,
                     const uint16_t *scale, const int8_t *xq, const float *sx, float *y,
                     int64_t ldy) {
-    int64_t ahead = 1 + 2048 / K;
-    for (int64_t n = n0; n < n1; n++) {
+    int64_t ahead = 1 + 2048 / K, n = n0;
+#ifdef AVX2
+    for (; K % 32 == 0 && n + 8 <= n1; n += 8) {      /* 8 rows a pass, then one by one */
+        for (int64_t m = 0; m < M; m++)
+            rows8_q8(q + n * K, scale + n, xq + m * K, sx[m], K, y + m * ldy + n,
+                     m == 0 && n + 8 + ahead < n1 ? q + (n + ahead) * K : NULL);
+    }
+#endif
+    for (; n < n1; n++) {
         if (n + ahead < n1) prefetch_bytes(q + (n + ahead) * K, K);
         for (int64_t m = 0; m < M; m++)
             y[m * ldy + n] = (float)dot_q8(xq + m * K, q + n * K, K)
