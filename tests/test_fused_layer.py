@@ -214,11 +214,11 @@ class Spy:
     """The kernels, counting the rows of each call of one of them (`name`)."""
 
     def __init__(self, name: str):
-        self.name, self.calls, self.real = name, [], cpu_kernels.library()
+        self.watched, self.calls, self.real = name, [], cpu_kernels.library()
 
     def __getattr__(self, name):
         real = getattr(self.real, name)
-        if name != self.name:
+        if name != self.watched:
             return real
 
         def counted(x, *rest):
@@ -232,15 +232,15 @@ class Spy:
 def test_a_quantized_engine_gives_each_request_what_it_gets_alone(weights, monkeypatch):
     """float32, quantized weights: an engine of 3 slots on a tight paged pool with a prefix
     cache gives each request the tokens it gets on an engine of its own, every decode step in
-    decode_layer_q (each row's result is its own)."""
+    the quantized layers' one call (each row's result is its own)."""
     model = FLOAT32_MODELS[weights](make_tiny(seed=21, d_model=64, d_ff=96).float())
-    spy = Spy("decode_layer_q")
+    spy = Spy("decode_layers")
     monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
     alone = [serve(model, [r], 1)[0][0] for r in REQS]
     got, eng = serve(model, REQS, 3, kv="paged", block_size=4, kv_blocks=7, prefix_cache=True)
     assert got == alone
     assert eng.decoder.quantized and eng.stats.preemptions > 0
-    assert spy.calls and max(spy.calls) == 3, "the steps of 3 rows run decode_layer_q"
+    assert spy.calls and max(spy.calls) == 3, "the steps of 3 rows run decode_layers"
 
 
 COPYING = [
@@ -252,19 +252,18 @@ COPYING = [
 
 @pytest.mark.parametrize("weights", ["float64", "int4"])
 def test_speculation_verifies_its_guesses_in_the_fused_layers(weights, monkeypatch):
-    """The verify pass of a fused engine runs decode_layer with a query row per token (the
+    """The verify pass of a fused engine runs decode_layers with a query row per token (the
     rows' last tokens and their guesses: more rows than slots), and gives every request its
     tokens without speculation: its solo tokens in float64; in float32 with int4 weights the
     fused engine's own (each token's arithmetic is the same in a verify row as in a decode
     row, bit for bit)."""
     model = MODEL if weights == "float64" else quantize(copy.deepcopy(MODEL).float(), "int4")
-    name = "decode_layer" if weights == "float64" else "decode_layer_q"
     plain = (
         [solo(MODEL, r).tokens for r in COPYING]
         if weights == "float64"
         else serve(model, COPYING, 2)[0]
     )
-    spy = Spy(name)
+    spy = Spy("decode_layers")
     monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
     got, eng = serve(model, COPYING, 2, kv="paged", block_size=4, speculate="ngram", spec_tokens=3)
     assert got == plain
@@ -273,9 +272,9 @@ def test_speculation_verifies_its_guesses_in_the_fused_layers(weights, monkeypat
 
 def test_a_step_of_more_rows_than_the_c_loops_take_runs_the_model(monkeypatch):
     """18 slots decoding at once: the steps of 17 and 18 rows are the model's own (the
-    library's products), the smaller ones decode_layer's; every request still gets its solo
+    library's products), the smaller ones decode_layers'; every request still gets its solo
     tokens."""
-    spy = Spy("decode_layer")
+    spy = Spy("decode_layers")
     monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
     reqs = [Request([1 + i, 2, 3], 3 + i % 4, eos_id=None) for i in range(18)]
     want = [solo(MODEL, r).tokens for r in reqs]
@@ -331,12 +330,14 @@ def test_bad_weights_are_named():
     x = torch.zeros(1, model.cfg.d_model, dtype=torch.float64)
     layout = kernel_rows(cache, 0, x)
     run = lambda x, w: cpu_kernels.decode_layer(x, w, cos, sin, *layout, 4, 1e-5)
-    with pytest.raises(RuntimeError, match="9 weights"):
+    with pytest.raises(RuntimeError, match="9 tensors a layer, got 8"):
         run(x, w[:8])
-    with pytest.raises(RuntimeError, match=r"w\[2\] must be a contiguous CPU tensor"):
+    with pytest.raises(RuntimeError, match=r"layer 0's w\[2\] must be a contiguous CPU tensor"):
         run(x, w[:2] + [w[2].t().contiguous().t()] + w[3:])
-    with pytest.raises(RuntimeError, match="float32 or float64"):
+    with pytest.raises(RuntimeError, match="x must be Double as the layers are, not Half"):
         run(x.half(), w)
+    with pytest.raises(RuntimeError, match="float32 or float64, not Half"):
+        run(x.half(), [t.half() for t in w])
 
 
 def test_bad_quantized_weights_are_named():
@@ -349,7 +350,7 @@ def test_bad_quantized_weights_are_named():
     x = torch.zeros(1, 64)
     layout = kernel_rows(cache, 0, x)
     run = lambda x, *w: cpu_kernels.decode_layer_q(x, *w, cos, sin, *layout, 4, 1e-5)
-    with pytest.raises(RuntimeError, match="the 2 norms and 7 q, scale and zero"):
+    with pytest.raises(RuntimeError, match="23 tensors a layer, got 22"):
         run(x, norms, q[:6], scale, zero)
     with pytest.raises(RuntimeError, match=r"q\[3\] must be uint8 \[64, 2, 16\], got Char"):
         run(x, norms, q[:3] + [q[3].view(torch.int8)] + q[4:], scale, zero)
@@ -363,7 +364,7 @@ def test_bad_quantized_weights_are_named():
             scale[:1] + [scale[1][:, :1].contiguous()] + scale[2:],
             zero[:1] + [no_zero] + zero[2:],
         )
-    with pytest.raises(RuntimeError, match="runs in float32, not Double"):
+    with pytest.raises(RuntimeError, match="x must be Float as the layers are, not Double"):
         run(x.double(), norms, q, scale, zero)
 
 

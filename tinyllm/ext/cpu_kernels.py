@@ -42,11 +42,14 @@ activations too and multiply integers, as llama.cpp's products do:
   weighted values with the output in registers. One call a layer replaces the update's writes
   and gathers and scaled_dot_product_attention: at batch 1 and a short context, about 20
   microseconds a layer against 60; float64 too, in plain C, so the float64 oracle tests run it.
-- `decode_layer`: a whole decoder layer's decode step in one call (fused_layer.py): the norms,
-  the q, k and v product, RoPE, decode_attention, the output product, the SwiGLU MLP and the
-  residuals, with float_gemv's loops (float32) or plain C's (float64), so a step of SmolLM2
-  makes 30 calls instead of about 300. `decode_layer_q` is the same layer with quantized
-  products (float32): each product the integer one a QuantLinear of its layout calls.
+- `decode_layers`: the decoder layers' decode step in one call (fused_layer.py), each layer's
+  norms, q, k and v product, RoPE, decode_attention, output product, SwiGLU MLP and residuals
+  in turn, with float_gemv's loops (float32) or plain C's (float64), or with quantized products
+  (float32) each the integer one a QuantLinear of its layout calls. The weights go as one
+  `layers(...)` object, checked once when it is made: handed to an operator one by one they
+  would cost about a microsecond and a half each, and a quantized layer has 23. A step of
+  SmolLM2 then makes one call where its layers made about 300. `decode_layer` and
+  `decode_layer_q` run one layer this way.
 
 Each product takes a list of weights that read the same x (q, k and v; gate and up:
 quant.projections), their outputs side by side: x is read (and quantized) once, and the
@@ -256,41 +259,63 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tens
                                                mask)
 
 
+def layers(tensors: list[Tensor], quantized: bool, n_heads: int, head_dim: int, eps: float,
+           ops=None):
+    """The decoder layers as decode_layers reads them, checked once and held: tensors are each
+    layer's nine weights in decode_layer's order (float32 or float64, contiguous, on the CPU),
+    or with quantized each layer's two norms (float32) and the q, scale and zero of its seven
+    products (q, k, v, o, gate, up, down; zero an empty tensor where a weight has none) as
+    QuantLinear keeps them, q, k and v of one kind, gate and up of one kind. A wrong dtype,
+    shape or layout raises, naming the layer and the weight."""
+    ops = ops or library()
+    return getattr(torch.classes, ops.name).Layers(list(tensors), quantized, n_heads, head_dim,
+                                                    eps)
+
+
+def decode_layers(x: Tensor, stack, cos: Tensor, sin: Tensor, keys: list[Tensor],
+                  values: list[Tensor], write: Tensor, read: Tensor, head_stride: int,
+                  mask: Tensor, ops=None) -> Tensor:
+    """The decode step of every layer of `stack` (layers()) in one call: the residual stream x
+    (M, d) of M rows, one new token each -> the last layer's output (M, d), what the model's
+    Blocks compute in turn (each its norms, q, k and v, RoPE by cos and sin (M or 1 rows of
+    hd), decode_attention in layer l's cache keys[l] and values[l], the output projection, the
+    SwiGLU MLP, both residuals) up to the order of additions. The cache's other arguments are
+    decode_attention's, the same for every layer. An index outside the cache raises
+    IndexError and writes nothing."""
+    return (ops or library()).decode_layers(x, stack, cos, sin, keys, values, write, read,
+                                            head_stride, mask)
+
+
 def decode_layer(x: Tensor, w: list[Tensor], cos: Tensor, sin: Tensor, keys: Tensor,
                  values: Tensor, write: Tensor, read: Tensor, head_stride: int, mask: Tensor,
                  n_heads: int, eps: float, ops=None) -> Tensor:
-    """A decoder layer's decode step in one call: the residual stream x (M, d) of M rows, one
-    new token each -> the layer's output (M, d), what Block computes (its norms, q, k and v,
-    RoPE by cos and sin (M or 1 rows of hd), decode_attention on the cache as there, the output
-    projection, the SwiGLU MLP, both residuals) up to the order of additions. w: the layer's
-    weights, [input norm, q, k, v, o, post-attention norm, gate, up, down], contiguous, in x's
-    dtype (float32 or float64, on the CPU); the cache's arguments are decode_attention's. An
-    index outside the cache raises IndexError and writes nothing."""
-    return (ops or library()).decode_layer(x, w, cos, sin, keys, values, write, read,
-                                           head_stride, mask, n_heads, eps)
+    """decode_layers for one layer of float weights w: [input norm, q, k, v, o, post-attention
+    norm, gate, up, down], contiguous, in x's dtype (float32 or float64, on the CPU)."""
+    stack = layers(w, False, n_heads, cos.size(-1), eps, ops)
+    return decode_layers(x, stack, cos, sin, [keys], [values], write, read, head_stride, mask,
+                         ops)
 
 
 def decode_layer_q(x: Tensor, norms: list[Tensor], q: list[Tensor], scale: list[Tensor],
                    zero: list[Tensor], cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
                    write: Tensor, read: Tensor, head_stride: int, mask: Tensor, n_heads: int,
                    eps: float, ops=None) -> Tensor:
-    """decode_layer for a layer of quantized products, in float32: norms [input norm,
+    """decode_layers for one layer of quantized products, in float32: norms [input norm,
     post-attention norm] (d) float32; q, scale, zero: the seven products' (q, k, v, o, gate, up,
-    down) as QuantLinear keeps them (zero an empty tensor where a weight has none). Each
-    product is the call a QuantLinear's own C product makes (int8_gemv, int4_gemv or
-    int8g_gemv, by its layout), bit for bit; q, k and v, and gate and up, must be of one
-    kind."""
-    return (ops or library()).decode_layer_q(x, norms, q, scale, zero, cos, sin, keys, values,
-                                             write, read, head_stride, mask, n_heads, eps)
+    down) as QuantLinear keeps them. Each product is the call a QuantLinear's own C product
+    makes (int8_gemv, int4_gemv or int8g_gemv, by its layout), bit for bit."""
+    stack = layers([*norms, *q, *scale, *zero], True, n_heads, cos.size(-1), eps, ops)
+    return decode_layers(x, stack, cos, sin, [keys], [values], write, read, head_stride, mask,
+                         ops)
 
 
 def _fake(name: str):
     """What an operator returns, for torch.compile and make_fx to trace: (M, N_1 + N_2 + ...)
     for a product, q's shape for attention, x's for a layer."""
-    if name in ("decode_attention", "decode_layer", "decode_layer_q"):
+    if name in ("decode_attention", "decode_layers"):
         return lambda x, *rest: torch.empty_like(x)
     return lambda x, q, *rest: x.new_empty((x.size(0), sum(t.size(0) for t in q)))
 
 
 OPS = ("float_gemv", "int8_gemv", "int4_gemv", "int8g_gemv", "decode_attention",
-       "decode_layer", "decode_layer_q")
+       "decode_layers")

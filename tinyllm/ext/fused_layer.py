@@ -1,19 +1,21 @@
-"""Step 13 - the decode step with each layer in one C call.
+"""Step 13 - the decode step's layers in one C call.
 
 The pieces (piecewise.py) fuse a layer's small operations, yet a step of SmolLM2 still makes
 about 300 calls from Python: 31 compiled pieces, and inside them and between them the products,
 the fused loops, the attention, each a dispatch of a few microseconds. At batch 1 on a CPU those
 calls cost a quarter of a float32 step, and their Python's data is pushed out of the caches by
 every layer's weights as they stream past. llama.cpp has none of that: its step is a graph of C
-kernels, run from C. `FusedDecoder(model)` does the same for each layer: one call of
-`cpu_kernels.decode_layer` computes the whole layer for the step's rows (norm, the q, k and v
-product, RoPE, the attention in the cache, the output product, norm, the SwiGLU MLP, the two
-residuals), the same loops as the kernels' own (float_gemv, decode_attention), so a step is the
-embedding, 30 calls and the head. Nothing is compiled at run time and no batch is padded. The C
-loops multiply a weight vector with 4 rows at a time, and each row's result depends on that
-row alone. From a few dozen rows on, a step is arithmetic more than reading, and the math
-library's blocked products do more of it a cycle, so a step of more than FUSED_ROWS (16) rows
-runs the model as it is, as GemvLinear hands such products to the library.
+kernels, run from C. `FusedDecoder(model)` does the same for the layers: one call of
+`cpu_kernels.decode_layers` computes every layer in turn for the step's rows (each layer's norm,
+the q, k and v product, RoPE, the attention in the cache, the output product, norm, the SwiGLU
+MLP, the two residuals), the same loops as the kernels' own (float_gemv, decode_attention), so a
+step is the embedding, one call and the head. The layers' weights go to C once, as one object
+(`cpu_kernels.layers`) made with the decoder: handed over tensor by tensor every step, a
+quantized layer's 23 would cost about 35 microseconds. Nothing is compiled at run time and no
+batch is padded. The C loops multiply a weight vector with 4 rows at a time, and each row's
+result depends on that row alone. From a few dozen rows on, a step is arithmetic more than
+reading, and the math library's blocked products do more of it a cycle, so a step of more than
+FUSED_ROWS (16) rows runs the model as it is, as GemvLinear hands such products to the library.
 
 It serves a model of float weights (float32, or float64 for the oracle tests) without biases on
 a CPU, with a cache that says where its keys lie (`layout`: slots, a paged pool, a prefix
@@ -21,9 +23,9 @@ cache), the continuous engine's decoder="fused"; a model it cannot compute is re
 (`FusedDecoder.refusal`). A step of several tokens a row, or a cache without a layout or in
 another dtype, runs the model as it is.
 
-A quantized model's layers (int8, int4, a GGUF file's blocks) are one call too, of
-`cpu_kernels.decode_layer_q`: each product there is the integer product its QuantLinear makes
-(the same C loop, the same bits), and the rest is decode_layer's. At batch 1 a quantized step
+A quantized model's layers (int8, int4, a GGUF file's blocks) are one call too: each product
+there is the integer product its QuantLinear makes (the same C loop, the same bits), and the
+rest is the float layers'. At batch 1 a quantized step
 is a third of a float32 one, so the calls it no longer makes from Python are a larger share:
 the layers' own time is what is left. In float64 (the oracle's) a quantized model's step is
 the model's, as its products are.
@@ -50,7 +52,7 @@ def layer_weights(block) -> list[Tensor]:
 
 
 def quant_weights(block) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
-    """A quantized layer's weights in decode_layer_q's order: the two norms, then the q, scale
+    """A quantized layer's weights in decode_layers' order: the two norms, then the q, scale
     and zero (an empty tensor where it has none) of q, k, v, o, gate, up and down."""
     attn, mlp = block.self_attn, block.mlp
     products = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
@@ -81,10 +83,13 @@ class FusedDecoder:
         self.quantized = isinstance(model.layers[0].self_attn.q_proj, QuantLinear)
         weights = quant_weights if self.quantized else layer_weights
         self.weights = [weights(block) for block in model.layers]
+        self.stack = cpu_kernels.layers(                    # checked once, handed over whole
+            [t for w in self.weights for t in (sum(w, []) if self.quantized else w)],
+            self.quantized, model.cfg.n_heads, model.cfg.head_dim, model.cfg.norm_eps)
 
     @staticmethod
     def refusal(model: Transformer) -> str | None:
-        """Why decode_layer cannot compute this model's layers, or None where it can."""
+        """Why decode_layers cannot compute this model's layers, or None where it can."""
         if not cpu_kernels.available():
             return f"the C kernels are not built here: {cpu_kernels.why_not_built()}"
         p = model.embed_tokens.weight
@@ -104,7 +109,7 @@ class FusedDecoder:
 
     @staticmethod
     def quant_refusal(block, linears: list[nn.Module]) -> str | None:
-        """Why decode_layer_q cannot compute this quantized layer, or None where it can."""
+        """Why decode_layers cannot compute this quantized layer, or None where it can."""
         kinds = [c_product_of(m) for m in linears]
         if any(k not in C_PRODUCTS for k in kinds):
             return ("its layers are not all quantized with a C product here (int8, int4 with "
@@ -124,7 +129,7 @@ class FusedDecoder:
         self.__init__(state["model"])
 
     def computes(self, rows: int, cache) -> bool:
-        """Whether decode_layer computes a step of `rows` query rows on this cache: at most
+        """Whether decode_layers computes a step of `rows` query rows on this cache: at most
         FUSED_ROWS of them, a cache with a layout, in the weights' dtype (float32 where the
         products are quantized)."""
         dtype = self.model.embed_tokens.weight.dtype
@@ -144,10 +149,10 @@ class FusedDecoder:
     @torch.no_grad()
     def verify(self, idx: Tensor, q_lens: list[int], cache) -> Tensor | None:
         """Speculation's target pass (11) on the cache's planned ragged step, row b's q_lens[b]
-        tokens of idx (B, T): each of the N new tokens a query row of decode_layer, which
+        tokens of idx (B, T): each of the N new tokens a query row of decode_layers, which
         writes every row's key before any attends, so a guess sees the guesses before it ->
         logits (B, T, V) (a padded column's are zeros); None (nothing done) where the step
-        is more rows than decode_layer takes, and the model computes it."""
+        is more rows than decode_layers takes, and the model computes it."""
         m, (B, T), N = self.model, idx.shape, sum(q_lens)
         if not self.computes(N, cache) or max(q_lens) > QUERY_ROWS:
             return None
@@ -165,11 +170,8 @@ class FusedDecoder:
 
     def layers(self, x: Tensor, cos: Tensor, sin: Tensor, cache, tokens=None) -> Tensor:
         """x (M, d), the step's query rows (its decode rows, or `tokens`: kernel_rows'), through
-        every layer, one C call each -> (M, d)."""
-        m = self.model
-        layer = cpu_kernels.decode_layer_q if self.quantized else cpu_kernels.decode_layer
-        for i, w in enumerate(self.weights):                            # x (M, d) a layer
-            w = w if self.quantized else (w,)
-            rows = kernel_rows(cache, i, x, tokens)
-            x = layer(x, *w, cos, sin, *rows, m.cfg.n_heads, m.cfg.norm_eps)
-        return x
+        every layer in one C call -> (M, d)."""
+        rows = [kernel_rows(cache, i, x, tokens) for i in range(len(self.weights))]
+        write, read, stride, mask = rows[0][2:]                 # the same for every layer
+        return cpu_kernels.decode_layers(x, self.stack, cos, sin, [r[0] for r in rows],
+                                         [r[1] for r in rows], write, read, stride, mask)

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <cmath>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #include <vector>
 
@@ -241,49 +242,6 @@ static at::Tensor layer_result(const LayerStep &s, int outside) {
     return s.x;
 }
 
-static at::Tensor decode_layer_op(const at::Tensor &x_, at::TensorList w, const at::Tensor &cos_,
-                                  const at::Tensor &sin_, at::Tensor &keys, at::Tensor &values,
-                                  const at::Tensor &write_, const at::Tensor &read_,
-                                  int64_t head_stride, const at::Tensor &mask_, int64_t n_heads,
-                                  double eps) {
-    at::ScalarType dtype = x_.scalar_type();
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
-                "decode_layer runs in float32 or float64, not ", dtype);
-    TORCH_CHECK(w.size() == 9, "w must hold the layer's 9 weights (ln1, q, k, v, o, ln2, gate, "
-                "up, down), got ", w.size());
-    int64_t d = x_.dim() == 2 ? x_.size(1) : 0, hd = cos_.size(-1), H = n_heads;
-    int64_t n_kv = kv_heads(H, w[2].dim() == 2 ? w[2].size(0) : 0, hd);
-    int64_t ff = w[6].dim() == 2 ? w[6].size(0) : 0;
-    std::vector<std::vector<int64_t>> shapes = product_shapes(d, H, n_kv, hd, ff);
-    shapes.insert(shapes.begin() + 4, {d});
-    shapes.insert(shapes.begin(), {d});
-    std::vector<const void *> wd;
-    for (size_t i = 0; i < 9; i++) {
-        TORCH_CHECK(w[i].scalar_type() == dtype && w[i].device().is_cpu() &&
-                    w[i].is_contiguous() && w[i].sizes() == at::IntArrayRef(shapes[i]),
-                    "w[", i, "] must be a contiguous CPU tensor of x's dtype, shaped ",
-                    at::IntArrayRef(shapes[i]), ", got ", w[i].scalar_type(), " ", w[i].sizes());
-        if (i != 0 && i != 5) wd.push_back(w[i].data_ptr());
-    }
-    LayerStep s = layer_step(x_, cos_, sin_, keys, values, write_, read_, mask_, n_kv);
-    int threads = at::get_num_threads();
-    int outside = dtype == at::kFloat
-        ? decode_layer_f32(s.M, d, H, n_kv, hd, ff, s.x.data_ptr<float>(), w[0].data_ptr<float>(),
-                           w[5].data_ptr<float>(), (const float **)wd.data(),
-                           s.cos.data_ptr<float>(), s.sin.data_ptr<float>(), s.rope_rows,
-                           keys.data_ptr<float>(), values.data_ptr<float>(), s.cached,
-                           head_stride, s.write.data_ptr<int64_t>(), s.read.data_ptr<int64_t>(),
-                           s.mask.data_ptr<float>(), s.W, eps, threads)
-        : decode_layer_f64(s.M, d, H, n_kv, hd, ff, s.x.data_ptr<double>(),
-                           w[0].data_ptr<double>(), w[5].data_ptr<double>(),
-                           (const double **)wd.data(), s.cos.data_ptr<double>(),
-                           s.sin.data_ptr<double>(), s.rope_rows, keys.data_ptr<double>(),
-                           values.data_ptr<double>(), s.cached, head_stride,
-                           s.write.data_ptr<int64_t>(), s.read.data_ptr<int64_t>(),
-                           s.mask.data_ptr<double>(), s.W, eps, threads);
-    return layer_result(s, outside);
-}
-
 /* product i's weight (N, K) as QWeight: scale (N, G) float16 (group K / G); zero as scale, or
    empty; q int8 (N, K) without zero, else (N, G, group / 2) bytes of two 4-bit values */
 static QWeight quant_weight(size_t i, const at::Tensor &q, const at::Tensor &scale,
@@ -309,45 +267,144 @@ static QWeight quant_weight(size_t i, const at::Tensor &q, const at::Tensor &sca
             four ? (const uint16_t *)zero.data_ptr() : nullptr, g};
 }
 
-static at::Tensor decode_layer_q_op(const at::Tensor &x_, at::TensorList norms, at::TensorList q,
-                                    at::TensorList scale, at::TensorList zero,
-                                    const at::Tensor &cos_, const at::Tensor &sin_,
-                                    at::Tensor &keys, at::Tensor &values,
-                                    const at::Tensor &write_, const at::Tensor &read_,
-                                    int64_t head_stride, const at::Tensor &mask_, int64_t n_heads,
-                                    double eps) {
-    TORCH_CHECK(x_.scalar_type() == at::kFloat, "decode_layer_q runs in float32, not ",
-                x_.scalar_type());
-    TORCH_CHECK(norms.size() == 2 && q.size() == 7 && scale.size() == 7 && zero.size() == 7,
-                "decode_layer_q takes the 2 norms and 7 q, scale and zero (q, k, v, o, gate, up, "
-                "down)");
-    int64_t d = x_.dim() == 2 ? x_.size(1) : 0, hd = cos_.size(-1), H = n_heads;
-    int64_t n_kv = kv_heads(H, q[1].dim() >= 1 ? q[1].size(0) : 0, hd);
-    int64_t ff = q[4].dim() >= 1 ? q[4].size(0) : 0;
+/* layer l's nine float weights w (ln1, q, k, v, o, ln2, gate, up, down), checked against the
+   layer's shapes (d, H, n_kv, hd, ff): the two norms into norms, the seven products into fw */
+static void float_layer(int64_t l, const at::Tensor *w, at::ScalarType dtype, int64_t d, int64_t H,
+                        int64_t n_kv, int64_t hd, int64_t ff, std::vector<const void *> &norms,
+                        std::vector<const void *> &fw) {
     std::vector<std::vector<int64_t>> shapes = product_shapes(d, H, n_kv, hd, ff);
-    for (const at::Tensor &n : norms)
-        TORCH_CHECK(n.scalar_type() == at::kFloat && n.is_contiguous() && n.device().is_cpu() &&
-                    n.sizes() == at::IntArrayRef({d}),
-                    "the norms must be contiguous float32 (", d, ") CPU tensors");
-    std::vector<QWeight> w;
+    shapes.insert(shapes.begin() + 4, {d});
+    shapes.insert(shapes.begin(), {d});
+    for (size_t i = 0; i < 9; i++) {
+        TORCH_CHECK(w[i].scalar_type() == dtype && w[i].device().is_cpu() &&
+                    w[i].is_contiguous() && w[i].sizes() == at::IntArrayRef(shapes[i]),
+                    "layer ", l, "'s w[", i, "] must be a contiguous CPU tensor of ", dtype,
+                    ", shaped ", at::IntArrayRef(shapes[i]), ", got ", w[i].scalar_type(), " ",
+                    w[i].sizes());
+        (i == 0 || i == 5 ? norms : fw).push_back(w[i].data_ptr());
+    }
+}
+
+/* layer l's quantized weights t: the two norms, then q, scale and zero of its seven products
+   (q, k, v, o, gate, up, down), checked as QuantLinear keeps them, into norms and qw */
+static void quant_layer(int64_t l, const at::Tensor *t, int64_t d, int64_t H, int64_t n_kv,
+                        int64_t hd, int64_t ff, std::vector<const void *> &norms,
+                        std::vector<QWeight> &qw) {
+    std::vector<std::vector<int64_t>> shapes = product_shapes(d, H, n_kv, hd, ff);
+    for (int i = 0; i < 2; i++) {
+        TORCH_CHECK(t[i].scalar_type() == at::kFloat && t[i].is_contiguous() &&
+                    t[i].device().is_cpu() && t[i].sizes() == at::IntArrayRef({d}),
+                    "layer ", l, ": the norms must be contiguous float32 (", d, ") CPU tensors");
+        norms.push_back(t[i].data_ptr());
+    }
+    size_t first = qw.size();
     for (size_t i = 0; i < 7; i++)
-        w.push_back(quant_weight(i, q[i], scale[i], zero[i], shapes[i][0], shapes[i][1]));
+        qw.push_back(quant_weight(i, t[2 + i], t[9 + i], t[16 + i], shapes[i][0], shapes[i][1]));
     auto same = [&](size_t a, size_t b) {
-        TORCH_CHECK((w[a].zero == nullptr) == (w[b].zero == nullptr) && w[a].group == w[b].group,
-                    "q[", a, "] and q[", b, "] read the same x and must be of one kind");
+        const QWeight &u = qw[first + a], &v = qw[first + b];
+        TORCH_CHECK((u.zero == nullptr) == (v.zero == nullptr) && u.group == v.group, "layer ",
+                    l, ": q[", a, "] and q[", b, "] read the same x and must be of one kind");
     };
     same(0, 1), same(0, 2), same(4, 5);
-    LayerStep s = layer_step(x_, cos_, sin_, keys, values, write_, read_, mask_, n_kv);
-    int outside = decode_layer_q(s.M, d, H, n_kv, hd, ff, s.x.data_ptr<float>(),
-                                 norms[0].data_ptr<float>(), norms[1].data_ptr<float>(), w.data(),
-                                 s.cos.data_ptr<float>(), s.sin.data_ptr<float>(), s.rope_rows,
-                                 keys.data_ptr<float>(), values.data_ptr<float>(), s.cached,
-                                 head_stride, s.write.data_ptr<int64_t>(),
-                                 s.read.data_ptr<int64_t>(), s.mask.data_ptr<float>(), s.W, eps,
-                                 at::get_num_threads());
+}
+
+/* A model's decoder layers as decode_layers reads them, checked once when made, so that a
+   step hands its weights to C as one object (each tensor handed to an operator costs about a
+   microsecond and a half: a quantized layer has 23). tensors: each layer's nine float weights
+   (decode_layer's order), or with quantized its two norms and its seven products' q, scale and
+   zero (an empty tensor where it has none); it holds them while it lives. */
+namespace TINYLLM_NS {              /* a type of its own in each build loaded, as torch asks */
+struct Layers : torch::CustomClassHolder {
+    std::vector<at::Tensor> held;
+    bool quantized;
+    at::ScalarType dtype;
+    int64_t n, d, H, n_kv, hd, ff;
+    double eps;
+    std::vector<const void *> norms, fw;        /* 2 a layer; float: 7 products a layer */
+    std::vector<QWeight> qw;                    /* quantized: 7 products a layer */
+
+    Layers(std::vector<at::Tensor> tensors, bool quantized_, int64_t n_heads, int64_t head_dim,
+           double eps_)
+        : held(std::move(tensors)), quantized(quantized_), H(n_heads), hd(head_dim), eps(eps_) {
+        size_t per = quantized ? 23 : 9;
+        TORCH_CHECK(!held.empty() && held.size() % per == 0, "layers takes ", per,
+                    " tensors a layer, got ", held.size());
+        n = held.size() / per;
+        const at::Tensor &k = held[quantized ? 3 : 2], &gate = held[6];
+        d = held[0].dim() == 1 ? held[0].size(0) : 0;
+        dtype = quantized ? at::kFloat : held[0].scalar_type();
+        TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+                    "the layers run in float32 or float64, not ", dtype);
+        n_kv = kv_heads(H, k.dim() >= 1 ? k.size(0) : 0, hd);
+        ff = gate.dim() >= 1 ? gate.size(0) : 0;
+        for (int64_t l = 0; l < n; l++) {
+            const at::Tensor *t = held.data() + l * per;
+            if (quantized) quant_layer(l, t, d, H, n_kv, hd, ff, norms, qw);
+            else float_layer(l, t, dtype, d, H, n_kv, hd, ff, norms, fw);
+        }
+    }
+};
+}  // namespace TINYLLM_NS
+using TINYLLM_NS::Layers;
+
+/* x (M, d) through every layer of `layers`, layer l on the cache's keys[l] and values[l]: the
+   decode steps of decode_layer_f32 / _f64 / _q in turn, in C. The layers' caches have one
+   shape, so a row outside them is found at the first layer, before anything is written. */
+static at::Tensor decode_layers_op(const at::Tensor &x_, const c10::intrusive_ptr<Layers> &L,
+                                   const at::Tensor &cos_, const at::Tensor &sin_,
+                                   at::TensorList keys, at::TensorList values,
+                                   const at::Tensor &write_, const at::Tensor &read_,
+                                   int64_t head_stride, const at::Tensor &mask_) {
+    TORCH_CHECK(x_.scalar_type() == L->dtype, "x must be ", L->dtype, " as the layers are, not ",
+                x_.scalar_type());
+    TORCH_CHECK(x_.dim() == 2 && x_.size(1) == L->d, "x must be (M, ", L->d, "), got ",
+                x_.sizes());
+    TORCH_CHECK(cos_.size(-1) == L->hd, "cos and sin must have head_dim ", L->hd, " values");
+    TORCH_CHECK((int64_t)keys.size() == L->n && (int64_t)values.size() == L->n,
+                "keys and values must hold a cache for each of the ", L->n, " layers");
+    for (int64_t l = 1; l < L->n; l++)
+        TORCH_CHECK(keys[l].sizes() == keys[0].sizes() && values[l].sizes() == keys[0].sizes() &&
+                    keys[l].scalar_type() == L->dtype && values[l].scalar_type() == L->dtype &&
+                    keys[l].device().is_cpu() && values[l].device().is_cpu() &&
+                    keys[l].is_contiguous() && values[l].is_contiguous(),
+                    "every layer's keys and values must be contiguous CPU tensors shaped as "
+                    "layer 0's keys");
+    LayerStep s = layer_step(x_, cos_, sin_, keys[0], values[0], write_, read_, mask_, L->n_kv);
+    int threads = at::get_num_threads(), outside = 0;
+    for (int64_t l = 0; l < L->n && !outside; l++) {
+        const void *ln1 = L->norms[2 * l], *ln2 = L->norms[2 * l + 1];
+        if (L->quantized)
+            outside = decode_layer_q(s.M, L->d, L->H, L->n_kv, L->hd, L->ff, s.x.data_ptr<float>(),
+                                     (const float *)ln1, (const float *)ln2, &L->qw[7 * l],
+                                     s.cos.data_ptr<float>(), s.sin.data_ptr<float>(),
+                                     s.rope_rows, keys[l].data_ptr<float>(),
+                                     values[l].data_ptr<float>(), s.cached, head_stride,
+                                     s.write.data_ptr<int64_t>(), s.read.data_ptr<int64_t>(),
+                                     s.mask.data_ptr<float>(), s.W, L->eps, threads);
+        else if (L->dtype == at::kFloat)
+            outside = decode_layer_f32(s.M, L->d, L->H, L->n_kv, L->hd, L->ff,
+                                       s.x.data_ptr<float>(), (const float *)ln1,
+                                       (const float *)ln2, (const float **)&L->fw[7 * l],
+                                       s.cos.data_ptr<float>(), s.sin.data_ptr<float>(),
+                                       s.rope_rows, keys[l].data_ptr<float>(),
+                                       values[l].data_ptr<float>(), s.cached, head_stride,
+                                       s.write.data_ptr<int64_t>(), s.read.data_ptr<int64_t>(),
+                                       s.mask.data_ptr<float>(), s.W, L->eps, threads);
+        else
+            outside = decode_layer_f64(s.M, L->d, L->H, L->n_kv, L->hd, L->ff,
+                                       s.x.data_ptr<double>(), (const double *)ln1,
+                                       (const double *)ln2, (const double **)&L->fw[7 * l],
+                                       s.cos.data_ptr<double>(), s.sin.data_ptr<double>(),
+                                       s.rope_rows, keys[l].data_ptr<double>(),
+                                       values[l].data_ptr<double>(), s.cached, head_stride,
+                                       s.write.data_ptr<int64_t>(), s.read.data_ptr<int64_t>(),
+                                       s.mask.data_ptr<double>(), s.W, L->eps, threads);
+    }
     return layer_result(s, outside);
 }
 
+#define NAME(ns) #ns
+#define CLASS(ns) "__torch__.torch.classes." NAME(ns) ".Layers"
 #define DEFINE(ns) TORCH_LIBRARY(ns, m)      /* TINYLLM_NS expanded first */
 #define IMPLEMENT(ns) TORCH_LIBRARY_IMPL(ns, CPU, m)
 DEFINE(TINYLLM_NS) {
@@ -357,12 +414,11 @@ DEFINE(TINYLLM_NS) {
     m.def("int8g_gemv(Tensor x, Tensor[] q, Tensor[] scale) -> Tensor");
     m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, "
           "Tensor write, Tensor read, int head_stride, Tensor mask) -> Tensor");
-    m.def("decode_layer(Tensor x, Tensor[] w, Tensor cos, Tensor sin, Tensor(a!) keys, "
-          "Tensor(b!) values, Tensor write, Tensor read, int head_stride, Tensor mask, "
-          "int n_heads, float eps) -> Tensor");
-    m.def("decode_layer_q(Tensor x, Tensor[] norms, Tensor[] q, Tensor[] scale, Tensor[] zero, "
-          "Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, Tensor write, Tensor read, "
-          "int head_stride, Tensor mask, int n_heads, float eps) -> Tensor");
+    m.class_<Layers>("Layers").def(
+        torch::init<std::vector<at::Tensor>, bool, int64_t, int64_t, double>());
+    m.def("decode_layers(Tensor x, " CLASS(TINYLLM_NS) " layers, Tensor cos, Tensor sin, "
+          "Tensor(a!)[] keys, Tensor(b!)[] values, Tensor write, Tensor read, int head_stride, "
+          "Tensor mask) -> Tensor");
 }
 IMPLEMENT(TINYLLM_NS) {
     m.impl("float_gemv", float_gemv_op);
@@ -370,6 +426,5 @@ IMPLEMENT(TINYLLM_NS) {
     m.impl("int4_gemv", int4_gemv_op);
     m.impl("int8g_gemv", int8g_gemv_op);
     m.impl("decode_attention", decode_attention_op);
-    m.impl("decode_layer", decode_layer_op);
-    m.impl("decode_layer_q", decode_layer_q_op);
+    m.impl("decode_layers", decode_layers_op);
 }
