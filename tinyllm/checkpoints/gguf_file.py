@@ -19,6 +19,7 @@ metadata as a `tokenizers` byte-level BPE that cuts text as the file's `tokenize
 """
 
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -63,8 +64,13 @@ def reader_class():
     The reader parses every metadata value as a slice of that map: SmolLM2's vocabulary and
     merges alone are some 200,000 slices. A slice of numpy's np.memmap runs Python code of that
     subclass; a slice of a plain ndarray over the same map does not, and reads the same bytes
-    (SmolLM2's file opens in 2 s, not 5.5). Raises ImportError without the gguf package."""
+    (SmolLM2's file opens in 2 s, not 5.5). An array of numbers is one slice here, not one an
+    element, and an array of strings is read with plain slices of memory (memoryview's), its
+    lengths as Python ints, in a file of this machine's byte order: 0.3 s. Raises ImportError
+    without the gguf package."""
     import gguf
+
+    STRING, ARRAY = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
 
     class Reader(gguf.GGUFReader):
         @property
@@ -74,6 +80,26 @@ def reader_class():
         @data.setter
         def data(self, mapped):                           # the reader's np.memmap of the file
             self._data = mapped.view(np.ndarray)
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int):
+            """(bytes read, parts, the parts that hold values, types), the base class's, with
+            an array's values in fewer parts: a number array's in one, a string's two each."""
+            if raw_type != ARRAY or self.byte_order != "I" or sys.byteorder != "little":
+                return super()._get_field_parts(orig_offs, raw_type)
+            itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            kind, n, offs = gguf.GGUFValueType(int(itype[0])), int(count[0]), orig_offs + 12
+            nptype = self.gguf_scalar_to_np.get(kind)
+            if nptype is not None:
+                values = self._get(offs, nptype, n)
+                return 12 + values.nbytes, [itype, count, values], [2], [ARRAY, kind]
+            if kind != STRING:
+                return super()._get_field_parts(orig_offs, raw_type)
+            mem, parts = memoryview(self._data), [itype, count]
+            for _ in range(n):                            # (length: u64, bytes) each
+                size = int.from_bytes(mem[offs:offs + 8], "little")
+                parts += (mem[offs:offs + 8], mem[offs + 8:offs + 8 + size])
+                offs += 8 + size
+            return offs - orig_offs, parts, list(range(3, len(parts), 2)), [ARRAY, STRING]
 
     return Reader
 
@@ -228,17 +254,40 @@ def to_hf_name(name: str, where: Path) -> str:
 
 
 def dequantize(tensor, where: Path) -> torch.Tensor:
-    """One reader tensor -> float32 (rows, cols) in PyTorch's layout, de-quantised by the gguf
-    package (llama.cpp's own arithmetic). GGUF lists dims innermost first (ne0 = the input
-    features), so the shape reads backwards."""
+    """One reader tensor -> float32 (rows, cols) in PyTorch's layout, de-quantised with
+    llama.cpp's own arithmetic: by blocks_to_float for the blocks of 32 (Q4_0, Q4_1, Q8_0),
+    else by the gguf package. GGUF lists dims innermost first (ne0 = the input features), so
+    the shape reads backwards."""
     from gguf import quants
     kind = tensor.tensor_type.name
     if kind not in READABLE:
         raise CheckpointError(f"{where}: tensor {tensor.name!r} has type {kind}, which tinyllm "
                               f"does not de-quantise (it reads {', '.join(READABLE)})")
     shape = tuple(int(n) for n in reversed(tensor.shape))
+    if kind in BLOCKS_OF_32:
+        return blocks_to_float(kind, np.asarray(tensor.data)).reshape(shape)
     values = quants.dequantize(tensor.data, tensor.tensor_type)        # float32, blocks undone
     return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(shape)
+
+
+BLOCKS_OF_32 = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}     # a block's bytes: float16 scale(s), values
+
+
+def blocks_to_float(kind: str, data: np.ndarray) -> torch.Tensor:
+    """A tensor's GGUF blocks of 32 (bytes) -> its float32 values, flat, as the gguf package
+    computes them (the same float32 products and sums, one by one: the same bits), in whole-
+    tensor operations: Q8_0 d q; Q4_0 d (q - 8); Q4_1 d q + m, each 4-bit q of a block's 16
+    bytes the low nibble (values 0..15), then the high one (16..31)."""
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, BLOCKS_OF_32[kind]))
+    d = raw[:, 0:2].contiguous().view(torch.float16).float()           # (blocks, 1)
+    if kind == "Q8_0":
+        return (raw[:, 2:].contiguous().view(torch.int8).float() * d).reshape(-1)
+    packed = raw[:, 4:] if kind == "Q4_1" else raw[:, 2:]                # (blocks, 16)
+    q = torch.cat([packed & 15, packed >> 4], dim=1).float()            # (blocks, 32)
+    if kind == "Q4_0":
+        return (d * (q - 8)).reshape(-1)
+    m = raw[:, 2:4].contiguous().view(torch.float16).float()
+    return (d * q + m).reshape(-1)
 
 
 def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

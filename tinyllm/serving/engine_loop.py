@@ -403,8 +403,9 @@ def engine_process(engine: ContinuousEngine, addresses: tuple[str, str], n_threa
             pipe.send(Failed(warm_up_failure(engine.config.decoder, e)))
             return
         pipe.send(Ready())
-        compile_rest(engine)
-        serve_engine(engine, pipe)
+        served = threading.Event()
+        compile_rest(engine, served)
+        serve_engine(engine, pipe, served)
     finally:
         pipe.close()
 
@@ -455,16 +456,25 @@ def warm_up(engine: ContinuousEngine, say) -> None:
     say(f"the decode step is compiled ({time.perf_counter() - t0:.0f} s)")
 
 
-def compile_rest(engine: ContinuousEngine) -> threading.Thread | None:
+REST_AFTER_S = 10.0  # the most compile_rest waits for a first step before it compiles
+
+
+def compile_rest(
+    engine: ContinuousEngine, served: threading.Event | None = None
+) -> threading.Thread | None:
     """A decoder that left buckets for later (warm_up) compiles them in a thread of its own,
     one after another, while the engine serves: a step whose bucket is not compiled yet runs
     eager meanwhile, so no request waits for a compilation (the steps share the interpreter
-    with it, and run slower while it lasts) -> the thread, or None where nothing is left."""
+    with it, and run slower while it lasts). It begins once `served` is set (serve_engine
+    sets it after its first step: the first requests' tokens come before any compiling), or
+    after REST_AFTER_S without one -> the thread, or None where nothing is left."""
     compile_next = getattr(engine.decoder, "compile_next", None)
     if compile_next is None:
         return None
 
     def rest() -> None:
+        if served is not None:
+            served.wait(REST_AFTER_S)
         with torch.no_grad():
             while compile_next() is not None:
                 pass
@@ -487,11 +497,13 @@ def warm_up_failure(kind: str, e: Exception) -> str:
     return why
 
 
-def serve_engine(engine: ContinuousEngine, pipe: "EnginePipe") -> None:
+def serve_engine(
+    engine: ContinuousEngine, pipe: "EnginePipe", served: threading.Event | None = None
+) -> None:
     """engine_process's loop: (1) the messages waiting, acted on; (2) a step, when there is
     work; (3) its report, with a frame of the engine's state when a page of the live view
-    watches and one is due (live.Sampler). Returns at a Stop, when the HTTP side is gone, or
-    after a Failed."""
+    watches and one is due (live.Sampler); `served` set once a step's report is sent. Returns
+    at a Stop, when the HTTP side is gone, or after a Failed."""
     keys, integrity, sampler, steps = Keys(), None, Sampler(), 0
     while pipe.http_side_lives():
         if not engine.has_work() and not pipe.wait(BEAT_S):
@@ -532,6 +544,8 @@ def serve_engine(engine: ContinuousEngine, pipe: "EnginePipe") -> None:
                 live,
             )
         )
+        if served is not None and steps:
+            served.set()
 
 
 class EnginePipe:
