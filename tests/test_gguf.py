@@ -319,6 +319,21 @@ def test_quick_gguf_reads_change_only_the_speed(tmp_path):
         assert torch.equal(want[name], got[name]), name
 
 
+def test_the_quick_reader_reads_what_gguf_reads(tmp_path):
+    """The reader that parses an array in a few slices (gguf_file.reader_class) gives every
+    metadata value and tensor that gguf's own GGUFReader gives, strings, numbers, empty
+    arrays and all."""
+    from tinyllm.checkpoints import gguf_file
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny(path, "llama", {"tokenizer.ggml.empty": [], "general.tags": ["a", "ü", ""]})
+    ours, theirs = gguf_file.reader_class()(str(path)), gguf.GGUFReader(str(path))
+    mine, want = gguf_file.read_metadata(ours, path), gguf_file.read_metadata(theirs, path)
+    assert mine == want and len(mine["tokenizer.ggml.tokens"]) > 1000
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.data_offset) == (b.name, b.tensor_type, b.data_offset)
+
+
 @pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2"])
 def test_gguf_tokenizer_encodes_like_transformers(tmp_path, pre):
     """The bundled vocabulary under three pre-tokenizers (GPT-2's, Llama 3's and Qwen2's

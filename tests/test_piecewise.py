@@ -4,6 +4,7 @@ the layers; the settings that cannot go with them are refused by name."""
 
 import pickle
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -208,3 +209,37 @@ def test_serve_pieces_without_a_cxx_compiler_says_so_in_one_line(tmp_path):
     assert proc.returncode == 2 and len(said) == 1, said
     assert "--decoder pieces" in said[0] and "no C++ compiler" in said[0], said
     assert said[0].endswith("or serve with --decoder eager"), said
+
+
+class Buckets:
+    """A decoder that compiles its buckets 2 and 4 one a call, noting them (compile_next's)."""
+
+    def __init__(self):
+        self.left, self.done = [2, 4], []
+
+    def compile_next(self):
+        if not self.left:
+            return None
+        self.done.append(self.left.pop(0))
+        return self.done[-1], 0.0
+
+
+def test_the_other_buckets_compile_after_the_engines_first_step(monkeypatch):
+    """serve's engine compiles the buckets left for later once its first step is reported
+    (`served`), so the first requests' tokens do not wait on them; with no step within
+    REST_AFTER_S it compiles them anyway."""
+    from types import SimpleNamespace
+
+    from tinyllm.serving import engine_loop
+
+    engine, served = SimpleNamespace(decoder=Buckets()), threading.Event()
+    thread = engine_loop.compile_rest(engine, served)
+    time.sleep(0.3)
+    assert engine.decoder.done == [], "it compiled before the first step"
+    served.set()
+    thread.join(10)
+    assert engine.decoder.done == [2, 4]
+    monkeypatch.setattr(engine_loop, "REST_AFTER_S", 0.1)
+    engine = SimpleNamespace(decoder=Buckets())
+    engine_loop.compile_rest(engine, threading.Event()).join(10)
+    assert engine.decoder.done == [2, 4]
