@@ -83,7 +83,8 @@ class FusedDecoder:
         self.quantized = isinstance(model.layers[0].self_attn.q_proj, QuantLinear)
         weights = quant_weights if self.quantized else layer_weights
         self.weights = [weights(block) for block in model.layers]
-        self.stack = cpu_kernels.layers(                    # checked once, handed over whole
+        float64 = model.embed_tokens.weight.dtype == torch.float64
+        self.stack = None if self.quantized and float64 else cpu_kernels.layers(  # checked once
             [t for w in self.weights for t in (sum(w, []) if self.quantized else w)],
             self.quantized, model.cfg.n_heads, model.cfg.head_dim, model.cfg.norm_eps)
 
@@ -134,7 +135,7 @@ class FusedDecoder:
         products are quantized)."""
         dtype = self.model.embed_tokens.weight.dtype
         return (rows <= FUSED_ROWS and hasattr(cache, "layout") and cache.k[0].dtype == dtype
-                and (dtype == torch.float32 or not self.quantized))
+                and self.stack is not None)
 
     @torch.no_grad()
     def __call__(self, idx: Tensor, cache) -> tuple[Tensor, None]:
