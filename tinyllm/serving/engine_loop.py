@@ -544,7 +544,7 @@ def serve_engine(
                 live,
             )
         )
-        if served is not None and steps:
+        if served is not None and steps and not served.is_set():
             served.set()
 
 

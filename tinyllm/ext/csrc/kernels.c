@@ -90,21 +90,27 @@ static __m256i sums8_i32(const __m256i p[8]) {
 }
 #endif
 
+#ifdef AVX2
+/* x (K) int8 . w (K) int8 over their first K / 32 * 32 values, as 8 int32 partial sums */
+static inline __m256i dot_q8_lanes(const int8_t *x, const int8_t *w, int64_t K) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        a0 = dot32_q8(a0, x + k, w + k);
+        a1 = dot32_q8(a1, x + k + 32, w + k + 32);
+    }
+    if (k + 32 <= K) a0 = dot32_q8(a0, x + k, w + k);
+    return _mm256_add_epi32(a0, a1);
+}
+#endif
+
 /* x (K) int8 . w (K) int8, exact in int32 */
 static int32_t dot_q8(const int8_t *x, const int8_t *w, int64_t K) {
     int64_t k = 0;
     int32_t acc = 0;
 #ifdef AVX2
-    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-    for (; k + 64 <= K; k += 64) {
-        a0 = dot32_q8(a0, x + k, w + k);
-        a1 = dot32_q8(a1, x + k + 32, w + k + 32);
-    }
-    if (k + 32 <= K) {
-        a0 = dot32_q8(a0, x + k, w + k);
-        k += 32;
-    }
-    acc = hsum_i32(_mm256_add_epi32(a0, a1));
+    acc = hsum_i32(dot_q8_lanes(x, w, K));
+    k = K / 32 * 32;
 #endif
     for (; k < K; k++) acc += (int32_t)x[k] * (int32_t)w[k];
     return acc;
@@ -303,14 +309,7 @@ static inline void rows8_q8(const int8_t *q, const uint16_t *scale, const int8_t
     __m256i p[8];
     for (int i = 0; i < 8; i++) {
         if (ahead) prefetch_bytes(ahead + i * K, K);
-        __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-        int64_t k = 0;
-        for (; k + 64 <= K; k += 64) {
-            a0 = dot32_q8(a0, xq + k, q + i * K + k);
-            a1 = dot32_q8(a1, xq + k + 32, q + i * K + k + 32);
-        }
-        if (k < K) a0 = dot32_q8(a0, xq + k, q + i * K + k);
-        p[i] = _mm256_add_epi32(a0, a1);
+        p[i] = dot_q8_lanes(xq, q + i * K, K);
     }
     __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scale));
     _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_cvtepi32_ps(sums8_i32(p)),

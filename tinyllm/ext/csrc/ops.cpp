@@ -347,6 +347,18 @@ struct Layers : torch::CustomClassHolder {
 }  // namespace TINYLLM_NS
 using TINYLLM_NS::Layers;
 
+/* layer l of float layers L on the step s, in T: decode_layer_f32's or _f64's call */
+template <typename T, typename LayerFn>
+static int float_layer_step(LayerFn layer, Layers &L, int64_t l, LayerStep &s,
+                            at::TensorList keys, at::TensorList values, int64_t head_stride,
+                            int threads) {
+    return layer(s.M, L.d, L.H, L.n_kv, L.hd, L.ff, s.x.data_ptr<T>(), (const T *)L.norms[2 * l],
+                 (const T *)L.norms[2 * l + 1], (const T **)(L.fw.data() + 7 * l),
+                 s.cos.data_ptr<T>(), s.sin.data_ptr<T>(), s.rope_rows, keys[l].data_ptr<T>(),
+                 values[l].data_ptr<T>(), s.cached, head_stride, s.write.data_ptr<int64_t>(),
+                 s.read.data_ptr<int64_t>(), s.mask.data_ptr<T>(), s.W, L.eps, threads);
+}
+
 /* x (M, d) through every layer of `layers`, layer l on the cache's keys[l] and values[l]: the
    decode steps of decode_layer_f32 / _f64 / _q in turn, in C. The layers' caches have one
    shape, so a row outside them is found at the first layer, before anything is written. */
@@ -372,33 +384,21 @@ static at::Tensor decode_layers_op(const at::Tensor &x_, const c10::intrusive_pt
     LayerStep s = layer_step(x_, cos_, sin_, keys[0], values[0], write_, read_, mask_, L->n_kv);
     int threads = at::get_num_threads(), outside = 0;
     for (int64_t l = 0; l < L->n && !outside; l++) {
-        const void *ln1 = L->norms[2 * l], *ln2 = L->norms[2 * l + 1];
         if (L->quantized)
             outside = decode_layer_q(s.M, L->d, L->H, L->n_kv, L->hd, L->ff, s.x.data_ptr<float>(),
-                                     (const float *)ln1, (const float *)ln2, &L->qw[7 * l],
+                                     (const float *)L->norms[2 * l],
+                                     (const float *)L->norms[2 * l + 1], &L->qw[7 * l],
                                      s.cos.data_ptr<float>(), s.sin.data_ptr<float>(),
                                      s.rope_rows, keys[l].data_ptr<float>(),
                                      values[l].data_ptr<float>(), s.cached, head_stride,
                                      s.write.data_ptr<int64_t>(), s.read.data_ptr<int64_t>(),
                                      s.mask.data_ptr<float>(), s.W, L->eps, threads);
         else if (L->dtype == at::kFloat)
-            outside = decode_layer_f32(s.M, L->d, L->H, L->n_kv, L->hd, L->ff,
-                                       s.x.data_ptr<float>(), (const float *)ln1,
-                                       (const float *)ln2, (const float **)&L->fw[7 * l],
-                                       s.cos.data_ptr<float>(), s.sin.data_ptr<float>(),
-                                       s.rope_rows, keys[l].data_ptr<float>(),
-                                       values[l].data_ptr<float>(), s.cached, head_stride,
-                                       s.write.data_ptr<int64_t>(), s.read.data_ptr<int64_t>(),
-                                       s.mask.data_ptr<float>(), s.W, L->eps, threads);
+            outside = float_layer_step<float>(decode_layer_f32, *L, l, s, keys, values,
+                                              head_stride, threads);
         else
-            outside = decode_layer_f64(s.M, L->d, L->H, L->n_kv, L->hd, L->ff,
-                                       s.x.data_ptr<double>(), (const double *)ln1,
-                                       (const double *)ln2, (const double **)&L->fw[7 * l],
-                                       s.cos.data_ptr<double>(), s.sin.data_ptr<double>(),
-                                       s.rope_rows, keys[l].data_ptr<double>(),
-                                       values[l].data_ptr<double>(), s.cached, head_stride,
-                                       s.write.data_ptr<int64_t>(), s.read.data_ptr<int64_t>(),
-                                       s.mask.data_ptr<double>(), s.W, L->eps, threads);
+            outside = float_layer_step<double>(decode_layer_f64, *L, l, s, keys, values,
+                                               head_stride, threads);
     }
     return layer_result(s, outside);
 }
