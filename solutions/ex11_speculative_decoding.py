@@ -17,7 +17,9 @@ to k tokens for each decoding request (`NgramProposer`: a lookup in the request'
 `DraftProposer`: a smaller model); the cache reserves room for them; the target computes each
 row's last token and its guesses in one ragged pass (k + 1 positions); `verify` reads each
 row's verdict position by position, your accept_greedy for a greedy row, your accept_sampled at
-each guess of a sampled row; then your roll_back, row by row, with what the row fed and kept.
+each of a draft's guesses of a sampled row (a lookup's certain guesses it checks against the
+target's own draw, kept with the same chance); then your roll_back, row by row, with what the
+row fed and kept.
 
 Check your work with `make check EX=11` (or `check_exercise("11")` in notebook 11). The tests
 plug your functions into the engine of `tinyllm.build.make_engine(speculate="ngram" |

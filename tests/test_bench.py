@@ -161,7 +161,7 @@ def test_the_budget_is_every_continuous_engines_unless_one_is_chunked():
 def test_paged_engines_get_their_slots_pool_and_prefix_cache():
     """paged: --paged-slots slots (default --slots) on a pool of --kv-blocks blocks (default:
     the memory of --slots slots of the longest request); --prefix-cache gives every paged
-    engine a prefix cache, and no other."""
+    engine a prefix cache, and no other; --no-kv-headroom drops every paged pool's headroom."""
     config = lambda name, *argv: bench.engine_config(name, flags(*argv), 100)[1]
     paged = config("paged", "--paged-slots", "64")
     assert (paged.kv, paged.n_slots, paged.kv_blocks, paged.block_size) == ("paged", 64, 112, 16)
@@ -172,6 +172,10 @@ def test_paged_engines_get_their_slots_pool_and_prefix_cache():
     assert not config("paged").prefix_cache and config("paged+prefix").prefix_cache
     assert config("continuous", "--prefix-cache") == EngineConfig(16, max_len=100), (
         "a slot engine has no prefix cache"
+    )
+    assert config("paged").kv_headroom and not config("paged", "--no-kv-headroom").kv_headroom
+    assert config("continuous", "--no-kv-headroom") == EngineConfig(16, max_len=100), (
+        "a slot engine has no headroom to drop"
     )
     assert bench.engine_config("paged", flags())[1].kv_blocks is None, "no workload: the default"
 

@@ -429,19 +429,19 @@ def books(cache: PagedKVCache) -> tuple:
 
 def test_admission_takes_fresh_blocks_only_for_what_the_cache_lacks():
     """A newcomer given its context starts with the cached blocks of its prefix that a
-    running request holds: can_admit counts only its fresh blocks, and afterwards its slot
-    holds the cached tokens (lens)."""
-    cache = prefix_pool(4)
+    running request holds: can_admit counts only its fresh blocks (and a block of headroom for
+    the running one), and afterwards its slot holds the cached tokens (lens)."""
+    cache = prefix_pool(5)
     a, b = SYSTEM[:8] + [50], SYSTEM[:8] + [60]  # 2 shared blocks, 3 blocks each
     assert cache.can_admit([9], [a])
     cache.admit(0, 9, a)
     assert cache.lens[0] == 0 and len(cache.tables[0]) == 3, "nothing cached yet"
     prefill(cache, 0, a)
-    assert not cache.can_admit([9]), "without its context: 3 blocks, and 1 is free"
+    assert not cache.can_admit([9]), "without its context: 3 blocks and 1 of headroom, 2 free"
     assert cache.can_admit([9], [b]), "with it: 2 blocks shared, 1 fresh"
     cache.admit(1, 9, b)
     assert cache.lens[1] == 8 and cache.tables[1][:2] == cache.tables[0][:2]
-    assert cache.prefix.refs[cache.tables[0][0]] == 2 and cache.n_free() == 0
+    assert cache.prefix.refs[cache.tables[0][0]] == 2 and cache.n_free() == 1
     check_prefix_pool(cache)
     prefill(cache, 1, b)
     check_prefix_pool(cache)

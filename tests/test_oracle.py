@@ -113,6 +113,7 @@ def configs(draw, tp_sizes=TP_SIZES) -> tuple[str, EngineConfig, bool]:
         kv=kv,
         block_size=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
         prefix_cache=kv == "paged" and draw(st.sampled_from([True, True, False])),
+        kv_headroom=kv == "slots" or draw(st.sampled_from([True, True, False])),
         max_step_tokens=draw(st.sampled_from([None, None, n_slots + draw(st.integers(0, 12))])),
         decoder=draw(st.sampled_from(decoders)),
         buckets=draw(st.sampled_from([None, None, (8, 16, 32, 64), (1, 2, 3, 96)])),
@@ -174,8 +175,8 @@ def samplings(draw, greedy_only: bool, default: Sampling) -> Sampling | None:
 @st.composite
 def workloads(draw, config: EngineConfig) -> list[Request]:
     """Requests on a few stems (lengths around the block size and the split), each a stem's
-    prefix and a tail of its own; greedy only under speculation (sampled guesses keep the
-    target's law, with other draws than solo's)."""
+    prefix and a tail of its own; greedy only under a draft's speculation (its sampled
+    guesses keep the target's law, with other draws than solo's; a lookup's keep solo's)."""
     stem_len = st.sampled_from(around(config.block_size))
     stems = [
         draw(st.lists(st.integers(1, V - 1), min_size=n, max_size=n))
@@ -186,7 +187,7 @@ def workloads(draw, config: EngineConfig) -> list[Request]:
         stem = draw(st.sampled_from(stems))
         cut = draw(st.sampled_from([len(stem), len(stem), draw(st.integers(0, len(stem)))]))
         tail = draw(st.lists(st.integers(1, V - 1), min_size=0 if cut else 1, max_size=10))
-        sampling = draw(samplings(config.speculate is not None, config.sampling))
+        sampling = draw(samplings(config.speculate == "draft", config.sampling))
         reqs.append(
             Request(
                 stem[:cut] + tail,

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.test_engine import TINY, V, assert_oracle, requests_st, solo
+from tinyllm.core.config import EngineConfig
 from tinyllm.core.cuda_graph import SlotGraphDecoder, WindowCache, choose_bucket, default_buckets
 from tinyllm.core.kv_cache import KVCache
 from tinyllm.core.paged_kv import BlockAllocator, PagedKVCache
@@ -154,7 +155,7 @@ def pressure_workload(n: int = 16) -> list[Request]:
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_repeated_preemption_under_a_small_pool(block_size):
     reqs = pressure_workload()
-    n_blocks = max(need_blocks(r, block_size) for r in reqs) + 2
+    n_blocks = max(need_blocks(r, block_size) for r in reqs) + 1
     results, summary = run_continuous(
         TINY, reqs, 6, kv="paged", block_size=block_size, kv_blocks=n_blocks
     )
@@ -162,6 +163,27 @@ def test_repeated_preemption_under_a_small_pool(block_size):
     assert summary["recomputed_tokens"] > 0
     assert summary["kv_allocated_at_end"] == 0
     assert_oracle(reqs, results)
+
+
+def test_a_newcomer_enters_only_with_a_block_left_for_each_running_sequence():
+    """can_admit's headroom: with 10 free blocks of 16, a 40-token context (3 blocks with its
+    next token) enters beside 3 running sequences (3 + 3 <= 10), not beside 8 (3 + 8 > 10), and
+    with nobody running whenever the pool holds it."""
+    cfg = TINY.cfg
+
+    def pool(n_blocks: int, running: int) -> PagedKVCache:
+        cache = PagedKVCache(
+            cfg.n_layers, 12, cfg.n_kv_heads, cfg.head_dim, n_blocks, 16, 64, torch.float64, "cpu"
+        )
+        for s in range(running):
+            cache.admit(s, 1)  # a block each
+        assert cache.n_free() == n_blocks - running
+        return cache
+
+    assert pool(13, 3).can_admit([40]), "3 blocks and 3 of headroom, 10 free"
+    assert not pool(18, 8).can_admit([40]), "3 blocks and 8 of headroom, 10 free"
+    assert pool(3, 0).can_admit([40]), "nobody running: the whole pool"
+    assert not pool(3, 0).can_admit([48]), "4 blocks with its next token, 3 in the pool"
 
 
 def test_abort_of_a_preempted_request_frees_nothing_twice():
@@ -444,3 +466,23 @@ def test_bf16_caches_under_autocast(kind):
     assert cache.lens == [4, 6] and cache._plan is None
     if kind == "paged":
         check_pool(cache)
+
+
+def test_the_headroom_is_a_paged_pools_setting_and_a_run_without_it_preempts_more():
+    """kv_headroom=False admits newcomers while their blocks are free (the pool fills, and
+    the requests that grow first push the youngest out); the default keeps a block per running
+    request. Both give every request its solo tokens; a slot cache has no such setting."""
+    with pytest.raises(ValueError, match="kv_headroom is the paged pool's admission"):
+        EngineConfig(2, kv_headroom=False)
+    with pytest.raises(ValueError, match="kv_headroom must be True or False, got 'no'"):
+        EngineConfig(2, kv="paged", kv_headroom="no")
+    reqs = pressure_workload()
+    n_blocks = max(need_blocks(r, 4) for r in reqs) + 6
+    counts = {}
+    for headroom in (True, False):
+        results, summary = run_continuous(
+            TINY, reqs, 6, kv="paged", block_size=4, kv_blocks=n_blocks, kv_headroom=headroom
+        )
+        assert_oracle(reqs, results)
+        counts[headroom] = summary["preemptions"]
+    assert counts[False] > counts[True], counts

@@ -26,7 +26,7 @@ from tinyllm.core.generate import solo
 from tinyllm.core.requests import Request
 from tinyllm.core.sampling import Sampling
 from tinyllm.core.static import run_static
-from tinyllm.ext import quant
+from tinyllm.ext import cpu_kernels, quant
 from tinyllm.ext.quant import (
     GemvLinear,
     QuantLinear,
@@ -241,10 +241,14 @@ def test_quantized_models_stay_near_the_float_models_distribution(bundled):
     assert kl["int8"] < 0.01 and kl["int8"] < kl["int4"] < 0.1, kl
 
 
-def test_an_int8_product_compiles_whole():
-    """int8mm's product of more rows than the C loop takes, inside torch.compile with no graph
-    break, as a compiled decode step runs it: the same result as eager."""
+@pytest.mark.parametrize("vnni", [True, False])
+def test_an_int8_product_compiles_whole(vnni, monkeypatch):
+    """int8mm's product of more rows than a decode step's, inside torch.compile with no graph
+    break, as a compiled decode step runs it: the same result as eager. With 8-bit integer
+    instructions it is int8_matmul's; without, the C loop takes any rows."""
+    monkeypatch.setattr(quant, "_integer", vnni)
     layer = QuantLinear.from_linear(torch.nn.Linear(64, 8, bias=False), "int8", kernel="int8mm")
-    x = torch.randn(20, 64)  # more rows than the C loop takes: int8_matmul
+    assert (layer.c_kernel(torch.empty(20, 64)) is None) == (vnni or not cpu_kernels.available())
+    x = torch.randn(20, 64)  # more rows than FUSED_ROWS
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(x), layer(x), rtol=1e-4, atol=1e-4)

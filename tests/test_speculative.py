@@ -165,13 +165,14 @@ def test_speculation_counts_what_it_proposed_and_kept():
 def test_a_request_whose_guesses_fall_stops_guessing_and_tries_again_later(monkeypatch):
     """Guesses are paid for: a request whose guesses keep falling (a proposer that always
     guesses wrong) stops guessing once under PAYS of them stand, its steps then run the plain
-    decode step (no verify pass), and it tries one guess every PROBE_STEPS steps; its tokens
-    are its solo run's all along. One whose guesses half stand makes 2 a step alone, 1 beside
-    another row and none among 8; one whose 3 guesses all stood makes k alone, 2 among 8, none
-    among 64; a newcomer makes as many as a request whose guesses half stand."""
+    decode step (no verify pass), and it tries one guess after PROBE_STEPS steps, then twice
+    as many after each try that falls; its tokens are its solo run's all along. One whose
+    guesses half stand makes 2 a step alone, 1 beside another row and none among 8; one whose
+    3 guesses all stood makes k alone, 2 among 8, none among 64; a newcomer makes as many as a
+    request whose guesses half stand."""
     from tinyllm.ext import speculative
 
-    req = Request([3, 1, 4, 1, 5], 40, eos_id=None)
+    req = Request([3, 1, 4, 1, 5], 60, eos_id=None)
     want = solo(TINY, req).tokens
 
     def wrong(self, seqs, ks, shared=None):  # never the target's pick: its solo token, plus one
@@ -198,7 +199,8 @@ def test_a_request_whose_guesses_fall_stops_guessing_and_tries_again_later(monke
     guessed = [i for i, k in enumerate(ks) if k]
     assert ks[0] == 2 and len(guessed) < len(ks) // 2, ks
     later = [b - a for a, b in zip(guessed[1:], guessed[2:])]
-    assert later and all(g == speculative.PROBE_STEPS + 1 for g in later), ks
+    waits = [speculative.PROBE_STEPS << min(m, speculative.BACKOFF) for m in range(2, 9)]
+    assert later and later == [w + 1 for w in waits[: len(later)]], ks  # twice as long each
     assert all(ks[i] == 1 for i in guessed[1:]), ks  # a try is one guess
     assert passes["decode"] > passes["verify"] > 0, passes
     spec = eng.speculator
@@ -253,6 +255,32 @@ def test_sampled_speculation_keeps_the_targets_distribution(spec, monkeypatch):
     chi2 = float(((counts - expected)[cells] ** 2 / expected[cells]).sum())
     bound = chi_square_bound(int(cells.sum()) - 1)
     assert chi2 < bound, f"chi-square {chi2:.1f} over {int(cells.sum())} cells, bound {bound:.1f}"
+
+
+def test_a_sampled_request_makes_its_plain_tokens_under_the_lookup(monkeypatch):
+    """A lookup's guesses are certain (q one-hot): a seeded sampled row draws the target's
+    token at each position as a plain step does and keeps a guess while they agree, so it
+    makes exactly its solo tokens, batched or alone, guessing every step or never."""
+    from tinyllm.ext import speculative
+
+    rng = random.Random(1)
+    stem = [rng.randrange(1, V) for _ in range(6)]
+    reqs = [
+        Request(stem * 3, 16, sampling=Sampling(t, seed=i, top_k=k))
+        for i, (t, k) in enumerate([(0.3, None), (0.7, 3), (1.0, None), (0.5, 5)])
+    ]
+    want = [solo(TINY, r).tokens for r in reqs]
+    monkeypatch.setattr(speculative.Speculator, "guesses_for", lambda self, rid, rows=1: 3)
+    for slots in (1, 4):
+        eng = make_engine(TINY, slots, speculate="ngram", spec_tokens=3)
+        got = []
+        for r in reqs if slots == 1 else [None]:
+            rids = [eng.add_request(r)] if r else [eng.add_request(q) for q in reqs]
+            while eng.has_work():
+                eng.step()
+            got += [eng.results.pop(rid).tokens for rid in rids]
+        assert got == want, slots
+        assert eng.stats.spec_accepted > 0 and eng.stats.spec_proposed > eng.stats.spec_accepted
 
 
 def test_a_seeded_sampled_request_is_reproducible_alone_or_batched():

@@ -149,6 +149,8 @@ def make_engine(model: Transformer, config: EngineConfig | int, *, generator=Non
             model.attach(cache)                         # every rank makes one like it
     else:
         cache, decoder = lent_cache(model, config, max_len, n_blocks, lent), lent
+    if config.kv == "paged":
+        cache.headroom = config.kv_headroom             # its admission (05)
     speculator = None
     if config.speculate is not None or draft is not None:
         from tinyllm.ext.speculative import make_speculator

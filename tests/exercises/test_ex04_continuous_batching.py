@@ -99,15 +99,16 @@ def test_the_first_that_does_not_fit_stops_admission(impl):
 
 def test_admission_gives_the_cache_each_context(impl):
     """A prefix cache (08) holds request 0's first 8 tokens in 2 blocks that a running request
-    holds; 1 block of 4 is free. Request 0 (9 tokens, 3 blocks with its next token) fits only
-    if the cache sees its context: ask can_admit and admit with seq.context()."""
+    holds; 2 blocks of 4 are free, one of them the running request's headroom (05). Request 0
+    (9 tokens, 3 blocks with its next token) fits only if the cache sees its context: ask
+    can_admit and admit with seq.context()."""
     cfg = TINY.cfg
     cache = PagedKVCache(
         cfg.n_layers,
         2,
         cfg.n_kv_heads,
         cfg.head_dim,
-        4,
+        5,
         4,
         32,
         torch.float64,
@@ -120,8 +121,9 @@ def test_admission_gives_the_cache_each_context(impl):
     waiting, running = deque([Sequence(0, Request(shared + [9], 4), 0.0, Sampling(), None)]), {}
     got = admitted(impl, waiting, running, cache)
     assert [s.rid for s in got] == [0], (
-        f"request 0 needs 1 fresh block once its 2 cached ones are shared, and 1 is free: it "
-        f"enters, got rids {[s.rid for s in got]} (pass seq.context() to can_admit and admit)"
+        f"request 0 needs 1 fresh block once its 2 cached ones are shared, and 2 are free (1 "
+        f"kept for the running request to grow): it enters, got rids {[s.rid for s in got]} "
+        f"(pass seq.context() to can_admit and admit)"
     )
     assert cache.lens[1] == 8, (
         f"the cache starts slot 1 with the 8 cached tokens when admit is given the context: "

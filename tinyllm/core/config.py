@@ -45,6 +45,8 @@ class EngineConfig:
     kv: str = "slots"                       # the KV cache: "slots" (04) or "paged" (05)
     block_size: int = 16                    # positions per block of the paged pool (05)
     kv_blocks: int | None = None            # the paged pool (None: the slots' memory)
+    kv_headroom: bool = True                # the pool admits a newcomer only with a block left
+                                            # for every running request to grow into (05)
     decoder: str = "eager"                  # decode step: eager, graphs, compiled (06), pieces
                                             # or fused (13)
     compile_mode: str = "default"           # the compiled step's torch.compile mode (06)
@@ -79,8 +81,11 @@ class EngineConfig:
             if self.max_step_tokens < self.n_slots:
                 raise ValueError(f"max_step_tokens {self.max_step_tokens} is less than n_slots "
                                  f"{self.n_slots}: every running request decodes one token a step")
-        if not isinstance(self.prefix_cache, bool):
-            raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        for name in ("prefix_cache", "kv_headroom"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not self.kv_headroom and self.kv != "paged":
+            raise ValueError("kv_headroom is the paged pool's admission: use kv='paged'")
         if self.prefix_cache and self.kv != "paged":
             raise ValueError("prefix_cache shares blocks of a paged cache: use kv='paged'")
         if self.kv_mib is not None and (isinstance(self.kv_mib, bool) or
@@ -142,17 +147,7 @@ class EngineConfig:
         g = parser.add_argument_group("the engine (EngineConfig)")
         g.add_argument("--slots", dest="n_slots", type=int, default=n_slots, metavar="N",
                        help=f"requests decoded together (default: {n_slots})")
-        if kv:
-            g.add_argument("--kv", choices=KV_KINDS, default="slots",
-                           help="the KV cache: slots (step 04) or a paged pool (05) "
-                                "(default: slots)")
-        g.add_argument("--block-size", type=int, default=16, metavar="N",
-                       help="positions per block of the paged pool (default: 16)")
-        g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
-                       help="the paged pool's blocks (default: the memory of the slots)")
-        g.add_argument("--kv-mib", type=float, default=None, metavar="MIB",
-                       help=f"the KV cache's memory budget (default: {DEFAULT_KV_MIB}); it bounds "
-                            f"the positions a request may use on slots")
+        add_kv_arguments(g, kv)
         g.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
                        help="at most N tokens computed a step, prompts in chunks (step 07)")
         g.add_argument("--prefix-cache", action="store_true",
@@ -213,6 +208,24 @@ def check_parallel(config: EngineConfig) -> None:
         raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: speculate='draft' "
                          f"drafts with the target's first layers, which are split over the "
                          f"ranks; use speculate='ngram' or None")
+
+
+def add_kv_arguments(g, kv: bool = True) -> None:
+    """The KV cache's flags (04, 05) in the engine's argument group; kv=False leaves out --kv."""
+    if kv:
+        g.add_argument("--kv", choices=KV_KINDS, default="slots",
+                       help="the KV cache: slots (step 04) or a paged pool (05) "
+                            "(default: slots)")
+    g.add_argument("--block-size", type=int, default=16, metavar="N",
+                   help="positions per block of the paged pool (default: 16)")
+    g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="the paged pool's blocks (default: the memory of the slots)")
+    g.add_argument("--no-kv-headroom", dest="kv_headroom", action="store_false",
+                   help="the paged pool admits newcomers while their blocks are free, "
+                        "keeping none for the running requests to grow into (step 05)")
+    g.add_argument("--kv-mib", type=float, default=None, metavar="MIB",
+                   help=f"the KV cache's memory budget (default: {DEFAULT_KV_MIB}); it bounds "
+                        f"the positions a request may use on slots")
 
 
 def add_speculation_arguments(g) -> None:

@@ -9,7 +9,9 @@ wastes at most one partly filled block.
 
 Memory can now run out mid-run: requests grow, and the pool is shared. Before each decode step
 the engine reserves every running sequence's next token (`reserve`); when the pool is dry, the
-scheduler preempts a request (scheduler.py) and recomputes it later.
+scheduler preempts a request (scheduler.py) and recomputes it later. A newcomer enters only
+while every running sequence could still take a block (`can_admit`'s headroom), so that the
+pool does not fill with newcomers only to preempt them again as they grow.
 
 `PagedKVCache` has the interface of `SlotKVCache` (both are `SlotCache`s), plus block tables.
 With `prefix_cache=True` (08, prefix_cache.py) its full blocks are named by the prefix they
@@ -207,6 +209,15 @@ def made_prefix_cache(prefix_cache, allocator: BlockAllocator, block_size: int):
     return None if prefix_cache is None else prefix_cache(allocator, block_size)
 
 
+def check_rollback(cache: "PagedKVCache", slot: int, n: int) -> None:
+    """Raise ValueError if rolling slot back by n would reach into a block the prefix cache
+    named (08): other requests may be reading it."""
+    named = len(cache.hashes[slot]) * cache.block_size
+    if named and 0 < n <= cache.lens[slot] and named > cache.lens[slot] - n:
+        raise ValueError(f"cannot roll slot {slot} back by {n}: its first "
+                         f"{len(cache.hashes[slot])} blocks are in the prefix cache")
+
+
 class PagedKVCache(SlotCache):
     """Keys/values of n_slots sequences in a shared pool of n_blocks blocks of block_size.
 
@@ -227,7 +238,7 @@ class PagedKVCache(SlotCache):
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int,
                  n_blocks: int, block_size: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device=None, prefix_cache=None,
-                 name_at_admission: bool = False):
+                 name_at_admission: bool = False, headroom: bool = True):
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need n_blocks, block_size >= 1, got {n_blocks}, {block_size}")
         super().__init__(n_layers, n_slots, max_len, device)
@@ -239,6 +250,7 @@ class PagedKVCache(SlotCache):
         self.prefix = made_prefix_cache(prefix_cache, self.allocator, block_size)
         self.pool = self.allocator if self.prefix is None else self.prefix
         self.name_at_admission = name_at_admission and self.prefix is not None
+        self.headroom = headroom                        # can_admit: a block per running one
         self.shares_prefixes = self.prefix is not None
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.hashes: list[list[bytes]] = [[] for _ in range(n_slots)]
@@ -252,10 +264,13 @@ class PagedKVCache(SlotCache):
 
     # ---- memory: blocks on demand, less a newcomer's cached prefix (08) ---------------------
     def can_admit(self, lens: list[int], contexts: list[list[int]] | None = None) -> bool:
+        """As SlotCache.can_admit, in blocks, with one left for every running sequence to grow
+        into (self.headroom; else newcomers fill the pool, and whoever grows first pushes them
+        out again). 10 free, 3 running: a context of 3 blocks enters (3 + 3 <= 10); 8: not."""
         if not super().can_admit(lens, contexts):
             return False
-        contexts = [None] * len(lens) if contexts is None else contexts
-        return sum(self._need(n, c)[0] for n, c in zip(lens, contexts)) <= self.n_free()
+        need = sum(self._need(n, c)[0] for n, c in zip(lens, contexts or [None] * len(lens)))
+        return need + self.headroom * len(self.live_slots()) <= self.n_free()
 
     def _need(self, n_tokens: int, context: list[int] | None) -> tuple[int, list[int]]:
         """The free blocks that admitting a context of n_tokens takes, and the cached blocks
@@ -300,10 +315,7 @@ class PagedKVCache(SlotCache):
     def rollback(self, slot: int, n: int) -> None:
         """As SlotCache.rollback, and the blocks left holding no token go back to the pool.
         A named block (08) is never rolled into: others may be reading it."""
-        named = len(self.hashes[slot]) * self.block_size
-        if named and 0 < n <= self.lens[slot] and named > self.lens[slot] - n:
-            raise ValueError(f"cannot roll slot {slot} back by {n}: its first "
-                             f"{len(self.hashes[slot])} blocks are in the prefix cache")
+        check_rollback(self, slot, n)
         super().rollback(slot, n)
         keep = self.blocks_for(self.lens[slot])
         self.pool.free(self.tables[slot][keep:])
@@ -317,9 +329,9 @@ class PagedKVCache(SlotCache):
                                     self.lens[slot])
 
     def check_integrity(self, idle: bool = False) -> str | None:
-        """As SlotCache.check_integrity, then the tables (tables_problem) and the pool's books
-        (its check_integrity): every block is exactly one of free, held by tables (counted as
-        often as tables hold it), or cached and held by nobody. idle: no table holds a block."""
+        """As SlotCache.check_integrity, then the tables (tables_problem) and the pool's books:
+        every block is free, held by tables (counted as often as they hold it), or cached and
+        held by nobody. idle: no table holds a block."""
         why = super().check_integrity(idle) or tables_problem(self)
         return why or self.pool.check_integrity(held_counts(self.tables, self.n_blocks))
 

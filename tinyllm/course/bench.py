@@ -104,13 +104,15 @@ def engine_config(name: str, args, max_len: int | None = None, budget_for_all: b
       +chunked engine named), --max-step-tokens is every continuous engine's budget;
     - paged: --paged-slots slots (default: --slots) on a pool of --kv-blocks blocks (default:
       the memory of --slots slots of max_len); +prefix or --prefix-cache: a prefix cache;
+      --no-kv-headroom: no block kept for the running requests to grow into (05);
     - +ngram, +draft: that proposer (11); with no proposer named by any engine, --speculate is
       every continuous engine's;
     - graphs and compiled: that decoder; continuous: --decoder; compiled: --compile-mode;
       +graphs, +compiled (06), +pieces and +fused (13), after continuous or paged: that decode
       step;
     - static: batches of --slots requests; its config holds n_slots alone.
-    The flags name settings of several engines at once (--prefix-cache the paged ones',
+    The flags name settings of several engines at once (--prefix-cache and --no-kv-headroom the
+    paged ones',
     --compile-mode the compiled ones'), so each name sets every field that it decides.
     Raises ValueError naming a bad name or setting."""
     base, opts = engine_name(name)
@@ -124,14 +126,16 @@ def engine_config(name: str, args, max_len: int | None = None, budget_for_all: b
     named = [o for o in opts if o in ("ngram", "draft")]
     speculate = named[0] if named else args.speculate if speculate_for_all else None
     tp = next((ranks(o) for o in opts if ranks(o)), args.tensor_parallel_size)
-    changes = dict(max_len=max_len, kv="slots", prefix_cache=False, decoder=decoder,
+    changes = dict(max_len=max_len, kv="slots", prefix_cache=False, kv_headroom=True,
+                   decoder=decoder,
                    tensor_parallel_size=tp,
                    max_step_tokens=budget, speculate=speculate,
                    compile_mode=args.compile_mode if decoder == "compiled" else "default")
     if base == "paged":
         pool = args.kv_blocks or (max_len and args.n_slots * math.ceil(max_len / args.block_size))
         changes.update(kv="paged", n_slots=args.paged_slots or args.n_slots, kv_blocks=pool,
-                       prefix_cache=args.prefix_cache or "prefix" in opts)
+                       prefix_cache=args.prefix_cache or "prefix" in opts,
+                       kv_headroom=args.kv_headroom)
     return base, EngineConfig.from_args(args, **changes)
 
 

@@ -21,7 +21,8 @@ Five ways to compute y = x W^T (`QuantLinear.kernel`):
   row by its own largest magnitude, and the product is an integer one (exact in int32),
   scaled back: what llama.cpp's Q8_0 products do. A few rows (a decode step, `FUSED_ROWS` at
   most) run cpu_kernels' C loop, more (a prefill) the library's integer product
-  (`int_matmul`): the same result, bit for bit.
+  (`int_matmul`) where the CPU multiplies 8-bit integers fast, else the C loop still: the
+  same result, bit for bit.
 - "int4a8" (4 bits with zero points, on a CPU): each group of the activations rounded to
   int8 steps (`rounded_activations`) and multiplied with the nibbles as integers, what
   llama.cpp's Q4_1 products do: cpu_kernels' C loop for a few rows; for more (or without a C
@@ -166,11 +167,12 @@ def compiled_matmul(x: Tensor, q: Tensor, scale: Tensor, zero: Tensor | None, bi
     return compiled(fused_matmul)(padded_rows(x), q, scale, zero, bits)[:x.size(0)]
 
 
-def c_kernels(x2: Tensor) -> bool:
+def c_kernels(x2: Tensor, any_rows: bool = False) -> bool:
     """Whether the C kernels (cpu_kernels) compute a product of x2 (M, K): a few rows
-    (FUSED_ROWS at most) of float32 on a CPU, the kernels compiled."""
-    return (0 < x2.size(0) <= FUSED_ROWS and x2.dtype == torch.float32
-            and x2.device.type == "cpu" and cpu_kernels.available())
+    (FUSED_ROWS at most, or any number with any_rows) of float32 on a CPU, the kernels
+    compiled."""
+    return (0 < x2.size(0) and (any_rows or x2.size(0) <= FUSED_ROWS)
+            and x2.dtype == torch.float32 and x2.device.type == "cpu" and cpu_kernels.available())
 
 
 def rounded_activations(x: Tensor, group_size: int) -> Tensor:
@@ -310,11 +312,13 @@ class QuantLinear(nn.Module):
     def c_kernel(self, x2: Tensor) -> str | None:
         """Which C kernel (cpu_kernels) computes the product of x2 (M, K), or None: int8mm's,
         int4a8's and int8a8's up to FUSED_ROWS rows, in float32 on a CPU, the kernels
-        compiled."""
-        if not c_kernels(x2):
-            return None
-        return {"int8mm": "int8_gemv", "int4a8": "int4_gemv",
-                "int8a8": "int8g_gemv"}.get(self.kernel_for(x2))
+        compiled; int8mm's for any rows where the CPU has no 8-bit integer instructions
+        (integer_instructions): there the C loop's tiles of rows (AVX2's madd) outrun the library's
+        float32 product at every row count, a prefill's too."""
+        kernel = {"int8mm": "int8_gemv", "int4a8": "int4_gemv",
+                  "int8a8": "int8g_gemv"}.get(self.kernel_for(x2))
+        any_rows = kernel == "int8_gemv" and not integer_instructions()
+        return kernel if kernel is not None and c_kernels(x2, any_rows) else None
 
     def forward(self, x: Tensor) -> Tensor:
         lead, K = x.shape[:-1], x.shape[-1]

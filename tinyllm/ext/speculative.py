@@ -13,8 +13,12 @@ j. `verify` reads the verdict through the token stage, position by position, eac
 history so far (so penalties and logprobs see what solo generation would): a greedy request
 keeps a guess while it is the token the target picks there, so its output is the solo output
 exactly; a sampled one keeps guess x with probability min(1, p(x) / q(x)) and otherwise draws
-from max(0, p - q), normalised (p the target's distribution, q the proposer's: one-hot for a
-lookup), which leaves the output distributed as the target's. The first position where a guess
+from max(0, p - q), normalised (p the target's distribution, q the proposer's), which leaves the
+output distributed as the target's. A lookup's q is one-hot: there the row draws the target's
+own token at each position, with the one uniform number a plain step would use, and keeps the
+guess while they agree (kept with chance p(x), and where it falls the token drawn is one of p
+without x: the same rule), so a seeded request makes its plain tokens, guesses or none. The
+first position where a guess
 falls gives one token of the target's own; with every guess kept, the position after the last
 does: 1 to k + 1 tokens per request per target pass. The caches then roll back the positions
 of the guesses that fell (`rollback`), never into a block a prefix cache shares (those hold
@@ -114,9 +118,10 @@ def verify(logits: Tensor, seqs: list[Sequence], guesses: list[list[int]],
     """Each row's verdict from the target's logits (B, T, V) over its last token and its
     guesses (row i's first len(guesses[i]) + 1 positions). At each position the token stage's
     processors see the row's history as if its guesses so far stand (they do, up to the first
-    that falls); then accept_greedy's rule (greedy rows) or accept_sampled's, in order, with
-    the row's generator (drafts[i]: the proposer's distributions; None for a lookup). A row
-    stops at its EOS or its max_new_tokens: nothing after it is kept."""
+    that falls); then accept_greedy's rule (greedy rows) or _sampled's (accept_sampled's for a
+    draft's guesses), in order, with the row's generator (drafts[i]: the proposer's
+    distributions; None for a lookup). A row stops at its EOS or its max_new_tokens: nothing
+    after it is kept."""
     proposed = guesses
     processed, guesses = processed_logits(logits, seqs, guesses)
     verdicts = []
@@ -188,15 +193,23 @@ def processed_logits(logits: Tensor, seqs: list[Sequence], guesses: list[list[in
 def _sampled(processed: list[Tensor], seq: Sequence, guesses: list[int], drafts,
              shared: torch.Generator | None) -> list[int]:
     """A sampled row's tokens: its guesses while accept_sampled keeps them, then one drawn
-    from the residual where one falls, or from the last position's distribution."""
+    from the residual where one falls, or from the last position's distribution. A lookup's
+    guesses (drafts None, q one-hot): the target's own draw at each position, as a plain step
+    draws it (sample_rows: one uniform of the row's generator, draw), while it is the guess,
+    and the first that is not."""
     gen = seq.generator or shared
     rand = lambda: torch.rand(1, 1, generator=gen, dtype=torch.float64, device=processed[0].device)
     kept = []
     for j, guess in enumerate(guesses):
         p = distribution(processed[j], seq)
-        q = None if drafts is None else drafts[j]
-        if not accept_sampled(guess, p, q, float(rand())):
-            return kept + [int(draw(residual(p, q, guess)[None], rand()))]
+        if drafts is None:                              # q one-hot: kept with chance p(guess)
+            token = int(draw(p[None], rand()))
+            if token != guess:
+                return kept + [token]
+            kept.append(guess)
+            continue
+        if not accept_sampled(guess, p, drafts[j], float(rand())):
+            return kept + [int(draw(residual(p, drafts[j], guess)[None], rand()))]
         kept.append(guess)
     p = distribution(processed[len(guesses)], seq)
     return kept + [int(draw(p[None], rand()))]
@@ -205,7 +218,10 @@ def _sampled(processed: list[Tensor], seq: Sequence, guesses: list[int], drafts,
 # ---- proposers -----------------------------------------------------------------------------
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's
-    last n tokens (n from n_max down to n_min), up to k of them. Certain: q is one-hot."""
+    last n tokens (n from n_max down to n_min), up to k of them. Certain: q is one-hot, so a
+    sampled row's tokens do not depend on its guesses (_sampled)."""
+
+    certain = True
 
     def __init__(self, n_max: int = 4, n_min: int = 1):
         self.n_max, self.n_min = n_max, n_min
@@ -257,7 +273,10 @@ class DraftProposer:
     settings and generator) for the others. Its KV cache has a slot per engine slot; a slot is
     taken when its sequence first decodes, filled lazily with whatever of the context it lacks
     (its whole context after an admission or a preemption), rolled back with the target's, and
-    freed when the sequence leaves its engine slot (sync)."""
+    freed when the sequence leaves its engine slot (sync). A sampled row's guesses are draws
+    of its generator (not certain), so its tokens depend on how many it makes."""
+
+    certain = False
 
     def __init__(self, draft: Transformer, n_slots: int, max_len: int, device):
         cfg = draft.cfg
@@ -388,7 +407,8 @@ def make_proposer(model: Transformer, config, max_len: int, device, draft: Trans
 
 FREE_ROWS = 3       # a step's fixed cost (the weights read, the calls), in rows' worth
 DECAY = 0.5         # the weight of a request's earlier guesses, each time it guesses again
-PROBE_STEPS = 4     # a request that stopped guessing tries one guess after this many steps
+PROBE_STEPS = 2     # a request that stopped guessing tries one guess after this many steps,
+BACKOFF = 5         # doubled for each guessing step in a row that fell, up to this many times
 FIRST_SHARE = 0.5   # the share of its guesses a request is taken to keep before it guesses,
 PRIOR = 1.0         # worth this many guesses of its record
 
@@ -413,8 +433,10 @@ class Speculator:
     time it guesses again, and with a share a of them kept, its j-th guess of a step stands
     with chance about a^j (a = FIRST_SHARE before it has guessed); it makes the guesses whose
     chance pays (alone: k of them while nearly all stand, 2 at a = 0.5, 1 at a = 0.3). Under that it
-    stops guessing, and tries one guess after PROBE_STEPS steps without one (text the request
-    copies from its prompt comes and goes), in a step of rows few enough that a newcomer's
+    stops guessing, and tries one guess after PROBE_STEPS * 2^m steps without one, m the
+    guessing steps in a row whose guesses all fell (BACKOFF at most: text the request copies
+    from its prompt comes and goes, and a request that never copies tries ever more rarely),
+    in a step of rows few enough that a newcomer's
     guesses pay: among more, a try costs more than it is likely to bring. On a CPU, where a
     step's rows cost nearly as much as its fixed part, a batch of 4 rows or more then guesses
     only for requests whose guesses have stood. A step with no guess at all
@@ -429,6 +451,7 @@ class Speculator:
         self.verify_rows = verify_rows                  # the decode step's fast verify: rows
         self.record: dict[int, list[float]] = {}       # rid -> [guesses made, kept], decayed
         self.quiet: dict[int, int] = {}                 # rid -> steps since it last guessed
+        self.misses: dict[int, int] = {}                # rid -> guessing steps in a row that fell
 
     def sync(self, running: dict) -> None:
         """The proposer follows the engine's slots (a draft frees the slots of who left); the
@@ -437,23 +460,27 @@ class Speculator:
         here = {seq.rid for seq in running.values()}
         for rid in [r for r in self.record if r not in here]:
             del self.record[rid]
-        for rid in [r for r in self.quiet if r not in here]:
-            del self.quiet[rid]
+        for book in (self.quiet, self.misses):
+            for rid in [r for r in book if r not in here]:
+                del book[rid]
 
     def guesses_for(self, rid: int, rows: int = 1) -> int:
         """The guesses that pay for a request in a step of `rows` rows: with a share a of its
         guesses kept (its record, and PRIOR guesses of which FIRST_SHARE stood: a newcomer's
         share is FIRST_SHARE, and one guess that stands is not yet a record), those whose
         chance a^j is at least pays(rows), k at most; none under it, but one after
-        PROBE_STEPS steps without a guess where a newcomer's guesses would pay (few rows)."""
+        PROBE_STEPS * 2^m steps without a guess (m: its guessing steps in a row that fell,
+        BACKOFF at most) where a newcomer's guesses would pay (few rows)."""
         made, kept = self.record.get(rid, (0.0, 0.0))
         share, bar = (kept + PRIOR * FIRST_SHARE) / (made + PRIOR), pays(rows)
         if share < bar:                # a try, where a newcomer's guesses would pay
-            return 1 if bar <= FIRST_SHARE and self.quiet.get(rid, 0) >= PROBE_STEPS else 0
+            wait = PROBE_STEPS << min(self.misses.get(rid, 0), BACKOFF)
+            return 1 if bar <= FIRST_SHARE and self.quiet.get(rid, 0) >= wait else 0
         return max(1, min(self.k, int(math.log(bar) / math.log(share))))
 
     def learn(self, seq: Sequence, verdict: "Verdict") -> None:
-        """A row's verdict in its record: what it guessed and kept, or one more quiet step."""
+        """A row's verdict in its record: what it guessed and kept (and whether all of it
+        fell), or one more quiet step."""
         if verdict.proposed == 0:
             self.quiet[seq.rid] = self.quiet.get(seq.rid, 0) + 1
             return
@@ -461,6 +488,7 @@ class Speculator:
         self.record[seq.rid] = [made * DECAY + verdict.proposed,
                                 kept * DECAY + verdict.accepted]
         self.quiet[seq.rid] = 0
+        self.misses[seq.rid] = 0 if verdict.accepted else self.misses.get(seq.rid, 0) + 1
 
     def check_integrity(self, idle: bool = False) -> str | None:
         return self.proposer.check_integrity(idle)
@@ -475,8 +503,9 @@ class Speculator:
 
     def allowed(self, seqs: list[Sequence], tokens_left: int | None) -> list[int]:
         """Guesses each row may have: as many as pay (guesses_for) in a step of these rows, or
-        for a sampled row as many as pay alone (its guesses draw from its generator, so they
-        depend on its own record only, and its seeded tokens are the same alone or batched);
+        for a sampled row of a proposer that is not certain (a draft's) as many as pay alone
+        (its guesses draw from its generator, so they depend on its own record only, and its
+        seeded tokens are the same alone or batched);
         less than its tokens still to make (its last comes from the target), within what the
         step leaves of its budget (tokens_left; None: no limit), the rows the decode step's
         verify pass takes beside the step's own (verify_rows), and the slot's positions."""
@@ -485,7 +514,8 @@ class Speculator:
             tokens_left = room if tokens_left is None else min(tokens_left, room)
         ks = []
         for seq in seqs:
-            rows = len(seqs) if is_greedy(seq.sampling.temperature) else 1
+            alone = not (self.proposer.certain or is_greedy(seq.sampling.temperature))
+            rows = 1 if alone else len(seqs)
             k = self.guesses_for(seq.rid, rows)
             if k > 0:                                   # most rows of a wide step: none
                 k = min(k, seq.request.max_new_tokens - len(seq.tokens) - 1,

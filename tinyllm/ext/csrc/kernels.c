@@ -49,10 +49,12 @@ static inline float hsum(__m256 s) {
    and adds pairs into int16, exact here since |u| <= 128 and |v| <= 127 keep a pair within
    int16; madd by ones adds pairs of those into int32). The sums are exact on every path. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VNNI 1
 static inline __m256i dot32_add(__m256i acc, __m256i u, __m256i v) {
     return _mm256_dpbusd_epi32(acc, u, v);
 }
 #elif defined(__AVXVNNI__)
+#define VNNI 1
 static inline __m256i dot32_add(__m256i acc, __m256i u, __m256i v) {
     return _mm256_dpbusd_avx_epi32(acc, u, v);
 }
@@ -300,6 +302,9 @@ void float_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float 
    region's shared variables, and ran a quarter slower. */
 #define SHARE(N, t, T) ((N) * (t) / (T))
 
+/* rows of x from which the int8 products of AVX2 without VNNI go by tiles (rows4_q8_tiles) */
+#define TILE_ROWS 2
+
 #ifdef AVX2
 /* 8 rows of the int8 weight q (K apart, K a multiple of 32) at their scales (8) . one row of
    x, xq (K) at step sx -> y (8): rows_q8's outputs, the 8 integer sums in one vector (the
@@ -317,6 +322,50 @@ static inline void rows8_q8(const int8_t *q, const uint16_t *scale, const int8_t
 }
 #endif
 
+#if defined(AVX2) && !defined(VNNI)
+/* the sums of 4 vectors' 8 int32 lanes: lane i holds p[i]'s */
+static inline __m128i sums4_i32(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* Several rows of x on AVX2 without VNNI: 4 weight rows q (K apart, K a multiple of 16),
+   widened once to int16 (w16: 4 K), then for every 2 rows of x, 16 columns at a time, the 8
+   products of a 2 x 4 tile by madd (pairs of int16 products summed into int32: exact, as
+   |x|, |w| <= 127) in 8 accumulators. maddubs would need each pair's signs moved (sign, abs)
+   for every row of x; here a weight is read, widened and signed once for all of them. y
+   (M rows, ldy apart) gets the 4 outputs of each row, scaled as rows_q8 scales one. */
+static void rows4_q8_tiles(const int8_t *q, const uint16_t *scale, int64_t M, int64_t K,
+                           const int8_t *xq, const float *sx, float *y, int64_t ldy,
+                           int16_t *w16) {
+    for (int i = 0; i < 4; i++)
+        for (int64_t k = 0; k < K; k += 16)
+            _mm256_storeu_si256((__m256i *)(w16 + i * K + k),
+                                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + i * K + k))));
+    __m128 s = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)scale));
+    for (int64_t m = 0; m < M; m += 2) {
+        const int8_t *x0 = xq + m * K, *x1 = m + 1 < M ? x0 + K : x0;  /* an odd last row: twice */
+        __m256i a[2][4];
+        for (int r = 0; r < 2; r++)
+            for (int i = 0; i < 4; i++) a[r][i] = _mm256_setzero_si256();
+        for (int64_t k = 0; k < K; k += 16) {
+            __m256i u0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x0 + k)));
+            __m256i u1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x1 + k)));
+            for (int i = 0; i < 4; i++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(w16 + i * K + k));
+                a[0][i] = _mm256_add_epi32(a[0][i], _mm256_madd_epi16(u0, w));
+                a[1][i] = _mm256_add_epi32(a[1][i], _mm256_madd_epi16(u1, w));
+            }
+        }
+        for (int r = 0; r < 2 && m + r < M; r++) {
+            __m128i sum = sums4_i32(a[r][0], a[r][1], a[r][2], a[r][3]);
+            _mm_storeu_ps(y + (m + r) * ldy, _mm_mul_ps(_mm_cvtepi32_ps(sum),
+                                                        _mm_mul_ps(_mm_set1_ps(sx[m + r]), s)));
+        }
+    }
+}
+#endif
+
 /* rows n0 .. n1 of y (M rows, ldy apart) for the int8 weight q (N, K), scale (N) and x's
    rows xq (M, K) int8 at steps sx (M), asking for the rows about 2 KB ahead as it goes (as
    int4_gemv does) */
@@ -324,6 +373,16 @@ static void rows_q8(int64_t n0, int64_t n1, int64_t M, int64_t K, const int8_t *
                     const uint16_t *scale, const int8_t *xq, const float *sx, float *y,
                     int64_t ldy) {
     int64_t ahead = 1 + 2048 / K, n = n0;
+#if defined(AVX2) && !defined(VNNI)
+    if (M >= TILE_ROWS && K % 16 == 0) {              /* several rows: 4 weight rows a pass */
+        int16_t *w16 = malloc(4 * K * sizeof(int16_t));
+        for (; n + 4 <= n1; n += 4) {
+            if (n + 4 + ahead < n1) prefetch_bytes(q + (n + 4 + ahead) * K, 4 * K);
+            rows4_q8_tiles(q + n * K, scale + n, M, K, xq, sx, y + n, ldy, w16);
+        }
+        free(w16);
+    }
+#endif
 #ifdef AVX2
     for (; K % 32 == 0 && n + 8 <= n1; n += 8) {      /* 8 rows a pass, then one by one */
         for (int64_t m = 0; m < M; m++)
