@@ -312,6 +312,9 @@ class ContinuousEngine:
                 self.speculator.decoded(seqs, tokens, logprobs)
         elif self.speculator is None:
             tokens, logprobs = sample(seqs, self.runner.decode(seqs), self.generator)
+        elif not any(self.speculator.allowed(seqs, tokens_left)):   # no row may guess (11)
+            tokens, logprobs = sample(seqs, self.runner.decode(seqs), self.generator)
+            self.stats.record_speculation(self.speculator.decoded(seqs, tokens, logprobs))
         else:                                           # guesses, verified in one pass (11)
             verdicts = self.speculator.decode(seqs, tokens_left, self.generator, self.runner)
             self.stats.record_speculation(verdicts)

@@ -494,12 +494,15 @@ class Speculator:
         return self.proposer.check_integrity(idle)
 
     def decoded(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list]
-                ) -> None:
-        """A step where these rows guessed nothing and decoded beside the prefill chunks, in
-        their pass: their verdicts, one token each, as a step of their own would give."""
-        for seq, verdict in zip(seqs, unguessed(tokens, logprobs)):
+                ) -> list["Verdict"]:
+        """A step where these rows guessed nothing (none was allowed a guess, or they decoded
+        beside the prefill chunks, in their pass): their verdicts, one token each, as decode
+        gives them, learnt and returned."""
+        verdicts = unguessed(tokens, logprobs)
+        for seq, verdict in zip(seqs, verdicts):
             self.proposer.kept(seq, verdict)
             self.learn(seq, verdict)
+        return verdicts
 
     def allowed(self, seqs: list[Sequence], tokens_left: int | None) -> list[int]:
         """Guesses each row may have: as many as pay (guesses_for) in a step of these rows, or
