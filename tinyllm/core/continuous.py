@@ -193,12 +193,11 @@ def chunk_tokens(planner, chunks: list[tuple[Sequence, int]]) -> list[tuple]:
 
 
 class ContinuousEngine:
-    """Continuous batching over a SlotCache, one step() at a time, of parts: this step's own
-    for `ContinuousEngine(model, n_slots or EngineConfig)`, or a later step's as keywords
-    (`cache`, `decoder`, `planner`, `speculator`, `grammars`: tinyllm.build.make_engine). A
-    request added at any time (add_request) gets its tokens as step()'s Events, and its Result in
-    `results` (pop it); times are on the engine clock, from the request's arrival. `generator`
-    serves every request without a seed; a Trace records every step."""
+    """Continuous batching over a SlotCache, one step() at a time, of parts: this step's own for
+    `ContinuousEngine(model, n_slots or EngineConfig)`, or a later step's as keywords (`cache`,
+    `decoder`, `planner`, `speculator`, `grammars`: tinyllm.build.make_engine). A request added at
+    any time (add_request) gets its tokens as step()'s Events and its Result in `results` (pop
+    it), on the engine clock from its arrival; `generator` serves those without a seed."""
 
     def __init__(self, model: Transformer, config: EngineConfig | int, *, cache=None,
                  decoder=None, planner=None, speculator=None, grammars=None, generator=None,
@@ -265,8 +264,7 @@ class ContinuousEngine:
         return True
 
     def warm_up(self, progress=None) -> None:
-        """A decoder that compiles (06, 13) compiles now, before any request waits for it;
-        progress(bucket, seconds) hears each bucket as it is compiled."""
+        """A decoder that compiles (06, 13) compiles now: progress(bucket, seconds) hears each."""
         if compiles(self.decoder):
             self.decoder.warm_up(progress=progress)
 
@@ -310,11 +308,10 @@ class ContinuousEngine:
             tokens, logprobs = sample(seqs, logits, self.generator)
             if self.speculator is not None:             # a step without guesses (11)
                 self.speculator.decoded(seqs, tokens, logprobs)
-        elif self.speculator is None:
+        elif self.speculator is None or not any(self.speculator.allowed(seqs, tokens_left)):
             tokens, logprobs = sample(seqs, self.runner.decode(seqs), self.generator)
-        elif not any(self.speculator.allowed(seqs, tokens_left)):   # no row may guess (11)
-            tokens, logprobs = sample(seqs, self.runner.decode(seqs), self.generator)
-            self.stats.record_speculation(self.speculator.decoded(seqs, tokens, logprobs))
+            if self.speculator is not None:             # no row may guess (11)
+                self.stats.record_speculation(self.speculator.decoded(seqs, tokens, logprobs))
         else:                                           # guesses, verified in one pass (11)
             verdicts = self.speculator.decode(seqs, tokens_left, self.generator, self.runner)
             self.stats.record_speculation(verdicts)
