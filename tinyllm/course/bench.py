@@ -112,8 +112,8 @@ def engine_config(name: str, args, max_len: int | None = None, budget_for_all: b
       step;
     - static: batches of --slots requests; its config holds n_slots alone.
     The flags name settings of several engines at once (--prefix-cache and --no-kv-headroom the
-    paged ones',
-    --compile-mode the compiled ones'), so each name sets every field that it decides.
+    paged ones', --compile-mode the compiled ones'), so each name sets every field that it
+    decides.
     Raises ValueError naming a bad name or setting."""
     base, opts = engine_name(name)
     if base == "static":
@@ -127,8 +127,7 @@ def engine_config(name: str, args, max_len: int | None = None, budget_for_all: b
     speculate = named[0] if named else args.speculate if speculate_for_all else None
     tp = next((ranks(o) for o in opts if ranks(o)), args.tensor_parallel_size)
     changes = dict(max_len=max_len, kv="slots", prefix_cache=False, kv_headroom=True,
-                   decoder=decoder,
-                   tensor_parallel_size=tp,
+                   decoder=decoder, tensor_parallel_size=tp,
                    max_step_tokens=budget, speculate=speculate,
                    compile_mode=args.compile_mode if decoder == "compiled" else "default")
     if base == "paged":

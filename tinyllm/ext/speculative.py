@@ -7,9 +7,9 @@ lookup: no second model; vLLM's `prompt_lookup_max/min`). `DraftProposer` runs a
 (`early_exit`: the target cut to its first layers, which needs no second checkpoint; or another
 checkpoint with the same tokenizer) with its own KV cache, a slot per engine slot.
 
-The target then computes every guess of every decoding request in one ragged pass: a row
-brings its last token and its k guesses, k + 1 positions, and position j's logits judge guess
-j. `verify` reads the verdict through the token stage, position by position, each row with its
+The target then computes every guess of every decoding request in one ragged pass: a row brings
+its last token and its k guesses, k + 1 positions, and position j's logits judge guess j.
+`verify` reads the verdict through the token stage, position by position, each row with its
 history so far (so penalties and logprobs see what solo generation would): a greedy request
 keeps a guess while it is the token the target picks there, so its output is the solo output
 exactly; a sampled one keeps guess x with probability min(1, p(x) / q(x)) and otherwise draws
@@ -18,11 +18,10 @@ output distributed as the target's. A lookup's q is one-hot: there the row draws
 own token at each position, with the one uniform number a plain step would use, and keeps the
 guess while they agree (kept with chance p(x), and where it falls the token drawn is one of p
 without x: the same rule), so a seeded request makes its plain tokens, guesses or none. The
-first position where a guess
-falls gives one token of the target's own; with every guess kept, the position after the last
-does: 1 to k + 1 tokens per request per target pass. The caches then roll back the positions
-of the guesses that fell (`rollback`), never into a block a prefix cache shares (those hold
-computed context only).
+first position where a guess falls gives one token of the target's own; with every guess kept,
+the position after the last does: 1 to k + 1 tokens per request per target pass. The caches then
+roll back the positions of the guesses that fell (`rollback`), never into a block a prefix cache
+shares (those hold computed context only).
 
 Seams: `accept_greedy`, `accept_sampled` and `roll_back` (exercise 11).
 """
@@ -206,9 +205,7 @@ def _sampled(processed: list[Tensor], seq: Sequence, guesses: list[int], drafts,
             token = int(draw(p[None], rand()))
             if token != guess:
                 return kept + [token]
-            kept.append(guess)
-            continue
-        if not accept_sampled(guess, p, drafts[j], float(rand())):
+        elif not accept_sampled(guess, p, drafts[j], float(rand())):
             return kept + [int(draw(residual(p, drafts[j], guess)[None], rand()))]
         kept.append(guess)
     p = distribution(processed[len(guesses)], seq)
@@ -423,28 +420,27 @@ class Speculator:
     cache, one ragged target pass (the engine's runner.verify), the verdicts, and the rollback
     of what fell in both caches. The engine counts what it proposed and kept (Stats).
 
-    Guesses are paid for: every guess is a token the target computes, kept or not. A kept
-    guess saves a row its token of a later step, a row's share of that step's cost; a guess
-    costs about one more row. A step of B rows costs its fixed part (the weights read, the
-    calls made: FREE_ROWS rows' worth) and the B rows', so a guess pays while its chance of
-    standing is at least `pays(B)` = B / (FREE_ROWS + B): 1/4 alone, 0.4 beside one other
-    row, 0.73 among 8. So a request guesses as far as its guesses stand (`guesses_for`): each
-    keeps its own record of guesses made and kept, the older ones weighing DECAY less each
-    time it guesses again, and with a share a of them kept, its j-th guess of a step stands
-    with chance about a^j (a = FIRST_SHARE before it has guessed); it makes the guesses whose
-    chance pays (alone: k of them while nearly all stand, 2 at a = 0.5, 1 at a = 0.3). Under that it
-    stops guessing, and tries one guess after PROBE_STEPS * 2^m steps without one, m the
-    guessing steps in a row whose guesses all fell (BACKOFF at most: text the request copies
-    from its prompt comes and goes, and a request that never copies tries ever more rarely),
-    in a step of rows few enough that a newcomer's
-    guesses pay: among more, a try costs more than it is likely to bring. On a CPU, where a
-    step's rows cost nearly as much as its fixed part, a batch of 4 rows or more then guesses
-    only for requests whose guesses have stood. A step with no guess at all
-    runs the engine's plain decode step, not a verify pass: where guessing does not pay,
-    speculation costs the lookups and nothing more. A decode step whose verify pass is as fast
-    as its plain step up to some rows (`verify_rows`: the fused layers', 13) gets no more
-    guesses than those rows leave beside the step's own: past them the verify pass would be
-    the model's, slower than the plain step the guesses replace."""
+    Guesses are paid for: every guess is a token the target computes, kept or not. A kept guess
+    saves a row its token of a later step, a row's share of that step's cost; a guess costs
+    about one more row. A step of B rows costs its fixed part (the weights read, the calls made:
+    FREE_ROWS rows' worth) and the B rows', so a guess pays while its chance of standing is at
+    least `pays(B)` = B / (FREE_ROWS + B): 1/4 alone, 0.4 beside one other row, 0.73 among 8. So
+    a request guesses as far as its guesses stand (`guesses_for`): each keeps its own record of
+    guesses made and kept, the older ones weighing DECAY less each time it guesses again, and
+    with a share a of them kept, its j-th guess of a step stands with chance about a^j (a =
+    FIRST_SHARE before it has guessed); it makes the guesses whose chance pays (alone: k of them
+    while nearly all stand, 2 at a = 0.5, 1 at a = 0.3). Under that it stops guessing, and tries
+    one guess after PROBE_STEPS * 2^m steps without one, m the guessing steps in a row whose
+    guesses all fell (BACKOFF at most: text the request copies from its prompt comes and goes,
+    and a request that never copies tries ever more rarely), in a step of rows few enough that a
+    newcomer's guesses pay: among more, a try costs more than it is likely to bring. On a CPU,
+    where a step's rows cost nearly as much as its fixed part, a batch of 4 rows or more then
+    guesses only for requests whose guesses have stood. A step with no guess at all runs the
+    engine's plain decode step, not a verify pass: where guessing does not pay, speculation
+    costs the lookups and nothing more. A decode step whose verify pass is as fast as its plain
+    step up to some rows (`verify_rows`: the fused layers', 13) gets no more guesses than those
+    rows leave beside the step's own: past them the verify pass would be the model's, slower
+    than the plain step the guesses replace."""
 
     def __init__(self, proposer, k: int, cache, verify_rows: int | None = None):
         self.proposer, self.k, self.cache = proposer, k, cache
@@ -458,9 +454,7 @@ class Speculator:
         records of who left go."""
         self.proposer.sync(running)
         here = {seq.rid for seq in running.values()}
-        for rid in [r for r in self.record if r not in here]:
-            del self.record[rid]
-        for book in (self.quiet, self.misses):
+        for book in (self.record, self.quiet, self.misses):
             for rid in [r for r in book if r not in here]:
                 del book[rid]
 

@@ -332,9 +332,10 @@ static inline __m128i sums4_i32(__m256i p0, __m256i p1, __m256i p2, __m256i p3) 
 /* Several rows of x on AVX2 without VNNI: 4 weight rows q (K apart, K a multiple of 16),
    widened once to int16 (w16: 4 K), then for every 2 rows of x, 16 columns at a time, the 8
    products of a 2 x 4 tile by madd (pairs of int16 products summed into int32: exact, as
-   |x|, |w| <= 127) in 8 accumulators. maddubs would need each pair's signs moved (sign, abs)
-   for every row of x; here a weight is read, widened and signed once for all of them. y
-   (M rows, ldy apart) gets the 4 outputs of each row, scaled as rows_q8 scales one. */
+   |x|, |w| <= 127) in 8 accumulators; an odd last row by dot_q8. maddubs would need each
+   pair's signs moved (sign, abs) for every row of x; here a weight is read and widened once
+   for all of them. y (M rows, ldy apart) gets the 4 outputs of each row, scaled as rows_q8
+   scales one. */
 static void rows4_q8_tiles(const int8_t *q, const uint16_t *scale, int64_t M, int64_t K,
                            const int8_t *xq, const float *sx, float *y, int64_t ldy,
                            int16_t *w16) {
@@ -343,8 +344,9 @@ static void rows4_q8_tiles(const int8_t *q, const uint16_t *scale, int64_t M, in
             _mm256_storeu_si256((__m256i *)(w16 + i * K + k),
                                 _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + i * K + k))));
     __m128 s = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)scale));
-    for (int64_t m = 0; m < M; m += 2) {
-        const int8_t *x0 = xq + m * K, *x1 = m + 1 < M ? x0 + K : x0;  /* an odd last row: twice */
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) {
+        const int8_t *x0 = xq + m * K, *x1 = x0 + K;
         __m256i a[2][4];
         for (int r = 0; r < 2; r++)
             for (int i = 0; i < 4; i++) a[r][i] = _mm256_setzero_si256();
@@ -357,12 +359,15 @@ static void rows4_q8_tiles(const int8_t *q, const uint16_t *scale, int64_t M, in
                 a[1][i] = _mm256_add_epi32(a[1][i], _mm256_madd_epi16(u1, w));
             }
         }
-        for (int r = 0; r < 2 && m + r < M; r++) {
+        for (int r = 0; r < 2; r++) {
             __m128i sum = sums4_i32(a[r][0], a[r][1], a[r][2], a[r][3]);
             _mm_storeu_ps(y + (m + r) * ldy, _mm_mul_ps(_mm_cvtepi32_ps(sum),
                                                         _mm_mul_ps(_mm_set1_ps(sx[m + r]), s)));
         }
     }
+    for (int i = 0; m < M && i < 4; i++)               /* an odd last row, one dot each */
+        y[m * ldy + i] = (float)dot_q8(xq + m * K, q + i * K, K)
+                         * (sx[m] * half_to_float(scale[i]));
 }
 #endif
 
