@@ -4,6 +4,7 @@ layer, and every row's logits are the plain model's, on random ragged steps of s
 caches; the engine's steps call it as often as they should, and give the solo tokens."""
 
 import copy
+import threading
 from unittest import mock
 
 import pytest
@@ -51,6 +52,30 @@ def test_install_shares_the_weights_and_is_done_once():
         p.numel() for p in make_tiny(seed=5).parameters()
     )
     assert isinstance(attn, Attention), "it takes Attention's place: every cache still works"
+
+
+def test_a_servers_model_attends_as_the_model_while_the_kernels_build(monkeypatch):
+    """Installed with wait_for_kernels=False (serve's model), a step where the kernels are not
+    built yet starts their build in a thread and attends as the model does (the solo tokens,
+    no kernel call); once built, the steps attend in the kernel."""
+    calls, built, ops = [], threading.Event(), cpu_kernels.library()
+    kernel = cpu_kernels.decode_attention
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(cpu_kernels, "_built", None)
+    monkeypatch.setattr(cpu_kernels, "_builder", None)
+    monkeypatch.setattr(cpu_kernels, "loads_now", lambda: False)  # as where nothing is built
+    monkeypatch.setattr(cpu_kernels, "library", lambda: built.wait(10) and ops)
+    model = cpu_attention.install(make_tiny(seed=4), wait_for_kernels=False)
+    want = [solo(make_tiny(seed=4), r).tokens for r in REQS]
+    for building in (True, False):
+        eng = make_engine(model, 2)
+        rids = [eng.add_request(r) for r in REQS]
+        while eng.has_work():
+            eng.step()
+        assert [eng.results[r].tokens for r in rids] == want
+        assert bool(calls) != building and cpu_kernels._builder.is_alive() == building
+        built.set()
+        cpu_kernels._builder.join(10)
 
 
 @pytest.mark.parametrize("kv", ["slots", "paged"])

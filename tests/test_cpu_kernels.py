@@ -5,6 +5,8 @@ AVX-512's or VNNI's) and on the portable one; a row's result is the same in any 
 any number of threads; the layers pick them on a CPU in float32; and every engine on a float
 or quantized model still gives each request its solo tokens in float32, where they run."""
 
+import threading
+import time
 from fnmatch import fnmatch
 from importlib import resources
 from pathlib import Path
@@ -368,6 +370,27 @@ def test_the_sources_ship_with_the_package_and_are_what_build_compiles(tmp_path,
     assert str(csrc / "kernels.c") in (tmp_path / "cc.args").read_text().split()
     assert str(csrc / "ops.cpp") in (tmp_path / "cxx.args").read_text().split()
     assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+def test_a_step_does_not_wait_for_the_kernels_to_compile(tmp_path, monkeypatch):
+    """available(wait=False), as attention asks it in a step: where the cache has no kernels,
+    a thread of its own builds them and the answer is False until they are built (the step
+    attends with the library meanwhile), one thread however often it is asked; then True."""
+    monkeypatch.setenv("TINYLLM_CACHE", str(tmp_path))  # nothing built there
+    for variable in ("CC", "CXX"):
+        monkeypatch.setenv(variable, "/bin/true")
+    monkeypatch.setattr(cpu_kernels, "_built", None)
+    monkeypatch.setattr(cpu_kernels, "_builder", None)
+    built = threading.Event()
+    monkeypatch.setattr(cpu_kernels, "library", lambda: built.wait(10) and cpu_kernels)
+    assert not cpu_kernels.loads_now()
+    t0 = time.perf_counter()
+    assert [cpu_kernels.available(wait=False) for _ in range(3)] == [False] * 3
+    builder = cpu_kernels._builder
+    assert builder.is_alive() and time.perf_counter() - t0 < 1
+    built.set()
+    builder.join(10)
+    assert cpu_kernels.available(wait=False) is True and cpu_kernels._builder is builder
 
 
 def test_a_machine_where_the_kernels_do_not_compile_is_told_why(tmp_path, monkeypatch):

@@ -166,13 +166,29 @@ def test_a_decoder_sent_to_another_process_leaves_its_programs_behind():
     assert len(piecewise.PROGRAMS[copy.model]) == 3
 
 
+def test_a_second_process_finds_the_programs_in_torchinductors_cache():
+    """A program compiled once is filed in TorchInductor's cache of compiled graphs, so that
+    the next process (a server started again) loads it instead of generating its code again:
+    a copy of the model compiles its three pieces as three hits. Without a tracing context of
+    the program's own, TorchInductor skips that cache (it took 5.5 of a cold start's 13
+    CPU-seconds on SmolLM2)."""
+    from torch._dynamo.utils import counters
+
+    model = make_tiny(seed=26)
+    PiecewiseDecoder(model).warm_up(1)
+    copy = pickle.loads(pickle.dumps(model))  # another model: programs of its own
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    PiecewiseDecoder(copy).warm_up(1)
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits == 3, dict(counters["inductor"])
+
+
 ROOT = Path(__file__).parents[1]
 
 
-def test_serve_compiles_the_pieces_for_one_row_before_it_says_it_serves():
-    """`serve --decoder pieces` compiles the bucket of one row before it says "serving", and
-    says that the bucket of 2 rows compiles while it serves; the first request then waits for no
-    compilation."""
+def test_serve_pieces_serves_at_once_and_compiles_while_it_serves():
+    """`serve --decoder pieces` says "serving" with nothing compiled, after one line that says
+    its buckets of 1 and 2 rows compile while it serves; the first request then waits for no
+    compilation (its steps run eager until their bucket is compiled)."""
     port = free_port()
     proc = run_serve(["--decoder", "pieces", "--slots", "2", "--port", str(port)])
     try:
@@ -181,9 +197,10 @@ def test_serve_compiles_the_pieces_for_one_row_before_it_says_it_serves():
             lines.append(proc.stdout.readline())
             assert lines[-1], f"serve ended before it served: {''.join(lines)}"
         said = [line.strip() for line in lines[1:]]
-        assert said[0].startswith("compiling the decode step (--decoder pieces)"), said
-        assert said[1].split(":")[0] == "bucket of 1 row", said
-        assert said[2].startswith("the buckets of 2 rows compile while it serves"), said
+        assert len(said) == 2, said
+        assert said[0].startswith(
+            "the decode step (--decoder pieces) compiles for 1, 2 rows while it serves"
+        ), said
         body = {"prompt": "Ham.\nTo be", "max_tokens": 4, "temperature": 0}
         t0 = time.perf_counter()
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)

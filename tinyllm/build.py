@@ -31,21 +31,23 @@ from tinyllm.core.stats import Trace, kv_bytes_per_token
 
 def load(path="default", device=None, dtype=None, max_seq_len: int | None = None,
          download: bool = False, *, quant: str | None = None, c_attention: bool = True,
-         huge_pages: bool = False):
+         huge_pages: bool = False, wait_for_kernels: bool = True):
     """tinyllm.load's (model, tokenizer), with step 13's switches. quant: None ("none") keeps float
     weights in plain linear layers; "float" keeps them too, a few rows read by a C loop
     (quant.GemvLinear); "int8" (per output channel) or "int4" (groups of 32) quantizes every
     linear layer (quant.quantize); "gguf" keeps a GGUF file's Q8_0, Q4_0 and Q4_1 blocks as they
     are (keep_gguf_blocks; a GGUF file only). On a CPU: c_attention puts the C attention
-    in each layer (cpu_attention.install), where the kernels build; huge_pages moves the weights
-    into memory that asked for 2 MB pages (huge_pages.place), which a decode step streams
-    faster."""
+    in each layer (cpu_attention.install), where the kernels build (with wait_for_kernels
+    False, as a server loads, a step does not wait for their first build: it attends with the
+    library meanwhile); huge_pages moves the weights into memory that asked for 2 MB pages
+    (huge_pages.place), which a decode step streams faster."""
     from tinyllm.checkpoints.checkpoint import resolve
     from tinyllm.checkpoints.loading import load as load_plain
     from tinyllm.ext.quant import MODES
 
     quant = None if quant == "none" else quant
-    for name, value in (("c_attention", c_attention), ("huge_pages", huge_pages)):
+    for name, value in (("c_attention", c_attention), ("huge_pages", huge_pages),
+                        ("wait_for_kernels", wait_for_kernels)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
     if quant not in (None, *MODES):
@@ -62,7 +64,7 @@ def load(path="default", device=None, dtype=None, max_seq_len: int | None = None
     if next(model.parameters()).device.type == "cpu":
         if c_attention:
             from tinyllm.ext.cpu_attention import install
-            install(model)
+            install(model, wait_for_kernels)
         if huge_pages:
             from tinyllm.ext.huge_pages import place
             place(model)

@@ -43,7 +43,8 @@ LATER = {"kv": "slots", "decoder": "eager", "max_step_tokens": None, "prefix_cac
 
 
 def compiles(decoder) -> bool:
-    """Whether a decode step compiles before it serves (06's compiled step, 13's pieces)."""
+    """Whether a decode step compiles (06's compiled step, before it serves; 13's pieces,
+    while it serves)."""
     return hasattr(decoder, "warm_up")
 
 

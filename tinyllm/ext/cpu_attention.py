@@ -15,7 +15,10 @@ matrices. So a packed step (04) splits: the long rows store their keys, the shor
 attend in one kernel call (which writes theirs first), then the long rows attend as
 `Attention.attend` does; every key of the step is written before any row reads one. Where the
 kernel cannot run (no C compiler, a GPU, half precision, a cache without a layout) the layer
-is the model's own Attention.
+is the model's own Attention. The first step builds the kernels where the cache has none yet
+(about ten seconds, once a machine); installed with wait_for_kernels=False (a server's model),
+it starts their build in a thread of its own instead, and the steps attend as the model does
+until they are built.
 """
 
 import torch
@@ -32,8 +35,9 @@ class CAttention(Attention):
     """An Attention whose decode step, and a packed step's rows of at most QUERY_ROWS tokens,
     attend in one decode_attention call a layer, where the cache keeps the keys."""
 
-    def __init__(self, attn: Attention):
+    def __init__(self, attn: Attention, wait_for_kernels: bool = True):
         nn.Module.__init__(self)                        # the same projections, not copies
+        self.wait_for_kernels = wait_for_kernels
         self.layer, self.n_heads = attn.layer, attn.n_heads
         self.n_kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = \
@@ -42,7 +46,7 @@ class CAttention(Attention):
     def decode(self, q: Tensor, k: Tensor, v: Tensor, cache) -> Tensor:
         """Attention.decode in one C call: the new keys and values written where the cache
         keeps them, then every row's g query heads of each KV head attending there."""
-        rows = kernel_rows(cache, self.layer, v)
+        rows = kernel_rows(cache, self.layer, v, wait=self.wait_for_kernels)
         if rows is None or rows[2].size(0) != v.size(0):    # the model's own names a bad batch
             return super().decode(q, k, v, cache)
         B, hd = v.size(0), self.head_dim
@@ -57,7 +61,7 @@ class CAttention(Attention):
         packing = cache.packing
         short = [b for b, n in enumerate(packing.q_lens) if n <= QUERY_ROWS]
         few = packing.tokens(short)[0] if short else None                    # (D,) of the N
-        rows = kernel_rows(cache, self.layer, x, few) if short else None
+        rows = kernel_rows(cache, self.layer, x, few, self.wait_for_kernels) if short else None
         if rows is None:
             return super().packed(x, cos, sin, cache)
         q, k, v = self.qkv(x, cos, sin)                 # (1, H, N, hd), (1, n_kv, N, hd) twice
@@ -72,7 +76,8 @@ class CAttention(Attention):
         return self.attend(q, cache, groups, y).view(1, N, H * hd)            # 3)
 
 
-def kernel_rows(cache, layer: int, x: Tensor, tokens: Tensor | None = None) -> tuple | None:
+def kernel_rows(cache, layer: int, x: Tensor, tokens: Tensor | None = None,
+                wait: bool = True) -> tuple | None:
     """decode_attention's arguments of the cache where they lie for this step: the layer's
     keys and values, write (D, n_kv), read (D, W), the head stride and the additive mask (D, W),
     for the step's query rows (a decode step's rows, or a packed step's `tokens`, D of its N,
@@ -80,9 +85,11 @@ def kernel_rows(cache, layer: int, x: Tensor, tokens: Tensor | None = None) -> t
     its own column of the mask, causal, so a token sees its row's new tokens up to itself,
     which the kernel writes before it attends). None where the kernel
     cannot run: a cache without a layout, x not on a CPU in float32 or float64, keys of
-    another dtype, or no kernels built. Made at the step's first layer, kept in cache.memo."""
+    another dtype, or no kernels built (with wait False: not built yet, their build started).
+    Made at the step's first layer, kept in cache.memo."""
     if (not hasattr(cache, "layout") or x.device.type != "cpu"
-            or x.dtype not in (torch.float32, torch.float64) or not cpu_kernels.available()):
+            or x.dtype not in (torch.float32, torch.float64)
+            or not cpu_kernels.available(wait)):
         return None
     keys, values, write, read, stride = cache.layout(layer)
     if keys.dtype != x.dtype:
@@ -100,10 +107,10 @@ def kernel_rows(cache, layer: int, x: Tensor, tokens: Tensor | None = None) -> t
     return (keys, values, *cache.memo["c-attention"])
 
 
-def install(model: Transformer) -> Transformer:
+def install(model: Transformer, wait_for_kernels: bool = True) -> Transformer:
     """Put CAttention in the place of each layer's Attention, in place (sharing its weights);
     returns the model. A model already installed is left as it is."""
     for block in model.layers:
         if not isinstance(block.self_attn, CAttention):
-            block.self_attn = CAttention(block.self_attn)
+            block.self_attn = CAttention(block.self_attn, wait_for_kernels)
     return model

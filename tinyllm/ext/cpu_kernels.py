@@ -78,6 +78,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 from functools import cache
 from pathlib import Path
@@ -103,20 +104,28 @@ def compilers() -> tuple[str, str] | None:
 FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 
 
+def kept(flags: list[str], namespace: str = "tinyllm") -> Path | None:
+    """Where the kernels built with these flags are kept in the cache directory, named by a
+    hash of both files, the flags, the compilers and torch's version (None: no compilers)."""
+    found = compilers()
+    if found is None:
+        return None
+    key = b"\0".join([(CSRC / "kernels.c").read_bytes(), (CSRC / "ops.cpp").read_bytes(),
+                      *(s.encode() for s in (*found, *flags, namespace, torch.__version__))])
+    return cache_dir() / "kernels" / f"{namespace}-{hashlib.sha256(key).hexdigest()[:16]}.so"
+
+
 def build(flags: list[str], namespace: str = "tinyllm"):
     """The kernels compiled with these C flags and bound as operators of torch.ops.namespace,
     once: csrc/kernels.c and its bindings csrc/ops.cpp (C++ against torch's headers, about ten
     seconds) kept under the cache directory by a hash of both files, the flags, the compilers
     and torch's version, so a second process loads them in milliseconds -> torch.ops.namespace,
     or None where they do not compile. A namespace is bound once a process."""
-    found = compilers()
+    found, path = compilers(), kept(flags, namespace)
     if found is None:
         return None
     cc, cxx = found
     c, cpp = CSRC / "kernels.c", CSRC / "ops.cpp"
-    key = b"\0".join([c.read_bytes(), cpp.read_bytes(),
-                      *(s.encode() for s in (cc, cxx, *flags, namespace, torch.__version__))])
-    path = cache_dir() / "kernels" / f"{namespace}-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if not path.is_file():
         print(f"tinyllm: compiling the C kernels ({' '.join(flags)}), once for this machine: "
               f"about ten seconds", file=sys.stderr)
@@ -173,17 +182,42 @@ def why_not_built() -> str:
     return f"the compiler said, with {flags}: {(said.strip().splitlines() or [''])[-1]}"
 
 
-_built: bool | None = None  # available()'s answer, once asked
+_built: bool | None = None  # available()'s answer, once known
+_building = threading.Lock()  # held while it is being found
+_builder: threading.Thread | None = None  # the thread that builds them for available(False)
 
 
-def available() -> bool:
-    """Whether the kernels compiled here. Asked first outside compiled code (a QuantLinear
-    asks when it is made), the answer is then a module global that torch.compile reads as a
-    constant, tracing no compiler run."""
-    global _built
+def available(wait: bool = True) -> bool:
+    """Whether the kernels are built here, built first where they are not (about ten seconds
+    of the compilers, once a machine). With wait=False a caller does not wait for the
+    compilers: kernels already in the cache load now, else a thread of their own builds them
+    and the answer is False until it is done (a step that asks runs PyTorch's operations
+    meanwhile). Asked first outside compiled code (a QuantLinear asks when it is made), the
+    answer is then a module global that torch.compile reads as a constant, tracing no
+    compiler run."""
+    global _builder
     if _built is None:
-        _built = library() is not None
+        if not wait and (_builder is not None or not loads_now()):
+            if _builder is None:
+                _builder = threading.Thread(target=_answer, name="c-kernels", daemon=True)
+                _builder.start()
+            return False
+        _answer()
     return _built
+
+
+def _answer() -> None:
+    global _built
+    with _building:
+        if _built is None:
+            _built = library() is not None
+
+
+def loads_now() -> bool:
+    """Whether library() answers without a compiler: the kernels are in the cache, or turned
+    off, or there are no compilers."""
+    path = kept(FLAGS[0])
+    return os.environ.get("TINYLLM_NO_C_KERNELS") == "1" or path is None or path.is_file()
 
 
 def cpu_flags() -> set[str]:

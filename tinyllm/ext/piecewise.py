@@ -18,7 +18,7 @@ a paged pool, a prefix cache. Every layer runs the same code at the same shapes,
 compiled once for all the layers, with the layer's weights as inputs: one program for each
 power of two of rows (a batch is padded up to the next), a few seconds each on first use, or
 ahead with `warm_up(max_rows)` (bench calls it before any run). A server starts sooner: it
-compiles the bucket of one row before it serves and the others in a thread while it serves
+serves at once and compiles the buckets, smallest first, in a thread while it serves
 (`compile_next`, one bucket a call), and with `eager_until_compiled` set, a step whose bucket
 is not compiled yet runs the model's own eager step instead of waiting for a compilation. A
 prefill, a chunk or speculation's verification (more than one token a row) runs the model as
@@ -42,8 +42,11 @@ from itertools import chain
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from tinyllm.core.model import Transformer, apply_rope
 from tinyllm.ext.quant import padded_rows, projections
@@ -133,7 +136,15 @@ def program(piece, modules: list[nn.Module], args: list[Tensor]):
         return functional_call(held, dict(zip(names, flat)), tuple(flat[len(names):]))
 
     example = [t for m in modules for t in tensors(m)] + list(args)
-    return torch._inductor.compile(make_fx(run)(*example), example, {"size_asserts": False})
+    graph = make_fx(run)(*example)
+    # TorchInductor files a compiled graph in its cache under the graph and the shapes of the
+    # tracing context torch.compile would have opened; called directly there is none, and it
+    # skips its cache. A context of its own with the inputs as fake tensors of fixed shapes
+    # (the same program) lets the next process load the program instead of generating it.
+    fake = FakeTensorMode(shape_env=ShapeEnv())
+    with tracing(TracingContext(fake)):
+        return torch._inductor.compile(graph, [fake.from_tensor(t, static_shapes=True)
+                                               for t in example], {"size_asserts": False})
 
 
 PROGRAMS: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()

@@ -424,34 +424,29 @@ def start_ranks(engine: ContinuousEngine, say) -> None:
 
 def warm_up(engine: ContinuousEngine, say) -> None:
     """A decoder that compiles (06's compiled step, 13's pieces) compiles now, saying a line
-    (`say`) as it starts, after each bucket and when it is done: every bucket, or, for a
-    decoder that can compile the rest later (13's pieces: `compile_next`), the bucket of one
-    row, the rest left to a thread of their own once it serves (compile_rest), their steps
-    eager until then."""
+    (`say`) as it starts, after each bucket and when it is done; or, for a decoder that can
+    compile later (13's pieces: `compile_next`), it says which buckets compile while it serves
+    and leaves them to a thread of their own (compile_rest), their steps eager until then: a
+    server's first token waits for no compiler."""
     kind, decoder = engine.config.decoder, engine.decoder
     if not compiles(decoder):
         return
-    later = hasattr(decoder, "compile_next")
-    what = "its bucket of one row" if later else "a bucket at a time"
-    say(f"compiling the decode step (--decoder {kind}), {what}, before serving")
+    if hasattr(decoder, "compile_next"):
+        decoder.eager_until_compiled = True
+        rows = ", ".join(map(str, decoder.buckets()))
+        say(
+            f"the decode step (--decoder {kind}) compiles for {rows} rows while it serves, "
+            f"from its first step on; until then its steps run eager"
+        )
+        return
+    say(f"compiling the decode step (--decoder {kind}), a bucket at a time, before serving")
     t0 = time.perf_counter()
-
-    unit = {"pieces": "row", "compiled": "position"}.get(kind, "")  # what a bucket holds
+    unit = {"compiled": "position"}.get(kind, "")  # what a bucket holds
 
     def compiled(bucket: int, seconds: float) -> None:
         size = f"{bucket} {unit}{'s' * (bucket != 1)}" if unit else str(bucket)
         say(f"  bucket of {size}: {seconds:.1f} s")
 
-    if later:
-        compiled(*decoder.compile_next())
-        decoder.eager_until_compiled = True
-        rest = [b for b in decoder.buckets() if not decoder.compiled(b)]
-        if rest:
-            say(
-                f"the buckets of {', '.join(map(str, rest))} rows compile while it serves; "
-                f"until then their steps run eager"
-            )
-        return
     engine.warm_up(progress=compiled)
     say(f"the decode step is compiled ({time.perf_counter() - t0:.0f} s)")
 
@@ -462,12 +457,13 @@ REST_AFTER_S = 10.0  # the most compile_rest waits for a first step before it co
 def compile_rest(
     engine: ContinuousEngine, served: threading.Event | None = None
 ) -> threading.Thread | None:
-    """A decoder that left buckets for later (warm_up) compiles them in a thread of its own,
-    one after another, while the engine serves: a step whose bucket is not compiled yet runs
+    """A decoder that left its buckets for later (warm_up) compiles them in a thread of its
+    own, smallest first, while the engine serves: a step whose bucket is not compiled yet runs
     eager meanwhile, so no request waits for a compilation (the steps share the interpreter
     with it, and run slower while it lasts). It begins once `served` is set (serve_engine
     sets it after its first step: the first requests' tokens come before any compiling), or
-    after REST_AFTER_S without one -> the thread, or None where nothing is left."""
+    after REST_AFTER_S without one -> the thread, or None where nothing is left. A bucket that
+    cannot compile is said in one line on stderr, and the steps stay eager."""
     compile_next = getattr(engine.decoder, "compile_next", None)
     if compile_next is None:
         return None
@@ -475,9 +471,13 @@ def compile_rest(
     def rest() -> None:
         if served is not None:
             served.wait(REST_AFTER_S)
-        with torch.no_grad():
-            while compile_next() is not None:
-                pass
+        try:
+            with torch.no_grad():
+                while compile_next() is not None:
+                    pass
+        except Exception as e:
+            why = warm_up_failure(engine.config.decoder, e)
+            print(f"tinyllm: {why}; its steps stay eager", file=sys.stderr, flush=True)
 
     thread = threading.Thread(target=rest, name="compile-rest", daemon=True)
     thread.start()

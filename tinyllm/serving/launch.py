@@ -157,7 +157,9 @@ def serve_main(argv=None) -> None:
         defaults = model_defaults(args.model, args.generation_config)
     except ValueError as e:
         refuse(str(e))
-    model, tok = load(args.model, device=args.device, quant=args.quant, huge_pages=True)
+    model, tok = load(
+        args.model, device=args.device, quant=args.quant, huge_pages=True, wait_for_kernels=False
+    )
     if config.tensor_parallel_size > 1:
         serve_other_rank(model, config.tensor_parallel_size)  # returns on rank 0 alone
     draft = None if args.draft is None else load(args.draft, device=args.device)[0]
