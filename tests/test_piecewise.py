@@ -260,3 +260,28 @@ def test_the_other_buckets_compile_after_the_engines_first_step(monkeypatch):
     engine = SimpleNamespace(decoder=Buckets())
     engine_loop.compile_rest(engine, threading.Event()).join(10)
     assert engine.decoder.done == [2, 4]
+
+
+class CannotCompile(Buckets):
+    """A decoder whose compiler is missing: compile_next raises as TorchInductor does."""
+
+    def compile_next(self):
+        raise RuntimeError(
+            "InvalidCxxCompiler: No working C++ compiler found\n  and 100 more lines"
+        )
+
+
+def test_a_bucket_that_cannot_compile_says_so_in_one_line_and_the_steps_stay_eager(capsys):
+    """The thread that compiles while the engine serves, where a bucket cannot compile, says so
+    in one line on stderr (no traceback) and ends; the steps stay eager."""
+    from types import SimpleNamespace
+
+    from tinyllm.serving import engine_loop
+
+    decoder = CannotCompile()
+    decoder.eager_until_compiled = True
+    engine = SimpleNamespace(decoder=decoder, config=SimpleNamespace(decoder="pieces"))
+    engine_loop.compile_rest(engine).join(10)
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "(--decoder pieces) could not compile" in said[0], said
+    assert said[0].endswith("its steps stay eager") and decoder.eager_until_compiled

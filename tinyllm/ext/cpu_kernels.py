@@ -183,7 +183,7 @@ def why_not_built() -> str:
 
 
 _built: bool | None = None  # available()'s answer, once known
-_building = threading.Lock()  # held while it is being found
+_building = threading.Lock()  # held while the answer is found (a build takes seconds)
 _builder: threading.Thread | None = None  # the thread that builds them for available(False)
 
 
