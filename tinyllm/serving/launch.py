@@ -5,10 +5,12 @@
 `serve_main` reads the flags (the server's own, then EngineConfig's), checks that a decoder
 that compiles C or C++ on a CPU finds its compiler (`cannot_compile`), reads the model's
 sampling defaults (served.model_defaults, as --generation-config says), loads the checkpoint
-(tinyllm.build.load: the weights as --quant says), makes the engine with the grammar backend
-(12), and launches the server (`Launched`): uvicorn in a thread of its own, the engine started
-first on its event loop, its decode step compiled bucket by bucket with a line for each, so
-that the line "serving ..." comes when no request waits for a compilation any more. Before
+(tinyllm.build.load: the weights as --quant says; the C kernels, where they are not built yet,
+built in a thread while the steps attend without them), makes the engine with the grammar
+backend (12), and launches the server (`Launched`): uvicorn in a thread of its own, the engine
+started first on its event loop. No request waits for a compilation: 06's compiled step
+compiles bucket by bucket before the line "serving ...", a line for each; 13's pieces compile
+while it serves, their steps eager until then (engine_loop.warm_up). Before
 them, one line says what is served: the weights, the decoder, the speculation, the KV cache,
 the token budget and the sampling defaults (served.banner; /health says the same). Ctrl-C stops
 the server gracefully. What cannot be served (a setting the engine refuses, a missing
@@ -214,8 +216,8 @@ STOP_S = 30  # the longest a graceful stop is waited for
 
 class Launched:
     """uvicorn in a thread of its own, serving `served` on host:port, the engine started first
-    on the same event loop (its decode step compiled before it is Ready, each line of how it
-    goes printed as it comes); the caller's thread gets Ctrl-C. Made, it has started, or says
+    on the same event loop (a decode step that compiles before it is Ready says each line of
+    how it goes as it comes); the caller's thread gets Ctrl-C. Made, it has started, or says
     in `failure` why it could not (the engine's sentence, or the address)."""
 
     def __init__(self, served: Served, host: str, port: int):
