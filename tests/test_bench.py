@@ -2,6 +2,7 @@
 (Speed is never asserted here: the benchmark measures it.)"""
 
 import json
+import os
 from dataclasses import replace
 
 import matplotlib
@@ -461,6 +462,32 @@ def test_solo_times_one_requests_decode_on_each_engine_and_weights(bundled, caps
     bench.main(["--solo", "6", "--pages", "both", "--json"])
     rows = json.loads(capsys.readouterr().out)["solo"]
     assert [r["engine"] for r in rows] == ["continuous (2 MB pages)", "continuous (4 KB pages)"]
+
+
+def test_serve_start_times_a_servers_launch_to_its_first_token(capsys, monkeypatch):
+    """--serve-start: `serve` launched for real (the bundled model, 2 slots), one streamed
+    request sent once /health answers; the clock read at Ready, the first token and the last,
+    in wall seconds and the CPU-seconds of its processes; the server gone after each start.
+    Nothing is loaded in the bench's own process."""
+    monkeypatch.setattr("tinyllm.load", lambda *a, **k: pytest.fail("the bench loaded a model"))
+    before = set(os.listdir("/proc"))
+    bench.main(["--serve-start", "--slots", "2", "--rounds", "2", "--json"])
+    (row,) = json.loads(capsys.readouterr().out)["serve_start"]
+    assert row["quant"] == "none" and row["decoder"] == "eager" and row["caches"] == "as they are"
+    assert 0 < row["ready_s"] <= row["first_s"] <= row["last_s"], row
+    assert 0 < row["ready_cpu_s"] <= row["first_cpu_s"], row
+    assert not [p for p in set(os.listdir("/proc")) - before if "tinyllm" in cmdline(p)], (
+        "a server outlived its start"
+    )
+
+
+def cmdline(pid: str) -> str:
+    """A process's command line ('' where it is none, or gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", errors="replace") as f:
+            return f.read()
+    except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
+        return ""
 
 
 @pytest.mark.parametrize("argv", [["--prefill", "10,4000"], ["--solo", "4000"]])

@@ -10,6 +10,7 @@
     python -m tinyllm bench --engines paged,paged+compiled --slots 16 --paged-slots 64
     python -m tinyllm bench --prefill 128,512,2047 --engines continuous,continuous+chunked
     python -m tinyllm bench --model smollm2 --solo 128 --quant int8,int4 --peers
+    python -m tinyllm bench --model smollm2 --serve-start --decoder pieces --empty-caches
 
 The engine's flags are EngineConfig's (EngineConfig.add_arguments, as `serve`'s), and each
 engine's name parses once into the EngineConfig it runs (engine_config). Engines: static (03,
@@ -437,6 +438,10 @@ def parser() -> argparse.ArgumentParser:
                     help="time one request's N new tokens at batch 1, after a 16-token prompt, "
                          "for each continuous engine of --engines and each --quant (with "
                          "--peers, beside llama.cpp's), and stop (course/one_request.py)")
+    ap.add_argument("--serve-start", action="store_true", help="time `serve` to the first "
+                    "token of one streamed request, each --quant, and stop (server_start.py)")
+    ap.add_argument("--empty-caches", action="store_true", help="--serve-start with "
+                    "TorchInductor's and the C kernels' caches empty, as on a new machine")
     ap.add_argument("--pages", default="2m", choices=("2m", "4k", "both"),
                     help="--solo: every contender's weights on 2 MB pages, on 4 KB pages, or "
                          "each on both, side by side" + default)
@@ -551,6 +556,19 @@ def compare_one_request(ap, args, models: dict) -> None:
           "speed (llama.cpp: its file's bytes)")
 
 
+def compare_starts(args) -> None:
+    """--serve-start: `serve` started --rounds times for each --quant, the median start of
+    each; a table, or JSON."""
+    from tinyllm.course import server_start  # imported when a run asks
+    rows = server_start.measure(args)
+    if args.json:
+        print(json.dumps({"serve_start": rows}, indent=2))
+        return
+    print(f"serve, launched to the first of {server_start.TOKENS} streamed tokens; the median "
+          f"of {args.rounds} start{'s' * (args.rounds != 1)} by CPU-seconds of its processes\n")
+    print(server_start.table(rows))
+
+
 def compare_engines(ap, args, models: dict, tok) -> None:
     """--engines: each engine, its config parsed from its name and the flags, on the same
     requests, on each model of --quant (named "engine int8" when there are several); their
@@ -590,9 +608,13 @@ def compare_engines(ap, args, models: dict, tok) -> None:
 
 
 def main(argv=None) -> None:
-    """python -m tinyllm bench: the engines on a workload, or --peers, or --decode-steps."""
+    """python -m tinyllm bench: the engines on a workload, or --peers, --decode-steps, one
+    request (--prefill, --solo) or a server's start (--serve-start)."""
     ap = parser()
     args = ap.parse_args(argv)
+    if args.serve_start:                                # servers of their own: nothing loaded here
+        compare_starts(args)
+        return
     models = {}
     for quant in args.quant:                            # step 13's weights, pages and attention
         models[quant], tok = load(args.model, device=args.device, dtype=DTYPES.get(args.dtype),
