@@ -4,7 +4,8 @@ The course's one promise, held over the continuous engine's whole configuration 
 since bugs live where two settings meet. Hypothesis draws an EngineConfig from every field and
 value the engine accepts (slots or a paged pool, block sizes, pools down to the tightest that
 fits, KV budgets, the prefix cache, no budget or a small one, each decoder that runs on a CPU,
-the C attention or the library's, no speculation or n-gram or draft guesses, from the target's
+the C attention or the library's (or the library's for a server's first steps, while the C
+kernels build), no speculation or n-gram or draft guesses, from the target's
 first layers or a model of its own, float, int8 or int4 weights, one process or the model split
 over 2 ranks), and a workload built to meet
 the interactions: newcomers of one step sharing stems of every length around the block size
@@ -18,6 +19,7 @@ counted.
 (tools/oracle.py); COVERED counts it as it goes.
 """
 
+import contextlib
 import copy
 import dataclasses
 import re
@@ -39,6 +41,7 @@ from tinyllm.core.generate import solo
 from tinyllm.core.requests import Request, Result
 from tinyllm.core.sampling import Sampling
 from tinyllm.core.stats import kv_bytes_per_token
+from tinyllm.ext import cpu_kernels
 from tinyllm.ext.cpu_attention import QUERY_ROWS, install
 from tinyllm.ext.quant import quantize
 from tinyllm.ext.structured import Constraint, LLGuidance, byte_alphabet
@@ -320,6 +323,34 @@ def kind_of(why: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", why)[:70]
 
 
+@contextlib.contextmanager
+def kernels_built_after(model, eng, steps: int):
+    """As a server's first steps run while the C kernels are still being built: for the
+    engine's first `steps` steps (0: none) the C attention, installed not to wait for them,
+    finds them unbuilt and attends as the model does; from then on they are built."""
+    if not steps:
+        yield
+        return
+    attns, saved = [b.self_attn for b in model.layers], (cpu_kernels._built, cpu_kernels._builder)
+    step, count = eng.step, iter(range(1, 1 << 30))
+
+    def counted():
+        if next(count) > steps:
+            cpu_kernels._built = saved[0]  # the build is done
+        return step()
+
+    for a in attns:
+        a.wait_for_kernels = False
+    cpu_kernels._built, cpu_kernels._builder = None, object()  # a build under way
+    eng.step = counted
+    try:
+        yield
+    finally:
+        cpu_kernels._built, cpu_kernels._builder = saved
+        for a in attns:
+            a.wait_for_kernels = True
+
+
 def run_example(data, tp_sizes=TP_SIZES) -> None:
     """One drawn configuration and workload through the engine, every choice against solo."""
     weights, config, c_attention = data.draw(configs(tp_sizes))
@@ -343,7 +374,10 @@ def run_example(data, tp_sizes=TP_SIZES) -> None:
     if hasattr(eng.decoder, "compile_next") and data.draw(st.booleans()):
         eng.decoder.eager_until_compiled = True  # as serve runs the pieces: uncompiled rows eager
         COVERED["pieces eager until compiled"] += 1
-    rids, aborted = drive(eng, reqs, data)
+    building = data.draw(st.integers(0, 6)) if c_attention else 0
+    COVERED["C kernels built mid-run"] += building > 0
+    with kernels_built_after(model, eng, building):
+        rids, aborted = drive(eng, reqs, data)
     check_solo(MODELS[weights], config, reqs, rids, aborted, eng.results)  # the plain model
     assert not eng.results, "results of requests nobody added"
     st_ = eng.stats
