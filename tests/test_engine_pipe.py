@@ -576,3 +576,35 @@ def test_the_messages_cross_whole():
     assert messages.keys_of(head) == [7, 8] and messages.loads(data) == add
     head, data = messages.to_engine(messages.Abort(7))
     assert messages.keys_of(head) == [] and messages.loads(data) == messages.Abort(7)
+
+
+class LateStop(threading.Event):
+    """The heartbeats' stop whose first wait ends just as the pipe closes: the beat after it
+    meets a context being ended (the race a stop while compiling made frequent)."""
+
+    def __init__(self, pipe):
+        super().__init__()
+        self.pipe, self.closing = pipe, None
+
+    def wait(self, timeout=None):
+        if self.closing is None:
+            self.closing = threading.Thread(target=self.pipe.close)
+            self.closing.start()
+            time.sleep(0.3)  # close() has set the stop and waits in the context's end
+            return False
+        return super().wait(timeout)
+
+
+def test_a_heartbeat_sent_as_the_pipe_closes_ends_its_thread_quietly(tmp_path, monkeypatch):
+    """The engine process's pipe, closed while its heartbeat thread sends a beat: the thread
+    ends without a traceback and close() returns."""
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    pipe = engine_loop.EnginePipe(f"ipc://{tmp_path}/requests", f"ipc://{tmp_path}/reports")
+    pipe.stopped = LateStop(pipe)
+    beats = threading.Thread(target=pipe.beats)
+    beats.start()
+    beats.join(10)
+    pipe.stopped.closing.join(10)
+    assert not beats.is_alive() and not pipe.stopped.closing.is_alive()
+    assert not raised, [r.exc_value for r in raised]

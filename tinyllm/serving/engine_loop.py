@@ -593,13 +593,18 @@ class EnginePipe:
         threading.Thread(target=self.beats, name="heartbeat", daemon=True).start()
 
     def beats(self) -> None:
-        """The heartbeats' thread, on a socket of its own."""
+        """The heartbeats' thread, on a socket of its own. A beat sent as close() ends the
+        context (its wait was over before the stop was set) ends the thread quietly."""
         with self.zmq.socket(zmq.PUSH) as sock:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.address)
             while not self.stopped.wait(BEAT_S):
-                with contextlib.suppress(zmq.Again):  # a server that reads nothing: it knows
+                try:
                     sock.send(dumps(Heartbeat()), zmq.NOBLOCK)
+                except zmq.Again:  # a server that reads nothing: it knows
+                    continue
+                except zmq.ContextTerminated:
+                    return
 
     def close(self) -> None:
         """Stop the heartbeats, send what is left (1 s at most) and close the sockets."""
