@@ -22,6 +22,7 @@ counted.
 import contextlib
 import copy
 import dataclasses
+import itertools
 import re
 from collections import Counter
 
@@ -332,7 +333,7 @@ def kernels_built_after(model, eng, steps: int):
         yield
         return
     attns, saved = [b.self_attn for b in model.layers], (cpu_kernels._built, cpu_kernels._builder)
-    step, count = eng.step, iter(range(1, 1 << 30))
+    step, count = eng.step, itertools.count(1)
 
     def counted():
         if next(count) > steps:

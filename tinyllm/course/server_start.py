@@ -16,38 +16,30 @@ Each start ends with its process group.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
+from tinyllm.ext.ranks import free_port, process_cpu_s
+
 TOKENS = 8  # the request's new tokens
 START_S = 600  # the longest a start is waited for
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tree_cpu_s(pid: int) -> float:
     """The CPU-seconds of a process and of every process below it, the children it waited for
-    included (/proc's utime, stime, cutime and cstime)."""
-    total, todo, tick = 0.0, [pid], os.sysconf("SC_CLK_TCK")
+    included."""
+    total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
+        total += process_cpu_s(p, waited=True)
         try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += sum(int(t) for t in fields[11:15]) / tick
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     todo += [int(c) for c in f.read().split()]
-        except (FileNotFoundError, ProcessLookupError):
+        except OSError:
             continue                                    # it ended while we read
     return total
 

@@ -266,14 +266,18 @@ def other_ranks_cpu_s() -> float:
     it is not, or no group runs): a run's CPU cost is every rank's."""
     if _group is None:
         return 0.0
-    total = 0.0
-    for proc in _group.procs:
-        try:
-            fields = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    return sum(process_cpu_s(proc.pid) for proc in _group.procs)
+
+
+def process_cpu_s(pid: int, waited: bool = False) -> float:
+    """A process's CPU seconds so far (/proc's utime and stime; with waited, its children's it
+    waited for too, cutime and cstime); 0 where it is gone or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(t) for t in fields[11:15 if waited else 13]) / os.sysconf("SC_CLK_TCK")
 
 
 def group(size: int) -> Ranks:
