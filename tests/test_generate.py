@@ -48,6 +48,19 @@ def test_draw_inverts_the_cumulative_distribution():
     assert draw(probs, u).squeeze(-1).tolist() == [1, 1, 3, 3, 3]
 
 
+def test_a_draw_never_leaves_the_vocabulary():
+    """Logits that overflowed to +inf share the draw (NaN counts as -inf); a row with no
+    probability left draws the last id: never V, which the next step's embedding cannot read."""
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[1.0, inf, 0.0, inf, -2.0], [nan, 0.0, nan, nan, nan]])
+    g = torch.Generator().manual_seed(0)
+    drawn = {sample_next(logits, 1.0, generator=g)[0].item() for _ in range(40)}
+    assert drawn == {1, 3}
+    assert sample_next(logits, 0.7, top_k=2, top_p=0.9, min_p=0.1, generator=g)[1].item() == 1
+    assert draw(torch.zeros(2, 5), torch.tensor([[0.0], [0.5]])).squeeze(-1).tolist() == [4, 4]
+    assert draw(torch.full((1, 5), nan), torch.tensor([[0.5]])).item() == 4
+
+
 def test_sampled_frequencies_follow_the_distribution():
     """20,000 draws from fixed probabilities: each token's share within 0.015 of its probability."""
     probs = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.4])

@@ -164,7 +164,7 @@ def samplings(draw, greedy_only: bool, default: Sampling) -> Sampling | None:
         seed=draw(st.integers(0, 2**16)),
         presence_penalty=draw(st.sampled_from([0.0, 0.0, 0.5, -1.0])),
         frequency_penalty=draw(st.sampled_from([0.0, 0.0, 0.3])),
-        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3, 0.8])),
+        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3, 0.8, 5e-324])),  # 5e-324: +inf
         logit_bias=draw(st.sampled_from([{}, {}, {EOS: 2.0}, {7: -5.0, 11: 3.0}])),
         stop_token_ids=draw(st.sampled_from([(), (), (5,), (9, 13)])),
         ignore_eos=draw(st.integers(0, 4)) == 0,

@@ -1,8 +1,9 @@
 """Step 10 - the server speaks the API real clients send: every field OpenAI's and vLLM's APIs
 define is taken where its value changes nothing and refused (a 400 naming it) where it would
 ask for what the server does not do; chat content as text parts; /tokenize and /detokenize as
-vLLM has them; vLLM's benchmark client's exact bodies; and the faults a hostile body found: a
-huge body or prompt, a lone surrogate, JSON nested deep, while /health stays fast."""
+vLLM has them; vLLM's benchmark client's exact bodies; the faults a hostile body found: a
+huge body or prompt, a lone surrogate, JSON nested deep, while /health stays fast; and bodies
+drawn at random, each answered or refused, none leaving anything behind."""
 
 import json
 import threading
@@ -11,9 +12,12 @@ import time
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from tests.test_server import NAME, PROMPTS, Running, solo_text
 from tinyllm.build import make_engine
+from tinyllm.core.config import EngineConfig
 from tinyllm.core.generate import generate
 from tinyllm.serving import api
 
@@ -647,3 +651,127 @@ def test_the_bound_on_a_prompts_size_never_refuses_one_that_fits(bundled64):
     assert decoded <= longest
     for text in ("a" * 5000, " " * 5000, "To be, or not " * 400, "é" * 3000, "\n" * 5000):
         assert len(tok.encode(text)) >= len(text) / longest, repr(text[:20])
+
+
+# ---- random bodies ------------------------------------------------------------------------------
+PATHS = {
+    api.COMPLETIONS: "/v1/completions",
+    api.CHAT: "/v1/chat/completions",
+    api.TOKENIZE: "/tokenize",
+    api.DETOKENIZE: "/detokenize",
+}
+ANY_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+TOKEN_IDS = st.lists(st.integers(-1, 2050), max_size=12)
+TEXT = st.text(max_size=40) | st.sampled_from(PROMPTS) | st.just("<|endoftext|>")
+ERROR_TYPES = {"invalid_request_error", "not_found_error"}
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": TEXT}
+)
+
+
+def near(name: str) -> st.SearchStrategy:
+    """Values about what the field takes: of its type, at and past its bounds; for a field that
+    changes nothing, the values at which it does."""
+    if name in api.NO_OPS and isinstance(api.NO_OPS[name][1], tuple) and api.NO_OPS[name][1]:
+        return st.sampled_from(api.NO_OPS[name][1])
+    own = {
+        "prompt": TEXT | TOKEN_IDS,
+        "messages": st.lists(MESSAGE, max_size=3),
+        "tokens": TOKEN_IDS,
+        "stop": TEXT | st.lists(st.text(max_size=3), max_size=3),
+        "logit_bias": st.dictionaries(st.integers(-1, 2050).map(str), st.integers(-101, 101)),
+        "stop_token_ids": TOKEN_IDS,
+        "stream_options": st.fixed_dictionaries(
+            {}, optional={k: st.booleans() for k in api.STREAM_OPTIONS}
+        ),
+        "response_format": st.sampled_from(
+            [{"type": "text"}, {"type": "json_object"}, {"type": "regex"}]
+        ),
+    }
+    if name in own:
+        return own[name]
+    types = api.FIELDS.get(name, (object,))[0]
+    types = next(iter(types.values())) if isinstance(types, dict) else types
+    if types is bool:
+        return st.booleans()
+    if types is int:
+        return st.integers(-2, 25)
+    if types == api.NUMBER:  # and the extremes: 5e-324 over a logit overflows
+        return st.floats(-3, 3) | st.integers(-3, 3) | st.sampled_from([5e-324, 1e300, -0.0])
+    return ANY_JSON
+
+
+@st.composite
+def bodies(draw) -> tuple[str, dict, bool]:
+    """An endpoint, a body for it (its required field most often, a few fields of the API's
+    own or an unknown one, each near what it takes or any JSON) and whether the client leaves
+    a stream after its first event."""
+    kind = draw(st.sampled_from(sorted(PATHS)))
+    body = {}
+    need = api.REQUIRED.get(kind, "prompt")
+    if draw(st.integers(0, 9)):
+        body[need] = draw(near(need))
+    names = sorted(api.FIELDS) + sorted(api.NO_OPS) + ["best_effort"]
+    for name in draw(st.lists(st.sampled_from(names), max_size=2, unique=True)):
+        body[name] = draw(near(name) if draw(st.integers(0, 4)) else ANY_JSON)
+    if kind in api.GENERATE:
+        body.setdefault("max_tokens", draw(st.integers(1, 6)))
+        body.setdefault("stream", draw(st.booleans()))
+    return kind, body, draw(st.booleans())
+
+
+OVERFLOW = {"repetition_penalty": 5e-324}  # a seen token's logit over it: +inf (a draw of id V)
+
+
+def taken(body: dict) -> tuple[int, ...]:
+    """The statuses a body may get: 200 or 400; 404 too where it names a model."""
+    return (200, 400, 404) if "model" in body else (200, 400)
+
+
+def test_random_bodies_get_an_answer_or_a_400_and_leave_the_engine_as_it_was(bundled64):
+    """Bodies drawn at random, near what each field takes and past it, to every endpoint of a
+    paged server with a prefix cache: each gets a 200 (a stream that ends in [DONE], unless
+    the client leaves it early) or a 400 in OpenAI's shape; none gets a 500 or hangs. After
+    them the engine is idle, holds no slot, block or ticket, and answers as solo does."""
+    model, tok = bundled64
+    srv = Running(make_engine(model, EngineConfig(4, kv="paged", prefix_cache=True)), tok)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(case=bodies())
+    @example(case=(api.COMPLETIONS, {"prompt": "To be", "max_tokens": 4, **OVERFLOW}, False))
+    def answered(case):
+        kind, body, leave = case
+        if body.get("stream") is True and leave:
+            with httpx.stream("POST", srv.url[:-3] + PATHS[kind], json=body, timeout=60) as r:
+                assert r.status_code in taken(body), (r.status_code, body, r.read()[:300])
+                next(r.iter_lines(), None)  # the first event, then the client goes
+            return
+        r = post(srv, PATHS[kind], body)
+        assert r.status_code in taken(body), (r.status_code, body, r.text[:300])
+        if r.status_code != 200:
+            error = r.json()["error"]
+            assert error["message"] and error["type"] in ERROR_TYPES, error
+        elif body.get("stream") is True:
+            assert all("error" not in chunk for chunk in sse_chunks(r.text)), r.text[-300:]
+        elif kind in api.GENERATE:
+            assert r.json()["choices"], r.text[:300]
+
+    try:
+        answered()
+        assert srv.wait_idle() == (0, 0)
+        answer = srv.client().completions.create(
+            model=NAME, prompt=PROMPTS[0], max_tokens=16, temperature=0
+        )
+        assert answer.choices[0].text == solo_text(srv, PROMPTS[0], 16)
+    finally:
+        srv.stop()

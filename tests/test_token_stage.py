@@ -131,6 +131,29 @@ def test_a_row_that_asks_for_nothing_keeps_its_logits_bit_for_bit():
     assert process(logits, rows[:1]) is logits, "nothing asked: the logits themselves"
 
 
+def test_a_penalty_that_overflows_gives_solo_tokens_and_leaves_the_engine_serving():
+    """repetition_penalty 5e-324 divides a seen token's positive logit to +inf: the token stage
+    draws among those tokens (greedy: the first), the next step's embedding reads a token of
+    the vocabulary, and the request beside it keeps its solo tokens (a draw of id V killed the
+    engine). A penalty of 1e300 sends the seen negative logits to -inf."""
+    eng = make_engine(TINY, 2, kv="paged", block_size=4)
+    reqs = [
+        Request([1, 2, 3, 1], 6, sampling=Sampling(repetition_penalty=5e-324)),
+        Request(
+            [4, 5, 6], 6, sampling=Sampling(temperature=1.0, seed=3, repetition_penalty=5e-324)
+        ),
+        Request([4, 5, 6], 6, sampling=Sampling(temperature=0.7, seed=4, repetition_penalty=1e300)),
+        Request([7, 8], 6),
+    ]
+    ids = [eng.add_request(r) for r in reqs]
+    while eng.has_work():
+        eng.step()
+    for i, r in zip(ids, reqs):
+        assert eng.results[i].tokens == solo(TINY, r).tokens
+        assert all(0 <= t < V for t in eng.results[i].tokens)
+    assert eng.cache.check_integrity(idle=True) is None
+
+
 def test_min_p_keeps_the_tokens_at_least_min_p_times_the_likeliest():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64))
     probs = sampling_probs(logits, 1.0, min_p=0.2)

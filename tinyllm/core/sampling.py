@@ -205,17 +205,22 @@ def draw(probs: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF sampling: the token whose slice of the cumulative distribution holds u.
     probs (B, V), u (B, 1) uniform in [0, 1) -> token ids (B, 1). One uniform number per row,
     so a row draws the same token from the same generator state alone or in any batch (and it
-    is much faster on a CPU than torch.multinomial). A token of probability 0 is never drawn."""
+    is much faster on a CPU than torch.multinomial). A token of probability 0 is never drawn.
+    A row with no probability at all (every logit -inf) draws the last token: the id is always
+    one of the vocabulary's, which the next step's embedding indexes."""
     cdf = probs.double().cumsum(dim=-1)                                     # (B, V)
     total = cdf[:, -1:]
     x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))   # < total
-    return torch.searchsorted(cdf, x, right=True)                           # (B, 1)
+    return torch.searchsorted(cdf, x, right=True).clamp_(max=probs.size(-1) - 1)   # (B, 1)
 
 
 def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
                    top_p: float | None = None, min_p: float = 0.0) -> Tensor:
-    """The distribution sample_next draws from when temperature > 0: (B, V) -> (B, V)."""
-    logits = logits.float() / temperature
+    """The distribution sample_next draws from when temperature > 0: (B, V) -> (B, V). A logit
+    that overflowed to +inf (a tiny repetition penalty divides a positive one) counts as the
+    largest float, so those tokens share the draw; NaN counts as -inf."""
+    logits = (logits.float() / temperature).nan_to_num(
+        nan=-math.inf, posinf=torch.finfo(torch.float32).max, neginf=-math.inf)
     if min_p > 0:                   # p < min_p * p_max, in logits: below log(min_p) + max
         floor = logits.max(dim=-1, keepdim=True).values + math.log(min_p)   # (B, 1)
         logits = logits.masked_fill(logits < floor, float("-inf"))
