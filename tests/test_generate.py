@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import make_tiny
 from tinyllm.core.generate import generate
-from tinyllm.core.sampling import draw, sample_next
+from tinyllm.core.sampling import draw, nucleus, sample_next
 
 TINY = make_tiny(seed=2)
 LOGITS = torch.randn(4, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -38,6 +40,40 @@ def test_top_k_and_top_p_only_draw_from_their_set():
     nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
     for _ in range(50):
         assert sample_next(LOGITS[:1], temperature=1.0, top_p=0.5, generator=g).item() in nucleus
+
+
+def sorted_nucleus(logits, top_p):
+    """top_p's cut by a sort of the whole row: the rule nucleus() keeps."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 3),
+    vocab=st.sampled_from([5, 64, 300, 5000]),
+    spread=st.sampled_from([0.01, 1.0, 10.0]),  # 0.01: the nucleus is most of the vocabulary
+    top_p=st.floats(0.01, 0.999),
+    seed=st.integers(0, 2**16),
+)
+def test_the_nucleus_of_the_likeliest_tokens_is_that_of_a_whole_sort(
+    rows, vocab, spread, top_p, seed
+):
+    """The same logits kept, but where a token lies on the cut: the probability of the tokens
+    above it is top_p up to float32's rounding of the softmax, whose sum runs in another order
+    over a sorted row (and between tied tokens either may be kept)."""
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * spread
+    got, want = nucleus(logits, top_p), sorted_nucleus(logits, top_p)
+    for row, a, b in zip(logits, got, want):
+        a, b = a[a.isfinite()].sort(descending=True)[0], b[b.isfinite()].sort(descending=True)[0]
+        n = min(len(a), len(b))
+        assert torch.equal(a[:n], b[:n]) and abs(len(a) - len(b)) <= 1
+        if len(a) != len(b):
+            above = row.softmax(dim=-1).sort(descending=True)[0][:n].sum()
+            assert abs(above - top_p) < 1e-5, (above, top_p)
 
 
 def test_draw_inverts_the_cumulative_distribution():
