@@ -156,12 +156,17 @@ def build(flags: list[str], namespace: str = "tinyllm"):
     return getattr(torch.ops, namespace)
 
 
+def turned_off() -> bool:
+    """Whether $TINYLLM_NO_C_KERNELS=1 turns the kernels off (PyTorch's operations run)."""
+    return os.environ.get("TINYLLM_NO_C_KERNELS") == "1"
+
+
 @cache
 def library():
     """The kernels for this machine, as torch.ops.tinyllm: the first of FLAGS that compiles
     (-march=native: the machine's own vector instructions; OpenMP where the compiler has it),
     or None (no compilers, none compiled: a warning says why; or $TINYLLM_NO_C_KERNELS=1)."""
-    if os.environ.get("TINYLLM_NO_C_KERNELS") == "1":
+    if turned_off():
         return None
     ops = next((ops for ops in map(build, FLAGS) if ops is not None), None)
     if ops is None:
@@ -174,7 +179,7 @@ def library():
 def why_not_built() -> str:
     """Why the kernels are not built here, in one line: turned off, what the compiler said
     last (its last line), or that there are no compilers."""
-    if os.environ.get("TINYLLM_NO_C_KERNELS") == "1":
+    if turned_off():
         return "$TINYLLM_NO_C_KERNELS=1 turns them off"
     if not FAILURES:
         return "no C and C++ compilers (cc, gcc or clang and c++, g++ or clang++, or $CC, $CXX)"
@@ -216,8 +221,7 @@ def _answer() -> None:
 def loads_now() -> bool:
     """Whether library() answers without a compiler: the kernels are in the cache, or turned
     off, or there are no compilers."""
-    path = kept(FLAGS[0])
-    return os.environ.get("TINYLLM_NO_C_KERNELS") == "1" or path is None or path.is_file()
+    return turned_off() or (path := kept(FLAGS[0])) is None or path.is_file()
 
 
 def cpu_flags() -> set[str]:
