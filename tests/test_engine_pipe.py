@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tests.test_server import NAME, PROMPTS, Running
+from tinyllm.build import make_engine
 from tinyllm.core.continuous import ContinuousEngine
 from tinyllm.core.generate import solo
 from tinyllm.core.requests import Request, TokenLogprobs
@@ -321,6 +322,69 @@ def test_a_report_this_side_fails_to_hand_out_fails_its_requests_alone(bulky, mo
     )
     check_greedy(bulky)
     assert loop.failed is None and bulky.wait_idle() == (0, 0)
+
+
+POISON = 11  # max_new_tokens of a request whose decode raises in PoisonEngine while one waits
+
+
+class PoisonEngine(ContinuousEngine):
+    """The continuous engine, 20 ms a step, whose decode raises mid-step (slots and blocks
+    taken, the step's prompt chunks written) when it holds a request of max_new_tokens POISON
+    while another request waits."""
+
+    def step(self):
+        time.sleep(0.02)
+        return super().step()
+
+    def _decode(self, seqs, *args, **kwargs):
+        if self.request_counts()[0] and any(s.request.max_new_tokens == POISON for s in seqs):
+            raise RuntimeError("the kernel read past the cache")
+        return super()._decode(seqs, *args, **kwargs)
+
+
+@pytest.mark.parametrize("kv", ["slots", "paged"])
+def test_a_step_that_raises_fails_the_requests_it_held_and_no_other(bundled64, kv):
+    """Two slots: a request of 60 tokens and one of POISON run, a third waits, and the next
+    step raises. The two it held get a 500 that says why; the one waiting gets its solo tokens,
+    /health says ok, no slot or block is left, and the next request is served. Paged with a
+    prefix cache, the waiting request shares the poisoned one's prompt."""
+    model, tok = bundled64
+    engine = make_engine(model, 2, kv=kv, prefix_cache=kv == "paged")
+    engine.__class__ = PoisonEngine  # pickled to the engine process by class name
+    srv = Running(engine, tok)
+    got = {}
+
+    def ask(name: str, prompt: str, n: int, running: tuple[int, int]) -> None:
+        body = {"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        asks.append(threading.Thread(target=lambda: got.update({name: post(srv, body)})))
+        asks[-1].start()
+        t0 = time.time()
+        while srv.request_counts() != running:
+            assert srv.served.loop.failed is None, f"the engine failed: {srv.served.loop.failed}"
+            assert time.time() - t0 < 30, f"the engine runs {srv.request_counts()}, not {running}"
+            time.sleep(0.005)
+
+    asks = []
+    try:
+        ask("long", PROMPTS[1], 60, (0, 1))
+        ask("poisoned", PROMPTS[2], POISON, (0, 2))
+        ask("waiting", PROMPTS[2], 20, (0, 1))  # it waits, the step raises, it runs
+        for t in asks:
+            t.join(60)
+        for name in ("long", "poisoned"):
+            assert got[name].status_code == 500, (name, got[name].text)
+            assert got[name].json()["error"]["message"] == (
+                "the engine failed on this request: RuntimeError: the kernel read past the cache"
+            ), got[name].text
+        assert got["waiting"].status_code == 200, got["waiting"].text
+        res = solo(model, Request(tok.encode(PROMPTS[2]), 20))
+        assert got["waiting"].json()["choices"][0]["text"] == tok.decode(res.tokens)
+        assert httpx.get(srv.url[:-3] + "/health").json()["status"] == "ok"
+        assert srv.wait_idle() == (0, 0)
+        check_greedy(srv)
+    finally:
+        srv.stop()
 
 
 # ---- /health tells the truth ------------------------------------------------------------------

@@ -482,25 +482,35 @@ def test_text_stream_over_a_byte_level_decode():
 
 
 class FailingEngine(ContinuousEngine):
-    """An engine whose step fails (it is pickled to the engine process by class name)."""
+    """An engine whose every step fails before it holds a request (it is pickled to the engine
+    process by class name)."""
 
     def step(self):
         raise RuntimeError("the model ran out of memory")
 
 
-def test_an_engine_that_fails_gives_a_500_that_says_why(bundled64):
+class FailingPass(ContinuousEngine):
+    """An engine whose every step fails after its pass, its requests taken."""
+
+    def _retire(self, *args, **kwargs):
+        raise RuntimeError("the model ran out of memory")
+
+
+@pytest.mark.parametrize("engine", [FailingEngine, FailingPass])
+def test_an_engine_that_fails_gives_a_500_that_says_why(bundled64, engine):
+    """A step that raises holding no request fails the engine as a whole, and so does a step
+    that raises after one that raised: its requests, and every later one, get a 500 that says
+    why, /health a 503. FailingPass's first step fails its own request alone."""
     model, tok = bundled64
-    srv = Running(FailingEngine(model, 2), tok)
+    srv = Running(engine(model, 2), tok)
+    alone = ["the engine failed on this request: "] if engine is FailingPass else []
     try:
-        for _ in range(2):  # the request in flight, then the next one
+        for says in alone + ["the engine failed: "] * 2:
             with pytest.raises(openai.InternalServerError) as e:
                 srv.client(timeout=30).completions.create(
                     model=NAME, prompt=PROMPTS[0], max_tokens=5
                 )
-            assert (
-                "the engine failed: RuntimeError: the model ran out of memory"
-                in e.value.body["message"]
-            ), e.value.body
+            assert e.value.body["message"] == says + "RuntimeError: the model ran out of memory"
         assert srv.client().models.list().data[0].id == NAME, "the HTTP side still answers"
         health = httpx.get(srv.url[:-3] + "/health")
         assert health.status_code == 503 and health.json()["status"] == "failed"

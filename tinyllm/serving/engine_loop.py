@@ -15,9 +15,10 @@ ZeroMQ moves a message whole, of any size, and the HTTP side's sockets are async
 On the HTTP side, `EngineProcess` starts the process and holds the sockets, and `EngineLoop`
 keeps each request's choices as `Ticket`s: it sends them in, and its listening task hands each
 step's tokens to their requests' queues (`dispatch`). A failure stays as small as it can: a
-request that cannot be sent, or that the engine cannot read or add, fails alone; the engine fails
-as a whole when it says so, when its process ends, or when it is not heard from. server.py builds
-the OpenAI API on this loop.
+request that cannot be sent, or that the engine cannot read or add, fails alone, and a step that
+raises fails the requests it held (`step_alone`); the engine fails as a whole when it says so (a
+step raised holding no request, or right after another), when its process ends, or when it is not
+heard from. server.py builds the OpenAI API on this loop.
 
 Seam: `dispatch` (exercise 10).
 """
@@ -207,10 +208,10 @@ class EngineLoop:
     engine, n tickets here (keys key, key + 1, ...) and one Add. At most max_waiting sequences
     wait for a slot at once; a request that would make more is refused with a 429.
 
-    A failure stays as small as it can: a request that cannot be sent, or that the engine
-    cannot read or add, fails alone; so do the requests of a report this side fails to hand
-    out. The engine fails as a whole when it says so (`Failed`), or when it no longer runs
-    (EngineProcess.failure); every request in flight then gets a 500 that says why."""
+    A failure stays as small as it can: a request that cannot be sent, that the engine cannot
+    read or add, that a step raised on (step_alone), or whose report this side fails to hand
+    out fails alone. The engine fails as a whole when it says so (`Failed`), or when it no
+    longer runs (EngineProcess.failure): every request in flight gets a 500 that says why."""
 
     def __init__(self, engine: ContinuousEngine, max_waiting: int = 64, silence_s: float = 5.0):
         self.engine, self.max_waiting = EngineProcess(engine, silence_s), max_waiting
@@ -386,7 +387,7 @@ def engine_process(engine: ContinuousEngine, addresses: tuple[str, str], n_threa
     is idle (`cache.check_integrity(idle=True)`: None when every request gave everything
     back). A thread sends a Heartbeat every BEAT_S from the start. It waits on its socket when
     there is no work, and ends at a Stop, when the HTTP side's process is gone, or with a
-    Failed that says why (a step raised)."""
+    Failed that says why (two steps in a row raised: step_alone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
     torch.set_num_threads(n_threads)
     pipe = EnginePipe(*addresses)
@@ -504,17 +505,18 @@ def serve_engine(
     work; (3) its report, with a frame of the engine's state when a page of the live view
     watches and one is due (live.Sampler); `served` set once a step's report is sent. Returns
     at a Stop, when the HTTP side is gone, or after a Failed."""
-    keys, integrity, sampler, steps = Keys(), None, Sampler(), 0
+    keys, integrity, sampler, steps, raised = Keys(), None, Sampler(), 0, False
     while pipe.http_side_lives():
         if not engine.has_work() and not pipe.wait(BEAT_S):
             continue
         try:
             if (news := read_messages(engine, pipe, keys, sampler)) is None:
                 return  # a Stop
-            events = []
+            events, dropped = [], None
             if engine.has_work():
                 sampler.before_step(engine)
-                events, steps = engine.step(), steps + 1
+                events, dropped = step_alone(engine, keys, raised)
+                steps, raised = steps + 1, dropped is not None
             tokens, logprobs = keys.tokens_of(engine, events)
             if not engine.has_work():
                 integrity = engine.cache.check_integrity(idle=True)
@@ -523,6 +525,7 @@ def serve_engine(
             pipe.send(Failed(f"{type(e).__name__}: {e}"))
             return
         taken, refused, failed = news
+        failed += dropped or []
         counts, kv_used = engine.request_counts(), engine.kv_used_frac()
         st = engine.stats
         spec = SpeculationCounts(st.spec_rows, st.spec_proposed, st.spec_accepted, st.spec_tokens)
@@ -688,6 +691,37 @@ def read_messages(
             case _:  # no request of its own to fail: said, and left
                 print(f"the engine got {message!r}, not a message of messages.py", file=sys.stderr)
     return taken, refused, failed
+
+
+def step_alone(
+    engine: ContinuousEngine, keys: Keys, raised_before: bool
+) -> tuple[list[Event], list[tuple[int, str]] | None]:
+    """One step of the engine: its events, and None, or for a step that raised, the choices it
+    failed as (key, why). A step that raises fails the requests it held, and no other: those
+    running before it, those it admitted and those it finished each leave the engine (abort:
+    their slots and blocks go back) and the books. The engine goes on when its KV cache's books
+    then hold. It raises (it fails as a whole) when they do not, when the step held no request,
+    or when the step before raised too: a fault that follows the engine from step to step is
+    the engine's, not a request's."""
+    held = {rid for rid in engine.holders() if rid is not None}
+    try:
+        return engine.step(), None
+    except Exception as e:
+        held |= {rid for rid in engine.holders() if rid is not None}
+        held |= engine.results.keys() & keys.key_of.keys()  # finished in it: their news is lost
+        if raised_before or not held:
+            raise
+        why = f"{type(e).__name__}: {e}"
+        failed = []
+        for rid in sorted(held):
+            engine.abort(rid)
+            engine.results.pop(rid, None)
+            if (key := keys.key_of.get(rid)) is not None:
+                keys.pop(key)
+                failed.append((key, why))
+        if (books := engine.cache.check_integrity(idle=not engine.has_work())) is not None:
+            raise RuntimeError(f"{why}; after it the KV cache's books do not hold: {books}") from e
+        return [], failed
 
 
 async def next_event(loop: EngineLoop, tickets: list[Ticket]):

@@ -110,7 +110,7 @@ class StepReport:
     list or None)} for the tokens of requests that ask for them (the prompt's on a request's
     first token); speculation: the engine's speculation totals so far (SpeculationCounts, step
     11); failed: (key, why) for each choice the engine failed on (it could not read its
-    Add, or adding it raised): the engine's fault, and that request's alone; steps: the steps
+    Add, adding it raised, or the step that held it raised): that request's alone; steps: the steps
     the engine has taken so far; blocks: a paged pool's (blocks held by block tables, cached
     blocks nobody holds), None for a cache without blocks; frames: the live frames the engine
     has built so far, and live: this report's frame (live.py), None unless a page watches and
