@@ -10,10 +10,11 @@ first layers or a model of its own, float, int8 or int4 weights, one process or 
 over 2 ranks), and a workload built to meet
 the interactions: newcomers of one step sharing stems of every length around the block size
 and the packed step's split (QUERY_ROWS), arrivals between steps, aborts, seeded sampling,
-penalties, logit bias, stop ids, constraints, n > 1, logprobs. Every finished choice equals its
-solo run (tokens and logprobs, float64), the books are checked after every step, and nothing
-is left at the end. A combination or a request the engine refuses is refused by name, and
-counted.
+penalties, logit bias, stop ids, constraints, n > 1, logprobs, and a step that raises at a drawn
+point (its requests fail, as the server's step_alone fails them, and the engine goes on). Every
+finished choice equals its solo run (tokens and logprobs, float64), the books are checked after
+every step, and nothing is left at the end. A combination or a request the engine refuses is
+refused by name, and counted.
 
 `make oracle MINUTES=30` runs it for as long as asked and prints what it covered
 (tools/oracle.py); COVERED counts it as it goes.
@@ -46,6 +47,7 @@ from tinyllm.ext import cpu_kernels
 from tinyllm.ext.cpu_attention import QUERY_ROWS, install
 from tinyllm.ext.quant import quantize
 from tinyllm.ext.structured import Constraint, LLGuidance, byte_alphabet
+from tinyllm.serving.engine_loop import Keys, step_alone
 
 V, EOS = 97, 0
 TP_SIZES = (1,) * 15 + (2,)  # ranks the model is split over (14): 2 in one example of 16
@@ -242,9 +244,10 @@ def added(eng: ContinuousEngine, req: Request) -> int | None:
 
 def drive(eng: ContinuousEngine, reqs: list[Request], data) -> tuple[list, set[int]]:
     """Requests join between steps (all at once, or a few a step), some are aborted, and the
-    books are checked after every step. Returns each request's first rid (None: refused) and
-    the aborted rids."""
-    pending, rids, aborted = list(reqs), [], set()
+    books are checked after every step. Each step runs as the server runs it (step_alone), with
+    a request's rid as its key: a step that raises fails the requests it held, which count as
+    aborted. Returns each request's first rid (None: refused) and the aborted rids."""
+    pending, rids, aborted, keys = list(reqs), [], set(), Keys()
     at_once = data.draw(st.sampled_from([True, True, False]))  # newcomers of one step
     while pending or eng.has_work():
         for _ in range(len(pending) if at_once else data.draw(st.integers(0, 3))):
@@ -254,11 +257,48 @@ def drive(eng: ContinuousEngine, reqs: list[Request], data) -> tuple[list, set[i
             rid = data.draw(st.sampled_from(sorted(eng._seqs)))
             assert eng.abort(rid)
             aborted.add(rid)
-        eng.step()
+        for rid in eng._seqs.keys() - keys.key_of.keys():
+            keys.add(rid, rid)
+        _, dropped = step_alone(eng, keys, False)
+        aborted |= {key for key, _ in dropped or []}
+        COVERED["steps that raised, the engine going on"] += dropped is not None
+        for rid in eng.results.keys() & keys.key_of.keys():  # finished: out of the books
+            keys.pop(rid)
         books(eng)
     books(eng, idle=True)
     assert not eng._seqs and not eng.scheduler.has_work()
     return rids, aborted
+
+
+class Injected(RuntimeError):
+    """The fault a drawn step raises (faulty)."""
+
+
+# where a step may raise: admitting and planning, a prefill pass, a decode pass, retiring tokens
+FAULT_POINTS = ("scheduler.plan", "runner.prefill", "runner.decode", "_retire")
+
+
+@contextlib.contextmanager
+def faulty(eng: ContinuousEngine, point: str | None, at: int):
+    """The engine's `point` (one of FAULT_POINTS, or None: none) raises Injected at its call
+    number `at` (from 0), before it runs; its other calls run as they are."""
+    if point is None:
+        yield
+        return
+    owner, _, name = point.rpartition(".")
+    obj = getattr(eng, owner) if owner else eng
+    real, count = getattr(obj, name), itertools.count()
+
+    def raising(*args, **kwargs):
+        if next(count) == at:
+            raise Injected(f"{point} raised at its call {at}")
+        return real(*args, **kwargs)
+
+    setattr(obj, name, raising)
+    try:
+        yield
+    finally:
+        delattr(obj, name)  # the class's method again
 
 
 def short(settings) -> str:
@@ -377,8 +417,16 @@ def run_example(data, tp_sizes=TP_SIZES) -> None:
         COVERED["pieces eager until compiled"] += 1
     building = data.draw(st.integers(0, 6)) if c_attention else 0
     COVERED["C kernels built mid-run"] += building > 0
-    with kernels_built_after(model, eng, building):
-        rids, aborted = drive(eng, reqs, data)
+    fault, at = (
+        data.draw(st.sampled_from([None] * 4 + list(FAULT_POINTS))),
+        data.draw(st.integers(0, 9)),
+    )
+    with kernels_built_after(model, eng, building), faulty(eng, fault, at):
+        try:
+            rids, aborted = drive(eng, reqs, data)
+        except Injected:  # raised holding no request: the engine fails as a whole
+            COVERED["faults that failed the engine"] += 1
+            return
     check_solo(MODELS[weights], config, reqs, rids, aborted, eng.results)  # the plain model
     assert not eng.results, "results of requests nobody added"
     st_ = eng.stats
