@@ -16,6 +16,7 @@ from tinyllm.build import make_engine  # noqa: E402
 from tinyllm.core import cuda_graph, workloads  # noqa: E402
 from tinyllm.core.config import EngineConfig  # noqa: E402
 from tinyllm.core.cuda_graph import SlotGraphDecoder  # noqa: E402
+from tinyllm.core.sampling import Sampling  # noqa: E402
 from tinyllm.course import bench, viz  # noqa: E402
 from tinyllm.engine import Request, Trace, run_continuous, run_static  # noqa: E402
 
@@ -111,6 +112,37 @@ def test_bench_table_and_bad_names(bundled, capsys, monkeypatch):
         with pytest.raises(SystemExit):
             bench.parser().parse_args(argv)
         assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_the_greedy_requests_sample_as_the_flags_say_each_engine_alike(
+    bundled, capsys, monkeypatch
+):
+    """--temperature (with --top-k, --top-p): the workload's greedy requests sample, each with a
+    seed of its own, so that every engine draws the same tokens; a request with sampling of its
+    own keeps it; a cut without a temperature, or a bad value, is refused by name."""
+    model, tok = bundled
+    s = Sampling(0.8, top_p=0.9)
+    reqs, _ = workloads.workload("longtail", tok, n=4, seed=2, sampling=s)
+    assert [r.sampling for r in reqs] == [replace(s, seed=2000 + i) for i in range(4)]
+    assert workloads.workload("eos", tok, 2, 2, s) == workloads.workload("eos", tok, 2, 2)
+    static, continuous = run_static(model, reqs, 2)[0], run_continuous(model, reqs, 2)[0]
+    assert [r.tokens for r in static] == [r.tokens for r in continuous]
+    greedy = run_static(model, workloads.workload("longtail", tok, n=4, seed=2)[0], 2)[0]
+    assert [r.tokens for r in static] != [r.tokens for r in greedy], "they sample"
+    monkeypatch.setattr("tinyllm.load", lambda *a, **k: (model, tok))
+    bench.main(["--requests", "4", "--slots", "2", "--temperature", "0.8", "--top-p", "0.9",
+                "--json"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert out["sampling"] == "temperature 0.8, top_p 0.9"
+    assert out["runs"]["static"]["useful_tokens"] == out["runs"]["continuous"]["useful_tokens"]
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("a run began"))
+    for argv, why in [
+        (["--top-k", "5"], "--top-k and --top-p cut what a request samples: give --temperature"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
+    ]:
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert why in capsys.readouterr().err
 
 
 def flags(*argv: str):

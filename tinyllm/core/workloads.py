@@ -7,6 +7,7 @@ import it, and it imports only the requests, the sampling settings and the const
 """
 
 import random
+from dataclasses import replace
 
 from tinyllm.core.requests import Request
 from tinyllm.core.sampling import Constraint, Sampling
@@ -65,8 +66,20 @@ def text_requests(name: str, tok, n: int, rng: random.Random) -> list[Request]:
     return reqs
 
 
-def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request], list[float]]:
-    """Requests and their arrival times (all 0 but for 'poisson').
+def sample_greedy(reqs: list[Request], sampling: Sampling | None, seed: int) -> None:
+    """The requests that have no sampling of their own sample with `sampling` (None: they
+    stay greedy), request i seeded seed * 1000 + i."""
+    if sampling is not None:
+        for i, r in enumerate(reqs):
+            r.sampling = r.sampling or replace(sampling, seed=seed * 1000 + i)
+
+
+def workload(name: str, tok, n: int = 64, seed: int = 0,
+             sampling: Sampling | None = None) -> tuple[list[Request], list[float]]:
+    """Requests and their arrival times (all 0 but for 'poisson'). sampling: the requests that
+    have none of their own (the greedy ones, constraints aside) sample with it instead, each
+    with a seed of its own (seed * 1000 + its index), so that every engine draws their tokens
+    alike.
 
     uniform:  every prompt 16 tokens, 64 new tokens, no EOS;
     longtail: prompts of 8-32 tokens, output lengths long-tailed (most short, a few 256), no EOS;
@@ -113,6 +126,7 @@ def workload(name: str, tok, n: int = 64, seed: int = 0) -> tuple[list[Request],
         reqs = text_requests(name, tok, n, rng)
     else:
         raise ValueError(f"unknown workload {name!r}: {', '.join(WORKLOADS)}")
+    sample_greedy(reqs, sampling, seed)
     arrivals = [0.0] * n
     if name in ("poisson", "shared-prefix"):
         rate, t = {"poisson": 8.0, "shared-prefix": 16.0}[name], 0.0

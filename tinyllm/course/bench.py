@@ -11,6 +11,7 @@
     python -m tinyllm bench --prefill 128,512,2047 --engines continuous,continuous+chunked
     python -m tinyllm bench --model smollm2 --solo 128 --quant int8,int4 --peers
     python -m tinyllm bench --model smollm2 --serve-start --decoder pieces --empty-caches
+    python -m tinyllm bench --model smollm2 --workload chat --temperature 0.8 --top-p 0.9
 
 The engine's flags are EngineConfig's (EngineConfig.add_arguments, as `serve`'s), and each
 engine's name parses once into the EngineConfig it runs (engine_config). Engines: static (03,
@@ -28,7 +29,8 @@ engine it reports where a decode step's time goes: the model's forward pass agai
 engine's own bookkeeping (admission, sampling, slot moves, Python), and the CPU seconds of the
 run (cpu_s) with its tokens per CPU-second (tok_per_cpu_s), the figure that holds still on a
 shared machine. --rounds N runs every engine N times in turn and shows each engine's median
-round.
+round. --temperature (with --top-k, --top-p) has the workload's greedy requests sample instead,
+each with a seed of its own: the token stage's cost in the step, every engine drawing alike.
 """
 
 import argparse
@@ -48,6 +50,7 @@ from tinyllm.core.cuda_graph import SlotGraphDecoder
 from tinyllm.core.generate import autocast_for
 from tinyllm.core.model import Transformer, gpu_dtype
 from tinyllm.core.requests import Request, longest
+from tinyllm.core.sampling import Sampling
 from tinyllm.core.slot_cache import SlotKVCache
 from tinyllm.core.static import run_static
 from tinyllm.core.workloads import WORKLOADS, workload
@@ -151,15 +154,17 @@ def engine_configs(names: list[str], args,
 
 
 def run(model, tok, workload_name: str, config: EngineConfig, n: int = 64, seed: int = 0,
-        progress=None, static: bool = False, draft=None) -> dict:
-    """One benchmark run of the workload's n requests (fixed by seed) -> its Stats.summary():
+        progress=None, static: bool = False, draft=None, sampling: Sampling | None = None
+        ) -> dict:
+    """One benchmark run of the workload's n requests (fixed by seed; those of no sampling of
+    their own sample with `sampling`, each seeded: workload) -> its Stats.summary():
     static batching (03) of config.n_slots requests at a time when static, else the
     continuous engine of config (engine_config's), whose max_len, where it is None, is the
     workload's longest request. A compiled decoder compiles every bucket before the clock
     starts, decoder "pieces" its pieces for every bucket of rows: the summary's compile_s.
     progress: a tqdm bar, told of finished requests. draft: the model a +draft engine's
     proposer runs (None: the model's first layers)."""
-    reqs, arrivals = workload(workload_name, tok, n, seed)
+    reqs, arrivals = workload(workload_name, tok, n, seed, sampling)
     if static:
         if any(arrivals):
             raise ValueError(f"static batching is offline: it cannot take the {workload_name} "
@@ -461,6 +466,7 @@ def parser() -> argparse.ArgumentParser:
                          "round by tokens per CPU-second" + default)
     ap.add_argument("--seed", type=int, default=0, metavar="N",
                     help="the workload's seed" + default)
+    add_sampling_arguments(ap)
     ap.add_argument("--model", default="default", metavar="DIR",
                     help="a checkpoint directory (runs/shakespeare), a .gguf file, or smollm2 "
                          "(fetched once) (default: the bundled model)")
@@ -470,6 +476,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     EngineConfig.add_arguments(ap, kv=False)
     return ap
+
+
+def add_sampling_arguments(ap) -> None:
+    """--temperature, --top-k, --top-p: how the workload's greedy requests sample (sampling_of)."""
+    ap.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                    help="--engines: the workload's greedy requests sample at temperature T "
+                         "instead, each with a seed of its own (default: 0, greedy)")
+    ap.add_argument("--top-k", type=int, default=None, metavar="K",
+                    help="with --temperature: sample from the K likeliest tokens")
+    ap.add_argument("--top-p", type=float, default=None, metavar="P",
+                    help="with --temperature: sample from the likeliest tokens that hold P of "
+                         "the probability")
 
 
 def where(model) -> str:
@@ -569,11 +587,34 @@ def compare_starts(args) -> None:
     print(server_start.table(rows))
 
 
+def sampling_of(ap, args) -> Sampling | None:
+    """--temperature, --top-k and --top-p as the Sampling the workload's greedy requests take
+    instead (None: greedy); a bad value is refused, by name."""
+    if not args.temperature:
+        if args.top_k is not None or args.top_p is not None:
+            ap.error("--top-k and --top-p cut what a request samples: give --temperature too")
+        return None
+    try:
+        return Sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        ap.error(str(e))
+
+
+def sampled(sampling: Sampling | None) -> str:
+    """How the greedy requests sample, in a few words: 'temperature 0.8, top_p 0.9'."""
+    if sampling is None:
+        return "greedy"
+    cuts = [f"{k} {getattr(sampling, k)}" for k in ("top_k", "top_p") if getattr(sampling, k)]
+    return ", ".join([f"temperature {sampling.temperature}"] + cuts)
+
+
 def compare_engines(ap, args, models: dict, tok) -> None:
     """--engines: each engine, its config parsed from its name and the flags, on the same
-    requests, on each model of --quant (named "engine int8" when there are several); their
-    summaries side by side. A bad name is refused before any run."""
-    reqs, _ = workload(args.workload, tok, args.requests, args.seed)
+    requests (sampled as --temperature says), on each model of --quant (named "engine int8"
+    when there are several); their summaries side by side. A bad name is refused before any
+    run."""
+    sampling = sampling_of(ap, args)
+    reqs, _ = workload(args.workload, tok, args.requests, args.seed, sampling)
     try:
         engines = engine_configs(args.engines.split(","), args, max_len=longest(reqs))
     except ValueError as e:
@@ -589,18 +630,20 @@ def compare_engines(ap, args, models: dict, tok) -> None:
                            quiet=args.json)
                 rounds.setdefault(key, []).append(run(
                     model, tok, args.workload, config, args.requests, args.seed, bar,
-                    static=base == "static", draft=args.draft_model))
+                    static=base == "static", draft=args.draft_model, sampling=sampling))
                 if bar is not None:
                     bar.close()
     runs = {key: median_run(summaries) for key, summaries in rounds.items()}
     device = next(model.parameters()).device
     if args.json:
         print(json.dumps({"workload": args.workload, "slots": args.n_slots,
-                          "requests": args.requests, "device": str(device),
+                          "requests": args.requests, "sampling": sampled(sampling),
+                          "device": str(device),
                           "torch_threads": torch.get_num_threads(), "runs": runs}, indent=2))
         return
     print(f"workload {args.workload}: {args.requests} requests, batch/slots {args.n_slots}, "
-          f"{device} ({torch.get_num_threads()} threads)"
+          + (f"its greedy requests at {sampled(sampling)}, " if sampling else "")
+          + f"{device} ({torch.get_num_threads()} threads)"
           + (f"; each engine's median round of {args.rounds} by tok_per_cpu_s"
              if args.rounds > 1 else "") + "\n")
     print(table(runs))
