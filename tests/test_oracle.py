@@ -462,6 +462,31 @@ def test_every_configuration_gives_every_request_its_solo_run(data):
     run_example(data)
 
 
+def test_blocks_named_at_admission_by_a_step_that_raised_are_forgotten():
+    """Found by the oracle: without a budget, a newcomer's full blocks are named as it is
+    admitted, before the step's pass writes them. A step that raises before its pass fails its
+    requests (step_alone), and the names of the blocks it never wrote go with them: a later
+    request of the same prefix computes it again, to its solo logprobs (not those of blocks
+    that hold no keys)."""
+    stem, s = [(5 * j) % (V - 1) + 1 for j in range(20)], Sampling(logprobs=0)
+    config = EngineConfig(2, kv="paged", block_size=4, prefix_cache=True)
+    eng, keys = make_engine(MODELS["float"], config), Keys()
+    first = eng.add_request(Request(stem + [3], 4, sampling=s))
+    keys.add(first, first)
+    with faulty(eng, "runner.prefill", 0):
+        assert step_alone(eng, keys, False) == (
+            [],
+            [(first, "Injected: runner.prefill raised at its call 0")],
+        )
+    assert not eng.cache.prefix.cached, "a block that was never written keeps its name"
+    books(eng, idle=True)
+    req = Request(stem + [5], 4, sampling=s)
+    rid = eng.add_request(req)
+    while eng.has_work():
+        eng.step()
+    check_solo(MODELS["float"], config, [req], [rid], set(), eng.results)
+
+
 @pytest.mark.parametrize("c_attention", [True, False], ids=["C attention", "library attention"])
 def test_newcomers_sharing_a_long_ones_blocks_get_their_solo_logprobs(c_attention):
     """Found by the oracle: without a budget, newcomers of one step share the blocks a longer

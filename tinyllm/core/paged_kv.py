@@ -308,6 +308,11 @@ class PagedKVCache(SlotCache):
                           self.pool.allocate)
 
     def release(self, slot: int) -> None:
+        """As SlotCache.release, its blocks back to the pool. A block named but not written
+        (named at admission, and the step that was to write it raised) is forgotten first."""
+        if self.prefix is not None:
+            written = self.lens[slot] // self.block_size
+            self.prefix.forget(self.tables[slot][written:len(self.hashes[slot])])
         self.pool.free(self.tables[slot])
         self.tables[slot], self.hashes[slot] = [], []
         super().release(slot)

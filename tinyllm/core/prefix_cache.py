@@ -156,6 +156,13 @@ class PrefixCache:
         if h not in self.cached:
             self.cached[h], self.hash_of[block] = block, h
 
+    def forget(self, blocks: list[int]) -> None:
+        """These blocks no longer hold the prefixes they are named for: their names go (a
+        block named at admission whose step raised before writing it, engine_loop.step_alone)."""
+        for b in blocks:
+            if (h := self.hash_of.pop(b, None)) is not None:
+                del self.cached[h]
+
     def match(self, context: list[int]) -> list[int]:
         """The cached blocks a newcomer's context shares (match_prefix), checked: ValueError
         names blocks that cover its last token or hold no cached prefix."""

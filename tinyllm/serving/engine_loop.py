@@ -387,7 +387,7 @@ def engine_process(engine: ContinuousEngine, addresses: tuple[str, str], n_threa
     is idle (`cache.check_integrity(idle=True)`: None when every request gave everything
     back). A thread sends a Heartbeat every BEAT_S from the start. It waits on its socket when
     there is no work, and ends at a Stop, when the HTTP side's process is gone, or with a
-    Failed that says why (two steps in a row raised: step_alone)."""
+    Failed that says why (a step raised beyond its requests: step_alone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
     torch.set_num_threads(n_threads)
     pipe = EnginePipe(*addresses)
