@@ -218,6 +218,15 @@ def check_rollback(cache: "PagedKVCache", slot: int, n: int) -> None:
                          f"{len(cache.hashes[slot])} blocks are in the prefix cache")
 
 
+def forget_unwritten(cache: "PagedKVCache", slot: int) -> None:
+    """The blocks of slot that the prefix cache names but the slot never wrote lose their names:
+    blocks named at admission (08), whose step raised before its pass wrote them
+    (engine_loop.step_alone fails that step's requests). Between steps there are none."""
+    if cache.prefix is not None:
+        written = cache.lens[slot] // cache.block_size
+        cache.prefix.forget(cache.tables[slot][written:len(cache.hashes[slot])])
+
+
 class PagedKVCache(SlotCache):
     """Keys/values of n_slots sequences in a shared pool of n_blocks blocks of block_size.
 
@@ -232,8 +241,7 @@ class PagedKVCache(SlotCache):
     counted by the tables holding them, hashes[s] names slot s's full blocks in order, a
     newcomer admitted with its context starts with the cached blocks of its longest cached
     prefix, and a block is named once written (`cache_blocks`), or with name_at_admission as
-    its newcomer is admitted (see `admit`).
-    """
+    its newcomer is admitted (see `admit`; `release` forgets the names of blocks never written)."""
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int,
                  n_blocks: int, block_size: int, max_len: int,
@@ -249,11 +257,11 @@ class PagedKVCache(SlotCache):
         self.allocator = BlockAllocator(n_blocks)
         self.prefix = made_prefix_cache(prefix_cache, self.allocator, block_size)
         self.pool = self.allocator if self.prefix is None else self.prefix
-        self.name_at_admission = name_at_admission and self.prefix is not None
-        self.headroom = headroom                        # can_admit: a block per running one
         self.shares_prefixes = self.prefix is not None
-        self.tables: list[list[int]] = [[] for _ in range(n_slots)]
-        self.hashes: list[list[bytes]] = [[] for _ in range(n_slots)]
+        self.name_at_admission = name_at_admission and self.shares_prefixes
+        self.headroom = headroom                        # can_admit: a block per running one
+        self.tables: list[list[int]] = [[] for _ in range(n_slots)]     # block ids
+        self.hashes: list[list[bytes]] = [[] for _ in range(n_slots)]   # their names (08)
 
     def blocks_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block_size)
@@ -308,11 +316,7 @@ class PagedKVCache(SlotCache):
                           self.pool.allocate)
 
     def release(self, slot: int) -> None:
-        """As SlotCache.release, its blocks back to the pool. A block named but not written
-        (named at admission, and the step that was to write it raised) is forgotten first."""
-        if self.prefix is not None:
-            written = self.lens[slot] // self.block_size
-            self.prefix.forget(self.tables[slot][written:len(self.hashes[slot])])
+        forget_unwritten(self, slot)
         self.pool.free(self.tables[slot])
         self.tables[slot], self.hashes[slot] = [], []
         super().release(slot)

@@ -16,8 +16,10 @@ many block tables hold it), the hash of each full block, and the blocks nobody h
 still hold a prefix. Those stay cached until the pool needs them, and then the least recently
 used goes first. Only full blocks are ever named: once every position is written, or, when the
 engine computes a newcomer's whole context in its admission step, as the newcomer is admitted
-(the step's one forward pass writes those positions before any row reads them). So no block is
-shared before it is written, and no shared block is written again: copy-on-write is not needed.
+(the step's one forward pass writes those positions before any row reads them; a step that
+raises before writing them fails its requests, and their release forgets those names). So no
+block is shared before it is written, and no shared block is written again: copy-on-write is
+not needed.
 
 Seams (exercise 08): `block_hashes` and `match_prefix`, the names and the lookup; `take_blocks`,
 `share_blocks` and `release_blocks`, the reference counts and the least-recently-used eviction
