@@ -324,7 +324,7 @@ def test_a_report_this_side_fails_to_hand_out_fails_its_requests_alone(bulky, mo
     assert loop.failed is None and bulky.wait_idle() == (0, 0)
 
 
-POISON = 11  # max_new_tokens of a request whose decode raises in PoisonEngine while one waits
+POISON = 40  # max_new_tokens of a request whose decode raises in PoisonEngine while one waits
 
 
 class PoisonEngine(ContinuousEngine):
