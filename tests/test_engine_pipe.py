@@ -346,13 +346,14 @@ class PoisonEngine(ContinuousEngine):
 def test_a_step_that_raises_fails_the_requests_it_held_and_no_other(bundled64, kv):
     """Two slots: a request of 60 tokens and one of POISON run, a third waits, and the next
     step raises. The two it held get a 500 that says why; the one waiting gets its solo tokens,
-    /health says ok, no slot or block is left, and the next request is served. Paged with a
-    prefix cache, the waiting request shares the poisoned one's prompt."""
+    /health says ok, no slot or block is left, and the next request is served. The waiting one
+    has the poisoned one's prompt: paged with a prefix cache, it shares the 3 full blocks of 16
+    that the poisoned one wrote (60 tokens)."""
     model, tok = bundled64
     engine = make_engine(model, 2, kv=kv, prefix_cache=kv == "paged")
     engine.__class__ = PoisonEngine  # pickled to the engine process by class name
     srv = Running(engine, tok)
-    got = {}
+    got, shared = {}, " ".join(PROMPTS)
 
     def ask(name: str, prompt: str, n: int, running: tuple[int, int]) -> None:
         body = {"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0,
@@ -368,8 +369,8 @@ def test_a_step_that_raises_fails_the_requests_it_held_and_no_other(bundled64, k
     asks = []
     try:
         ask("long", PROMPTS[1], 60, (0, 1))
-        ask("poisoned", PROMPTS[2], POISON, (0, 2))
-        ask("waiting", PROMPTS[2], 20, (0, 1))  # it waits, the step raises, it runs
+        ask("poisoned", shared, POISON, (0, 2))
+        ask("waiting", shared, 20, (0, 1))  # it waits, the step raises, it runs
         for t in asks:
             t.join(60)
         for name in ("long", "poisoned"):
@@ -378,7 +379,7 @@ def test_a_step_that_raises_fails_the_requests_it_held_and_no_other(bundled64, k
                 "the engine failed on this request: RuntimeError: the kernel read past the cache"
             ), got[name].text
         assert got["waiting"].status_code == 200, got["waiting"].text
-        res = solo(model, Request(tok.encode(PROMPTS[2]), 20))
+        res = solo(model, Request(tok.encode(shared), 20))
         assert got["waiting"].json()["choices"][0]["text"] == tok.decode(res.tokens)
         assert httpx.get(srv.url[:-3] + "/health").json()["status"] == "ok"
         assert srv.wait_idle() == (0, 0)
