@@ -3,6 +3,7 @@
 
 import json
 import os
+import time
 from dataclasses import replace
 
 import matplotlib
@@ -508,9 +509,11 @@ def test_serve_start_times_a_servers_launch_to_its_first_token(capsys, monkeypat
     assert row["quant"] == "none" and row["decoder"] == "eager" and row["caches"] == "as they are"
     assert 0 < row["ready_s"] <= row["first_s"] <= row["last_s"], row
     assert 0 < row["ready_cpu_s"] <= row["first_cpu_s"], row
-    assert not [p for p in set(os.listdir("/proc")) - before if "tinyllm" in cmdline(p)], (
-        "a server outlived its start"
-    )
+    left = lambda: [p for p in set(os.listdir("/proc")) - before if "tinyllm" in cmdline(p)]  # noqa: E731
+    t0 = time.time()
+    while left() and time.time() - t0 < 10:  # SIGKILL reaches a busy machine's processes late
+        time.sleep(0.05)
+    assert not left(), "a server outlived its start"
 
 
 def cmdline(pid: str) -> str:
