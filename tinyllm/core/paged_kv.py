@@ -257,11 +257,11 @@ class PagedKVCache(SlotCache):
         self.allocator = BlockAllocator(n_blocks)
         self.prefix = made_prefix_cache(prefix_cache, self.allocator, block_size)
         self.pool = self.allocator if self.prefix is None else self.prefix
-        self.shares_prefixes = self.prefix is not None
-        self.name_at_admission = name_at_admission and self.shares_prefixes
+        self.name_at_admission = name_at_admission and self.prefix is not None
         self.headroom = headroom                        # can_admit: a block per running one
-        self.tables: list[list[int]] = [[] for _ in range(n_slots)]     # block ids
-        self.hashes: list[list[bytes]] = [[] for _ in range(n_slots)]   # their names (08)
+        self.shares_prefixes = self.prefix is not None
+        self.tables: list[list[int]] = [[] for _ in range(n_slots)]
+        self.hashes: list[list[bytes]] = [[] for _ in range(n_slots)]
 
     def blocks_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block_size)

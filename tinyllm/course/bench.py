@@ -479,7 +479,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def add_sampling_arguments(ap) -> None:
-    """--temperature, --top-k, --top-p: how the workload's greedy requests sample (sampling_of)."""
+    """--temperature, --top-k, --top-p: how the workload's greedy requests sample, read back
+    by sampling_from_flags."""
     ap.add_argument("--temperature", type=float, default=0.0, metavar="T",
                     help="--engines: the workload's greedy requests sample at temperature T "
                          "instead, each with a seed of its own (default: 0, greedy)")
@@ -587,7 +588,7 @@ def compare_starts(args) -> None:
     print(server_start.table(rows))
 
 
-def sampling_of(ap, args) -> Sampling | None:
+def sampling_from_flags(ap, args) -> Sampling | None:
     """--temperature, --top-k and --top-p as the Sampling the workload's greedy requests take
     instead (None: greedy); a bad value is refused, by name."""
     if not args.temperature:
@@ -613,7 +614,7 @@ def compare_engines(ap, args, models: dict, tok) -> None:
     requests (sampled as --temperature says), on each model of --quant (named "engine int8"
     when there are several); their summaries side by side. A bad name is refused before any
     run."""
-    sampling = sampling_of(ap, args)
+    sampling = sampling_from_flags(ap, args)
     reqs, _ = workload(args.workload, tok, args.requests, args.seed, sampling)
     try:
         engines = engine_configs(args.engines.split(","), args, max_len=longest(reqs))

@@ -698,16 +698,16 @@ def step_alone(
 ) -> tuple[list[Event], list[tuple[int, str]] | None]:
     """One step of the engine: its events, and None, or for a step that raised, the choices it
     failed as (key, why). A step that raises fails the requests it held, and no other: those
-    running before it, those it admitted and those it finished each leave the engine (abort:
-    their slots and blocks go back) and the books. The engine goes on when its KV cache's books
-    then hold. It raises (it fails as a whole) when they do not, when the step held no request,
-    or when the step before raised too: a fault that follows the engine from step to step is
-    the engine's, not a request's."""
-    held = {rid for rid in engine.holders() if rid is not None}
+    running when it raised (admitted by it or before) and those it finished each leave the
+    engine (abort: their slots and blocks go back) and the books; those it preempted wait, as
+    preemption left them. The engine goes on when its KV cache's books then hold. It raises (it
+    fails as a whole) when they do not, when the step held no request, or when the step before
+    raised too: a fault that follows the engine from step to step is the engine's, not a
+    request's. A step that does not raise costs nothing more."""
     try:
         return engine.step(), None
     except Exception as e:
-        held |= {rid for rid in engine.holders() if rid is not None}
+        held = {rid for rid in engine.holders() if rid is not None}
         held |= engine.results.keys() & keys.key_of.keys()  # finished in it: their news is lost
         if raised_before or not held:
             raise
