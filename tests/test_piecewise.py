@@ -86,10 +86,12 @@ def test_speculation_verifies_eagerly_beside_the_pieces():
     assert got == want and eng.stats.spec_proposed > 0
 
 
-def test_a_decode_step_in_pieces_equals_the_models():
+@pytest.mark.parametrize("overrides", [{}, dict(head_dim=32)], ids=["square", "wide-heads"])
+def test_a_decode_step_in_pieces_equals_the_models(overrides):
     """One step of three rows, from the same cache state: the pieces' logits are the model's
-    (float64: the order of additions is all that may differ)."""
-    model = make_tiny(seed=22)
+    (float64: the order of additions is all that may differ), also where n_heads * head_dim
+    is not d_model (4 * 32 = 128 against 64)."""
+    model = make_tiny(seed=22, **overrides)
     cfg = model.cfg
     caches = [
         SlotKVCache(cfg.n_layers, 3, cfg.n_kv_heads, cfg.head_dim, 32, torch.float64)

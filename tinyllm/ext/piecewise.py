@@ -66,8 +66,9 @@ def before(block, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, 
 
 def after(block, x: Tensor, y: Tensor) -> Tensor:
     """The rest of a layer: the residual stream x (B, 1, d) and attention's output y
-    (B, H, 1, hd) -> the layer's output (B, 1, d)."""
-    x = x + block.self_attn.o_proj(y.transpose(1, 2).reshape(x.shape))
+    (B, H, 1, hd) -> the layer's output (B, 1, d). H * hd need not be d: o_proj maps it."""
+    y = y.transpose(1, 2).reshape(x.size(0), 1, -1)                         # (B, 1, H * hd)
+    x = x + block.self_attn.o_proj(y)
     mlp = block.mlp                                       # SwiGLU, gate and up in one call
     gate, up = projections(block.post_attention_layernorm(x), [mlp.gate_proj, mlp.up_proj])
     return x + mlp.down_proj(F.silu(gate) * up)
