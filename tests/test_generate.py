@@ -18,7 +18,9 @@ def test_greedy_is_argmax():
     assert sample_next(LOGITS).shape == (4, 1)
 
 
-@pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-9), dict(top_k=1, top_p=0.5)])
+@pytest.mark.parametrize(
+    "kw", [dict(top_k=1), dict(top_p=1e-9), dict(top_p=1e-50), dict(top_k=1, top_p=0.5)]
+)
 def test_top_k_1_and_tiny_top_p_are_greedy(kw):
     """Cutting to one candidate leaves nothing to chance, at any temperature."""
     for seed in range(5):

@@ -161,7 +161,7 @@ def samplings(draw, greedy_only: bool, default: Sampling) -> Sampling | None:
     return Sampling(
         temperature=draw(st.sampled_from([0.7, 1.0])) if sampled else 0.0,
         top_k=draw(st.sampled_from([None, 3])) if sampled else None,
-        top_p=draw(st.sampled_from([None, 0.8])) if sampled else None,
+        top_p=draw(st.sampled_from([None, 0.8, 1e-50])) if sampled else None,  # 1e-50: argmax
         min_p=draw(st.sampled_from([0.0, 0.05])) if sampled else 0.0,
         seed=draw(st.integers(0, 2**16)),
         presence_penalty=draw(st.sampled_from([0.0, 0.0, 0.5, -1.0])),

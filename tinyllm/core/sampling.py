@@ -235,9 +235,11 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int | None = None,
 def nucleus(logits: Tensor, top_p: float) -> Tensor:
     """top_p's cut: the logits (B, V) of each row's smallest set of likeliest tokens whose
     probability reaches top_p (each token whose likelier tokens hold less than top_p), -inf
-    elsewhere. That set lies among a row's k likeliest tokens once those hold top_p, so it
-    sorts the k likeliest alone (topk), k from 64 up by fours: a vocabulary of 49,152 tokens
-    costs a sort of it only where the probability is that spread."""
+    elsewhere. The likeliest token always stays (as vLLM and llama.cpp keep it): a top_p
+    below float32's smallest number compares as 0. That set lies among a row's k likeliest
+    tokens once those hold top_p, so it sorts the k likeliest alone (topk), k from 64 up by
+    fours: a vocabulary of 49,152 tokens costs a sort of it only where the probability is
+    that spread."""
     probs, V = logits.softmax(dim=-1), logits.size(-1)                       # (B, V)
     k = min(64, V)
     while True:
@@ -248,7 +250,9 @@ def nucleus(logits: Tensor, top_p: float) -> Tensor:
             break
         k = min(4 * k, V)
     before = held - p                              # probability of the tokens ranked above
-    kept = top.masked_fill(before >= top_p, float("-inf"))                  # (B, k)
+    cut = before >= top_p                                                   # (B, k)
+    cut[:, 0] = False                              # the likeliest stays, however small top_p
+    kept = top.masked_fill(cut, float("-inf"))                              # (B, k)
     return torch.full_like(logits, float("-inf")).scatter(-1, order, kept)
 
 
