@@ -257,6 +257,11 @@ def test_guesses_past_a_complete_grammar_under_ignore_eos_keep_solos_tokens(bund
 
 
 # ---- what llguidance takes and cannot enforce is refused up front --------------------------------
+def string(pattern: str) -> dict:
+    """A string schema with this pattern (a search: a match anywhere in the string)."""
+    return {"type": "string", "pattern": pattern}
+
+
 NODE = {
     "type": "object",
     "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}},
@@ -280,6 +285,17 @@ REFUSED = [
         "'#/$defs/node' always leads back",
     ),
     (Constraint.json_schema({"type": "array", "items": {"$ref": "#"}, "minItems": 1}), "'#'"),
+    (  # a pattern is a search: the answer's first tokens never reach it
+        Constraint.json_schema(string("a{1000000}")),
+        "its pattern 'a{1000000}' is refused as a regular expression: llguidance fails on it",
+    ),
+    (
+        Constraint.json_schema(
+            {"type": "object", "properties": {"a": string("x(a{1000000}|b)")}, "required": ["a"]}
+        ),
+        "its pattern 'x(a{1000000}|b)' is refused",
+    ),
+    (Constraint.json_schema(string("ab\\")), "its pattern 'ab\\\\' is refused"),
 ]
 TAKEN = [
     Constraint("regex", "ab\\\\"),  # an escaped backslash
@@ -290,14 +306,22 @@ TAKEN = [
     Constraint.json_schema(
         {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"$ref": "#"}}]}
     ),
+    Constraint.json_schema(
+        {"type": "object", "properties": {"a": string("[a-z]{3}")}, "required": ["a"]}
+    ),
+    Constraint.json_schema(string("^(Ham|Oph)\\. [a-z]{3}$")),
+    Constraint.json_schema(  # a property named pattern, and examples: data, not patterns
+        {"properties": {"pattern": string("[a-z]")}, "examples": [{"pattern": "a{1000000}"}]}
+    ),
 ]
 
 
 @pytest.mark.parametrize("c, says", REFUSED)
 def test_a_constraint_llguidance_cannot_enforce_is_refused_up_front(bundled64, grammars, c, says):
-    """A regex llguidance fails on while matching, one that ends in a lone backslash, and a
-    schema no finite value matches (a $ref that always leads back to itself) are refused by
-    the check, with why, and by the engine; nothing of them is kept."""
+    """A regex llguidance fails on while matching, one that ends in a lone backslash, a
+    schema no finite value matches (a $ref that always leads back to itself) and a schema
+    with a pattern refused as a regex are refused by the check, with why, and by the engine;
+    nothing of them is kept."""
     model, tok = bundled64
     why = grammars.check(c)
     assert why is not None and says in why, f"{c.spec}: check says {why!r}, not {says!r}"
@@ -308,9 +332,11 @@ def test_a_constraint_llguidance_cannot_enforce_is_refused_up_front(bundled64, g
 
 
 @pytest.mark.parametrize("c", TAKEN)
-def test_recursive_schemas_with_an_end_and_escaped_backslashes_are_taken(bundled64, grammars, c):
-    """A $ref back to itself that a value may leave out, and an escaped backslash, are taken:
-    the solo answer of each matches it."""
+def test_recursive_schemas_with_an_end_escaped_backslashes_and_sound_patterns_are_taken(
+    bundled64, grammars, c
+):
+    """A $ref back to itself that a value may leave out, an escaped backslash and a schema's
+    sound pattern are taken: the solo answer of each matches it."""
     model, tok = bundled64
     assert grammars.check(c) is None, f"{c.spec} is refused: {grammars.check(c)}"
     r = solo(

@@ -5,7 +5,9 @@ backslash (the escape is dropped, so the text need not end as asked) and a JSON 
 finite value matches (a $ref that always leads back to itself, so the answer is cut by its
 length, never by the grammar). `flaw` names why, in a sentence the server answers 400 with;
 `LLGuidance.check` asks it before the library. The rest of what the library cannot enforce is
-found by walking a new grammar along its first tokens (`LLGuidance.probe`).
+found by walking a new grammar along its first tokens (`LLGuidance.probe`), and a schema's
+`patterns` each as a regular expression of its own (a pattern is a search: nothing forces an
+answer's first tokens into it).
 """
 
 import json
@@ -55,6 +57,24 @@ def schema_flaw(schema) -> str | None:
         return None
     return f"no finite JSON value matches it: its $ref {loop!r} always leads back to itself " \
            f"(through required properties, an array's first items or every branch)"
+
+
+DATA = ("const", "enum", "default", "examples")     # keywords whose values are data, not schemas
+
+
+def patterns(schema) -> list[str]:
+    """The `pattern`s a schema holds (each string's regular expression), in the order they
+    come, once each; the values of DATA's keywords are not read."""
+    found, todo = {}, [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(p := node.get("pattern"), str):
+                found.setdefault(p)
+            todo += reversed([v for k, v in node.items() if k not in DATA])
+        elif isinstance(node, list):
+            todo += reversed(node)
+    return list(found)
 
 
 def local_refs(schema) -> list[str]:

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from tinyllm.core.logits_processors import unpack_bitmask
 from tinyllm.core.sampling import KINDS, Constraint  # noqa: F401 (a constraint's names, here too)
-from tinyllm.ext.constraint_checks import flaw
+from tinyllm.ext.constraint_checks import flaw, patterns
 
 MAX_COMPILED = 256      # compiled grammars kept per backend, the least recently used dropped
 PROBE_TOKENS = 8        # tokens a new grammar is walked along before it is taken (LLGuidance)
@@ -145,8 +145,9 @@ class LLGuidance:
     `check` refuses up front what llguidance would take and then fail to enforce: a regular
     expression that ends in a lone backslash (llguidance drops it), a JSON schema that no
     finite value matches (a $ref that always leads back to itself: llguidance writes it for
-    ever, or runs out of room and ends it), and a grammar llguidance fails on along its first
-    tokens (a limit of its lexer or parser: `probe`)."""
+    ever, or runs out of room and ends it), a grammar llguidance fails on along its first
+    tokens (a limit of its lexer or parser: `probe`), and a schema with a pattern it refuses
+    as a regular expression (`pattern_flaw`)."""
 
     def __init__(self, tok, vocab_size: int):
         self._setup(tok.tok.to_str(), vocab_size, list(tok.eos_ids) or [0])
@@ -197,22 +198,43 @@ class LLGuidance:
     def compile(self, c: Constraint) -> tuple[object | None, str | None]:
         """c's compiled grammar, kept as the most recently used, and None; or None and why the
         backend refuses c."""
-        from llguidance import LLMatcher
-
         with self.lock:
             template = self.compiled.get(c)
         if template is None:
-            try:
-                why = flaw(c) or LLMatcher.validate_grammar(self.grammar(c), self.llt) or None
-            except (ValueError, TypeError) as e:
-                why = str(e)
-            if why is None:
-                template = self.compile_alone(c)
-                why = self.probe(c, template)
+            template, why = self.build(c)
             if why is not None:
                 return None, why
         self.keep(c, template)
         return template, None
+
+    def build(self, c: Constraint) -> tuple[object | None, str | None]:
+        """c compiled anew and probed, kept nowhere, and None; or None and why the backend
+        refuses c."""
+        from llguidance import LLMatcher
+
+        try:
+            why = flaw(c) or LLMatcher.validate_grammar(self.grammar(c), self.llt) or \
+                self.pattern_flaw(c)
+        except (ValueError, TypeError) as e:
+            why = str(e)
+        if why:
+            return None, why
+        template = self.compile_alone(c)
+        why = self.probe(c, template)
+        return (None, why) if why is not None else (template, None)
+
+    def pattern_flaw(self, c: Constraint) -> str | None:
+        """Why a JSON schema's pattern is refused, or None: one the backend refuses as a regex
+        constraint. llguidance reads a pattern as a search (a match anywhere in the string), so
+        a string's text before the match is free and nothing forces the match: the probe of the
+        schema never meets the pattern, and a{1000000}, refused as a regex, is taken in a
+        schema, its answer free text cut by its length."""
+        if c.kind != "json_schema":
+            return None
+        for p in patterns(json.loads(c.spec)):
+            if (why := self.build(Constraint("regex", p))[1]) is not None:
+                return f"its pattern {p!r} is refused as a regular expression: {why}"
+        return None
 
     def probe(self, c: Constraint, template) -> str | None:
         """Why llguidance fails on a compiled grammar along its first PROBE_TOKENS tokens (the
