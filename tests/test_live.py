@@ -1,11 +1,16 @@
 """Step 10 - the server's live page: a server with no page open builds no frame; a page's frames
 show the slots and blocks that /metrics shows at the same step; many pages at once each get
-every frame, and one that closes leaves the others be; the stream carries no prompt or answer
-text unless the server was started to show them; a page reconnects to a restarted server."""
+every frame, and one that closes leaves the others be; pages opened at once get exactly MAX_PAGES
+places, the others a 503; a page that reads nothing is dropped and leaves its place; each frame
+and beat is written once for all the pages; the stream carries no prompt or answer text unless
+the server was started to show them; a page reconnects to a restarted server."""
 
+import asyncio
 import re
+import socket
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -112,6 +117,11 @@ def metrics(srv) -> dict:
     return {k: float(v) for k, v in re.findall(r"^(tinyllm_\S+) (\S+)$", text, re.M)}
 
 
+def server_loop(srv) -> asyncio.AbstractEventLoop:
+    """The server's event loop, in its thread: where its Pages live."""
+    return srv.served.loop.listener.get_loop()
+
+
 def wait_for(condition, timeout=10.0) -> bool:
     t0 = time.time()
     while not condition() and time.time() - t0 < timeout:
@@ -122,7 +132,7 @@ def wait_for(condition, timeout=10.0) -> bool:
 def test_a_server_with_no_page_open_builds_no_frame(server):
     """With no page open, the engine steps and reports, and builds no frame: its count of
     frames stays as it was (0 on a fresh server), in its reports and in /metrics."""
-    assert wait_for(lambda: not server.served.pages.queues)
+    assert wait_for(lambda: not server.served.pages)
     before = server.served.loop.frames
     steps = server.served.loop.steps
     load(server)
@@ -169,11 +179,11 @@ def test_eight_pages_at_once_each_get_frames_and_one_closing_disturbs_none(serve
     next run's; once all close, the engine builds no more frames."""
     pages = [Page(f"http://127.0.0.1:{server.port}") for _ in range(8)]
     try:
-        assert wait_for(lambda: len(server.served.pages.queues) == 8)
+        assert wait_for(lambda: len(server.served.pages) == 8)
         load(server)
         assert all(len(p.frames()) >= 2 for p in pages), [len(p.frames()) for p in pages]
         pages[0].close()
-        assert wait_for(lambda: len(server.served.pages.queues) == 7)
+        assert wait_for(lambda: len(server.served.pages) == 7)
         seen = [len(p.frames()) for p in pages]
         load(server)
         assert wait_for(lambda: all(len(p.frames()) > n for p, n in zip(pages[1:], seen[1:])))
@@ -181,7 +191,7 @@ def test_eight_pages_at_once_each_get_frames_and_one_closing_disturbs_none(serve
     finally:
         for p in pages:
             p.close()
-    assert wait_for(lambda: not server.served.pages.queues), "a closed page's queue stayed"
+    assert wait_for(lambda: not server.served.pages), "a closed page's queue stayed"
     time.sleep(0.2)  # the engine reads the Watch(None)
     frames = server.served.loop.frames
     load(server)
@@ -288,13 +298,127 @@ def test_a_page_past_the_most_gets_a_503_and_the_page_files_are_served(server, m
     monkeypatch.setattr(live, "MAX_PAGES", 1)
     page = Page(base)
     try:
-        assert wait_for(lambda: len(server.served.pages.queues) == 1)
+        assert wait_for(lambda: len(server.served.pages) == 1)
         r = httpx.get(f"{base}/engine/events")
         assert r.status_code == 503, r.text
         load(server, PROMPTS[:2])
         assert wait_for(lambda: len(page.frames()) >= 2)
     finally:
         page.close()
+
+
+async def watch_at_once(url: str, n: int) -> list[tuple[int, set[str]]]:
+    """n page streams opened at once, each held open until all n have their status: each one's
+    status and, when served, the names of the events it read (until a hello and a frame)."""
+    statuses, answered = [], asyncio.Event()
+
+    async def watch(client) -> tuple[int, set[str]]:
+        async with client.stream("GET", url) as r:
+            statuses.append(r.status_code)
+            if len(statuses) == n:
+                answered.set()
+            names = set()
+            if r.status_code == 200:
+                async for line in r.aiter_lines():
+                    names |= {line[6:].strip()} if line.startswith("event:") else set()
+                    if {"hello", "frame"} <= names:
+                        break
+            await answered.wait()
+            return r.status_code, names
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n), timeout=60) as client:
+        return await asyncio.gather(*(watch(client) for _ in range(n)))
+
+
+def test_two_hundred_pages_at_once_get_exactly_the_most_served_and_the_rest_a_503(server):
+    """200 pages open their streams at once, twice: each time exactly MAX_PAGES are served (a
+    hello and a frame each) and the others refused with a 503; once all close, none counts
+    and a new page is served."""
+    base, n = f"http://127.0.0.1:{server.port}", 200
+    assert wait_for(lambda: not server.served.pages)
+    for _ in range(2):
+        answers = asyncio.run(watch_at_once(f"{base}/engine/events", n))
+        served = [names for status, names in answers if status == 200]
+        refused = [status for status, _ in answers if status != 200]
+        assert len(served) == live.MAX_PAGES and refused == [503] * (n - live.MAX_PAGES), (
+            f"{len(served)} pages served, refused with {sorted(set(refused))}"
+        )
+        assert all({"hello", "frame"} <= names for names in served), served
+        assert wait_for(lambda: not server.served.pages), f"{len(server.served.pages)} stay"
+    page = Page(base)
+    try:
+        assert page.response.status_code == 200
+        assert wait_for(lambda: any(name == "hello" for name, _ in page.events))
+    finally:
+        page.close()
+
+
+def test_a_page_that_reads_nothing_is_dropped_and_leaves_its_place(server, monkeypatch):
+    """A page opens its stream and reads nothing, its connection kept: frames of 1 MB fill
+    what its connection holds, then its queue; DROP_S (0.5 s) after it last took one, the
+    page is dropped, and (MAX_PAGES 1) a new page is served in its place."""
+    monkeypatch.setattr(live, "DROP_S", 0.5)
+    monkeypatch.setattr(live, "MAX_PAGES", 1)
+    base, pages = f"http://127.0.0.1:{server.port}", server.served.pages
+    assert wait_for(lambda: not pages)
+    with socket.socket() as reads_nothing:
+        reads_nothing.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reads_nothing.connect(("127.0.0.1", server.port))
+        reads_nothing.sendall(b"GET /engine/events HTTP/1.1\r\nHost: tinyllm\r\n\r\n")
+        assert wait_for(lambda: len(pages) == 1)
+        for _ in range(200):  # a frame of 1 MB every 0.05 s until the page is dropped
+            server_loop(server).call_soon_threadsafe(pages.publish, {"pad": "x" * 2**20})
+            time.sleep(0.05)
+            if not pages:
+                break
+        assert not pages, "a page that reads nothing still holds its place (or too slow a machine)"
+        page = Page(base)
+        try:
+            assert page.response.status_code == 200
+            assert wait_for(lambda: any(name == "hello" for name, _ in page.events))
+        finally:
+            page.close()
+
+
+def test_a_page_counted_whose_stream_never_starts_leaves_its_place(server, monkeypatch):
+    """A page counted as it opens (Pages.open, as the route does) whose stream never starts,
+    as when its client goes before the body: beats fill its queue (BEAT_S 0.1 s), and DROP_S
+    (0.5 s) after it opened it no longer counts."""
+    monkeypatch.setattr(live, "DROP_S", 0.5)
+    monkeypatch.setattr(live, "BEAT_S", 0.1)
+    pages = server.served.pages
+    assert wait_for(lambda: not pages)
+
+    async def open_page():
+        return pages.open()
+
+    page = asyncio.run_coroutine_threadsafe(open_page(), server_loop(server)).result(10)
+    assert page is not None and len(pages) == 1
+    assert wait_for(lambda: not pages), "a page whose stream never started still holds its place"
+
+
+def test_each_frame_and_beat_is_built_once_for_all_the_pages(server, monkeypatch):
+    """16 pages watch a run, then an idle engine, a beat due every 0.1 s (BEAT_S): each frame
+    and each beat is written once for all the pages, not once a page (fewer beats are built
+    than twice those the page that heard most heard; once a page would be 16 times as many)."""
+    monkeypatch.setattr(live, "BEAT_S", 0.1)
+    built, sse = Counter(), live.sse
+    monkeypatch.setattr(live, "sse", lambda event, data: built.update([event]) or sse(event, data))
+    handed, on_frame = [], server.served.loop.on_frame  # the engine's frames, while watched
+    watched = lambda frame: handed.append(bool(server.served.pages)) or on_frame(frame)
+    monkeypatch.setattr(server.served.loop, "on_frame", watched)
+    beats = lambda page: sum(name == "beat" for name, _ in page.events)
+    assert wait_for(lambda: not server.served.pages)
+    pages = [Page(f"http://127.0.0.1:{server.port}") for _ in range(16)]
+    try:
+        load(server, PROMPTS[:2])
+        assert wait_for(lambda: built["frame"] == sum(handed) >= 2), (built, sum(handed))
+        assert wait_for(lambda: all(beats(p) >= 5 for p in pages)), "the machine was too slow"
+        heard, beats_built = max(beats(p) for p in pages), built["beat"]
+    finally:
+        for p in pages:
+            p.close()
+    assert beats_built < 2 * heard, f"{beats_built} beats built, a page heard {heard} at most"
 
 
 def test_the_sampler_builds_frames_only_while_watched_and_names_each_phase(bundled):
@@ -361,7 +485,7 @@ def test_loadgen_watchers_hold_pages_open_during_the_run(server):
 
     def count():
         while not stop.is_set():
-            most.append(len(server.served.pages.queues))
+            most.append(len(server.served.pages))
             time.sleep(0.01)
 
     counter = threading.Thread(target=count)
@@ -374,7 +498,7 @@ def test_loadgen_watchers_hold_pages_open_during_the_run(server):
         counter.join()
     assert all(r.error is None for r in records)
     assert max(most) == 2, max(most)
-    assert wait_for(lambda: not server.served.pages.queues)
+    assert wait_for(lambda: not server.served.pages)
 
 
 def test_the_counters_percentiles_read_histogram_buckets_as_prometheus_does():

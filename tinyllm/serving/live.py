@@ -16,8 +16,10 @@ lists (`frame`), ready for JSON, riding on that step's report. The step it sampl
 engine a `StepPlan` through its trace seam (the continuous engine's `trace`, step 04), which
 hears the tokens each slot computes.
 
-On the HTTP side, `Pages` fans each frame out to every open page, each a bounded asyncio queue:
-a slow page drops its oldest frames and never holds up the engine or the other pages. It adds
+On the HTTP side, `Pages` counts each page as it opens (MAX_PAGES at most, the next one a 503)
+and fans each frame, and a beat when no frame came, out to every open page as one event written
+once, each page a bounded asyncio queue: a slow page drops its oldest events and never holds up
+the engine or the other pages, and a page that reads nothing is dropped after DROP_S. It adds
 the counters (throughput, TTFT and inter-token percentiles, KV use, acceptance, requests served,
 429s) from the server's Prometheus metrics, over the last WINDOW_S seconds. A frame carries
 request keys and counts only; the token ids of prompts and answers come only when the server
@@ -38,7 +40,8 @@ EVERY_S = 0.1  # seconds between two frames at most: what a person can follow
 TEXT_TOKENS = 48  # with --show-prompts: a prompt's first and an answer's last tokens a frame
 WAITING_SHOWN = 32  # waiting requests a frame names (it counts them all)
 MAX_PAGES = 64  # pages open at once; one more is answered 503
-QUEUE_FRAMES = 4  # frames a page may fall behind before its oldest are dropped
+QUEUE_FRAMES = 4  # events a page may fall behind before its oldest are dropped
+DROP_S = 10.0  # a page that takes nothing this long while its queue is full is dropped
 BEAT_S = 1.0  # a page hears from the server at least this often
 RETRY_MS = 1000  # EventSource's reconnection delay (the stream's `retry:` field)
 WINDOW_S = 10.0  # the counters' window
@@ -220,20 +223,56 @@ def block_counts(cache) -> tuple[int, int] | None:
 
 
 # ---- the HTTP side's: the fan-out to the open pages ---------------------------------------
+class Page:
+    """One open page of the live view: its queue of at most QUEUE_FRAMES events, when its
+    stream last took one (`took`), and whether it has left its place (`closed`)."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue[str] = asyncio.Queue(QUEUE_FRAMES)
+        self.took = time.monotonic()  # as it opens
+        self.closed = False
+
+    def put(self, event: str) -> None:
+        """One ready event in; a full queue loses its oldest (this page is behind)."""
+        if self.queue.full():
+            self.queue.get_nowait()
+        self.queue.put_nowait(event)
+
+    async def take(self) -> str:
+        event = await self.queue.get()
+        self.took = time.monotonic()
+        return event
+
+    def stalled(self, now: float) -> bool:
+        """Its queue is full and its stream took nothing for DROP_S: the page reads nothing."""
+        return self.queue.full() and now - self.took >= DROP_S
+
+
 class Pages:
-    """The open pages of the live view, each an asyncio queue of at most QUEUE_FRAMES events,
-    and each engine frame fanned out to all of them (`publish`): a page whose queue is full
-    loses its oldest frame, so a slow page falls behind alone. The first page to open sends the
-    engine Watch(EVERY_S), the last to close Watch(None). A page that opens gets `hello` (what
-    is served) and the last frame at once. show_prompts: frames carry the slots' prompts and
-    answers as text (serve --show-prompts); otherwise the stream holds no text of a request."""
+    """The open pages of the live view (`Page`s, MAX_PAGES at most, counted as they open), and
+    each event fanned out to all of them (`fan_out`): an engine frame as it comes (`publish`),
+    a beat when no event went out for BEAT_S (`beats`, one task for all the pages). An event is
+    written once whatever the number of pages; a page costs the putting of it in its queue and
+    the sending. A page whose queue is full loses its oldest event, so a slow page falls behind
+    alone; a page that took nothing for DROP_S while its queue is full is dropped: it leaves
+    its place, and its stream ends when it next wakes (a page that reads nothing, once its
+    connection's buffers are full, or one whose stream never started). The first page to open
+    sends the engine Watch(EVERY_S), the last to leave Watch(None). A page that opens gets
+    `hello` (what is served) and the last frame at once. show_prompts: frames carry the slots'
+    prompts and answers as text (serve --show-prompts); otherwise the stream holds no text of
+    a request."""
 
     def __init__(self, served, show_prompts: bool = False):
         self.served, self.show_prompts = served, show_prompts
-        self.queues: list[asyncio.Queue] = []
+        self.open_pages: list[Page] = []
         self.last: str | None = None  # the last frame's event
+        self.sent = 0.0  # when the last event went out
+        self.beating: asyncio.Task | None = None  # `beats`, while pages are open
         self.counters = Counters(served)
         self.stopping = False
+
+    def __len__(self) -> int:
+        return len(self.open_pages)
 
     def stop(self) -> None:
         """The server stops: every page's stream ends within BEAT_S (a graceful stop waits for
@@ -241,49 +280,77 @@ class Pages:
         Callable from any thread."""
         self.stopping = True
 
-    def full(self) -> bool:
-        return len(self.queues) >= MAX_PAGES
-
-    def open(self) -> asyncio.Queue:
-        """A new page's queue; the first page's tells the engine to build frames."""
-        queue = asyncio.Queue(QUEUE_FRAMES)
-        self.queues.append(queue)
-        if len(self.queues) == 1:
+    def open(self) -> Page | None:
+        """A new page, holding its place from now on, or None past MAX_PAGES. The first page
+        tells the engine to build frames, and starts the beats. Called on the event loop."""
+        if len(self.open_pages) >= MAX_PAGES:
+            return None
+        page = Page()
+        self.open_pages.append(page)
+        if len(self.open_pages) == 1:
             self.counters.seen.clear()
             self.tell_engine(EVERY_S)
-        return queue
+            self.sent = time.monotonic()
+            self.beating = asyncio.get_running_loop().create_task(self.beats())
+        return page
 
-    def close(self, queue: asyncio.Queue) -> None:
-        if queue in self.queues:
-            self.queues.remove(queue)
-            if not self.queues:  # nobody watches: no frame is built, none is kept
-                self.tell_engine(None)
-                self.last = None
+    def close(self, page: Page) -> None:
+        """A page leaves its place (its stream ended, or it was dropped); after the last one,
+        no frame is built, none is kept, and no beat is sent."""
+        if page.closed:
+            return
+        page.closed = True
+        self.open_pages.remove(page)
+        if not self.open_pages:
+            self.tell_engine(None)
+            self.beating.cancel()
+            self.last = None
 
     def tell_engine(self, every_s: float | None) -> None:
         loop = self.served.loop
         if loop.started and not loop.failed:
             loop.engine.send(Watch(every_s, self.show_prompts))
 
+    def fan_out(self, event: str) -> None:
+        """One ready event to every open page, the pages that read nothing dropped first."""
+        self.sent = now = time.monotonic()
+        for page in [p for p in self.open_pages if p.stalled(now)]:
+            self.close(page)
+        for page in self.open_pages:
+            page.put(event)
+
     def publish(self, live: dict) -> None:
         """One engine frame to every open page: the counters added, token ids made text (with
         show_prompts), written as one event for all of them. A frame that cannot be written
         is said on stderr and dropped: the engine and its requests go on."""
-        if not self.queues:
+        if not self.open_pages:
             return
         try:
             live["counters"] = self.counters.now()
             if "texts" in live:
                 decode = self.served.tok.decode
                 live["texts"] = {k: [decode(p), decode(a)] for k, (p, a) in live["texts"].items()}
-            self.last = sse("frame", live)
+            event = sse("frame", live)
         except Exception as e:
             print(f"the live view dropped a frame: {type(e).__name__}: {e}", file=sys.stderr)
             return
-        for queue in self.queues:
-            if queue.full():
-                queue.get_nowait()  # this page is behind: its oldest frame goes
-            queue.put_nowait(self.last)
+        self.last = event
+        self.fan_out(event)
+
+    async def beats(self) -> None:
+        """While pages are open: one beat for all of them whenever no event went out for
+        BEAT_S. A beat that cannot be built goes out empty (said on stderr): the pages still
+        hear the server, and wake."""
+        while True:
+            await asyncio.sleep(self.sent + BEAT_S - time.monotonic())
+            if time.monotonic() - self.sent < BEAT_S:
+                continue  # a frame went out meanwhile
+            try:
+                event = self.beat()
+            except Exception as e:
+                print(f"the live view's beat failed: {type(e).__name__}: {e}", file=sys.stderr)
+                event = sse("beat", {})
+            self.fan_out(event)
 
     def hello(self) -> str:
         """What a page draws before any frame: the model, what is served, the slots."""
@@ -292,31 +359,27 @@ class Pages:
         return sse("hello", hello)
 
     def beat(self) -> str:
-        """The engine's state when no frame came for BEAT_S (ok, or failed and why), and the
-        counters as they are."""
+        """The engine's state (ok, or failed and why: the engine loop's check, read here only)
+        and the counters as they are."""
         why = self.served.loop.check()
         beat = {"engine": "ok" if why is None else "failed", "why": why}
         return sse("beat", beat | {"counters": self.counters.now()})
 
-    async def events(self, http):
-        """The event stream of one page: the reconnection delay, hello, the last frame, then
-        each frame as it comes, a beat when none came for BEAT_S, until the server stops. Its
-        queue opens as the stream starts and leaves when the page goes away (its client
-        disconnected, or the server stops)."""
-        queue = self.open()
+    async def events(self, http, page: Page):
+        """The event stream of an open page (`open`): the reconnection delay, hello, the last
+        frame, then each event fanned out to it, until its client disconnects (seen at a beat),
+        it is dropped, or the server stops; then it leaves its place."""
         try:
             yield f"retry: {RETRY_MS}\n\n" + self.hello()
             if self.last is not None:
                 yield self.last
-            while not self.stopping:
-                try:
-                    yield await asyncio.wait_for(queue.get(), BEAT_S)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        return
-                    yield self.beat()
+            while not (self.stopping or page.closed):
+                event = await page.take()
+                if event.startswith("event: beat") and await http.is_disconnected():
+                    return
+                yield event
         finally:
-            self.close(queue)
+            self.close(page)
 
 
 PAGE = Path(__file__).parent / "page"  # the page's files, beside this module
