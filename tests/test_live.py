@@ -267,18 +267,23 @@ def test_a_page_reconnects_to_a_server_restarted_on_its_port(bundled):
         second.stop()
 
 
-def test_a_page_hears_that_the_engine_failed(bundled):
-    """The engine's process dies while a page watches: the page's next beat says the engine
-    failed, and why."""
+def test_a_page_hears_that_the_engine_restarts_then_serves(bundled):
+    """The engine's process dies while a page watches: the page's beats say the engine
+    restarts, and why, then that it is ok; frames come again from the new engine."""
     model, tok = bundled
     srv = Running(paged_engine(model), tok)
     page = Page(f"http://127.0.0.1:{srv.port}")
     try:
         assert wait_for(lambda: any(n == "beat" for n, _ in page.events))
         srv.served.loop.engine.process.kill()
-        failed = lambda: [d for n, d in page.events if n == "beat" and d["engine"] == "failed"]
-        assert wait_for(failed), page.events[-3:]
-        assert "process ended" in failed()[0]["why"], failed()[0]
+        beats = lambda state: [d for n, d in page.events if n == "beat" and d["engine"] == state]
+        assert wait_for(lambda: beats("restarting"), 60), page.events[-3:]
+        assert "process ended" in beats("restarting")[0]["why"], beats("restarting")[0]
+        seen = len(page.events)
+        ok = lambda: any(d["engine"] == "ok" for n, d in page.events[seen:] if n == "beat")
+        assert wait_for(ok, 120), "no ok beat in 120 s: a slow machine?"
+        load(srv, PROMPTS[:2], max_tokens=4)
+        assert wait_for(lambda: any(n == "frame" for n, _ in page.events[seen:])), "no frame"
     finally:
         page.close()
         srv.stop()

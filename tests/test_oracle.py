@@ -47,7 +47,7 @@ from tinyllm.ext import cpu_kernels
 from tinyllm.ext.cpu_attention import QUERY_ROWS, install
 from tinyllm.ext.quant import quantize
 from tinyllm.ext.structured import Constraint, LLGuidance, byte_alphabet
-from tinyllm.serving.engine_loop import Keys, step_alone
+from tinyllm.serving.engine_core import Keys, step_alone
 
 V, EOS = 97, 0
 TP_SIZES = (1,) * 15 + (2,)  # ranks the model is split over (14): 2 in one example of 16

@@ -249,18 +249,18 @@ def test_the_other_buckets_compile_after_the_engines_first_step(monkeypatch):
     REST_AFTER_S it compiles them anyway."""
     from types import SimpleNamespace
 
-    from tinyllm.serving import engine_loop
+    from tinyllm.serving import engine_core
 
     engine, served = SimpleNamespace(decoder=Buckets()), threading.Event()
-    thread = engine_loop.compile_rest(engine, served)
+    thread = engine_core.compile_rest(engine, served)
     time.sleep(0.3)
     assert engine.decoder.done == [], "it compiled before the first step"
     served.set()
     thread.join(10)
     assert engine.decoder.done == [2, 4]
-    monkeypatch.setattr(engine_loop, "REST_AFTER_S", 0.1)
+    monkeypatch.setattr(engine_core, "REST_AFTER_S", 0.1)
     engine = SimpleNamespace(decoder=Buckets())
-    engine_loop.compile_rest(engine, threading.Event()).join(10)
+    engine_core.compile_rest(engine, threading.Event()).join(10)
     assert engine.decoder.done == [2, 4]
 
 
@@ -278,12 +278,12 @@ def test_a_bucket_that_cannot_compile_says_so_in_one_line_and_the_steps_stay_eag
     in one line on stderr (no traceback) and ends; the steps stay eager."""
     from types import SimpleNamespace
 
-    from tinyllm.serving import engine_loop
+    from tinyllm.serving import engine_core
 
     decoder = CannotCompile()
     decoder.eager_until_compiled = True
     engine = SimpleNamespace(decoder=decoder, config=SimpleNamespace(decoder="pieces"))
-    engine_loop.compile_rest(engine).join(10)
+    engine_core.compile_rest(engine).join(10)
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and "(--decoder pieces) could not compile" in said[0], said
     assert said[0].endswith("its steps stay eager") and decoder.eager_until_compiled

@@ -20,7 +20,7 @@ from tinyllm.build import make_engine
 from tinyllm.core.continuous import ContinuousEngine
 from tinyllm.core.generate import generate
 from tinyllm.ext.quant import quantize
-from tinyllm.serving import launch, server
+from tinyllm.serving import engine_loop, launch, server
 from tinyllm.serving.textstream import REPLACEMENT, TextStream, next_piece
 
 NAME = "tinyllm-test"
@@ -497,24 +497,31 @@ class FailingPass(ContinuousEngine):
 
 
 @pytest.mark.parametrize("engine", [FailingEngine, FailingPass])
-def test_an_engine_that_fails_gives_a_500_that_says_why(bundled64, engine):
-    """A step that raises holding no request fails the engine as a whole, and so does a step
-    that raises after one that raised: its requests, and every later one, get a 500 that says
-    why, /health a 503. FailingPass's first step fails its own request alone."""
+def test_an_engine_that_fails_is_restarted_then_given_up(bundled64, engine, monkeypatch):
+    """A step that raises holding no request, or right after a step that raised, fails the
+    engine as a whole: its request gets a 500 that says why and the server starts the engine
+    again; after MAX_RESTARTS restarts with no token between them it gives up: every later
+    request a 500, /health a 503 "failed". FailingPass's first step, on each engine, fails its
+    own request alone."""
+    monkeypatch.setattr(engine_loop, "MAX_RESTARTS", 2)
     model, tok = bundled64
     srv = Running(engine(model, 2), tok)
-    alone = ["the engine failed on this request: "] if engine is FailingPass else []
+    why = "RuntimeError: the model ran out of memory"
+    restart = "the engine failed: " + why + "; the server restarts it"
+    given_up = "the engine failed: " + why + "; the server gave up after 2 restarts with no token"
+    alone = ["the engine failed on this request: " + why] if engine is FailingPass else []
     try:
-        for says in alone + ["the engine failed: "] * 2:
+        for says in (alone + [restart]) * 2 + alone + [given_up] * 2:
             with pytest.raises(openai.InternalServerError) as e:
-                srv.client(timeout=30).completions.create(
+                srv.client(timeout=60).completions.create(
                     model=NAME, prompt=PROMPTS[0], max_tokens=5
                 )
-            assert e.value.body["message"] == says + "RuntimeError: the model ran out of memory"
+            assert e.value.body["message"] == says
         assert srv.client().models.list().data[0].id == NAME, "the HTTP side still answers"
         health = httpx.get(srv.url[:-3] + "/health")
         assert health.status_code == 503 and health.json()["status"] == "failed"
-        assert health.json()["engine"] == "RuntimeError: the model ran out of memory"
+        assert health.json()["engine"] == given_up.removeprefix("the engine failed: ")
+        assert health.json()["restarts"] == 2
     finally:
         srv.stop()
 

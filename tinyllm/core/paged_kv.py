@@ -221,7 +221,7 @@ def check_rollback(cache: "PagedKVCache", slot: int, n: int) -> None:
 def forget_unwritten(cache: "PagedKVCache", slot: int) -> None:
     """The blocks of slot that the prefix cache names but the slot never wrote lose their names:
     blocks named at admission (08), whose step raised before its pass wrote them
-    (engine_loop.step_alone fails that step's requests). Between steps there are none."""
+    (engine_core.step_alone fails that step's requests). Between steps there are none."""
     if cache.prefix is not None:
         written = cache.lens[slot] // cache.block_size
         cache.prefix.forget(cache.tables[slot][written:len(cache.hashes[slot])])

@@ -160,7 +160,7 @@ class PrefixCache:
 
     def forget(self, blocks: list[int]) -> None:
         """These blocks no longer hold the prefixes they are named for: their names go (a
-        block named at admission whose step raised before writing it, engine_loop.step_alone)."""
+        block named at admission whose step raised before writing it, engine_core.step_alone)."""
         for b in blocks:
             if (h := self.hash_of.pop(b, None)) is not None:
                 del self.cached[h]

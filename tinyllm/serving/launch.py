@@ -10,18 +10,21 @@ built in a thread while the steps attend without them), makes the engine with th
 backend (12), and launches the server (`Launched`): uvicorn in a thread of its own, the engine
 started first on its event loop. No request waits for a compilation: 06's compiled step
 compiles bucket by bucket before the line "serving ...", a line for each; 13's pieces compile
-while it serves, their steps eager until then (engine_loop.warm_up). Before
-them, one line says what is served: the weights, the decoder, the speculation, the KV cache,
-the token budget and the sampling defaults (served.banner; /health says the same). Ctrl-C stops
-the server gracefully. What cannot be served (a setting the engine refuses, a missing
-compiler, an engine that cannot start) ends the command with one line that says why, and a
-non-zero status.
+while it serves, their steps eager until then (engine_core.warm_up). Before them, one line
+says what is served: the weights, the decoder, the speculation, the KV cache, the token budget
+and the sampling defaults (served.banner; /health says the same). Ctrl-C or SIGTERM stops the
+server: requests in flight end with an error, then the engine, and the command exits 0. An
+engine that dies or hangs (a step with no CPU for --engine-timeout seconds) is started again
+by the server itself, a line on the terminal saying each restart. What cannot be served (a
+setting the engine refuses, a missing compiler, an engine that cannot start) ends the command
+with one line that says why, and a non-zero status.
 """
 
 import argparse
 import asyncio
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -30,8 +33,10 @@ import warnings
 from tinyllm.build import add_quant_argument, load, make_engine
 from tinyllm.core.config import EngineConfig
 from tinyllm.ext.structured import LLGuidance
+from tinyllm.serving.api import APIError
 from tinyllm.serving.served import LLAMA_SERVER, banner, model_defaults
 from tinyllm.serving.server import Served, build, make_app
+from tinyllm.serving.watchdog import ENGINE_TIMEOUT_S
 
 PROG = "python -m tinyllm serve"
 
@@ -78,6 +83,15 @@ def serve_parser() -> argparse.ArgumentParser:
         default=64,
         metavar="N",
         help="requests that may wait for a slot; more get a 429 (default: 64)",
+    )
+    g.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=ENGINE_TIMEOUT_S,
+        metavar="S",
+        help="a step that has run S seconds with no CPU for its processes is hung: the server "
+        "restarts the engine (a step that computes is never hung, however long; 0: never) "
+        f"(default: {ENGINE_TIMEOUT_S:.0f})",
     )
     g.add_argument(
         "--show-prompts",
@@ -171,10 +185,19 @@ def serve_main(argv=None) -> None:
     except ValueError as e:
         refuse(str(e))
     name = "tinyllm-" + resolve(args.model).name.removesuffix(".gguf")
+    if args.engine_timeout < 0:
+        ap.error(f"--engine-timeout is {args.engine_timeout}: seconds, 0 for none")
     served = build(
-        engine, tok, name, args.max_waiting, defaults=defaults, show_prompts=args.show_prompts
+        engine,
+        tok,
+        name,
+        args.max_waiting,
+        engine_timeout=args.engine_timeout,
+        defaults=defaults,
+        show_prompts=args.show_prompts,
     )
     print(f"{name}: {banner(served.about, defaults)}", flush=True)
+    signal.signal(signal.SIGTERM, stop_as_ctrl_c)  # what systemd, Docker and Kubernetes send
     launched = Launched(served, args.host, args.port)
     if launched.failure is not None:
         refuse(launched.failure, 1)
@@ -209,6 +232,11 @@ def serve_other_rank(model, size: int) -> None:
     print(f"rank {rank}: rank 0 stopped", flush=True)
     sys.stdout.flush()
     os._exit(0)
+
+
+def stop_as_ctrl_c(signum, frame) -> None:
+    """SIGTERM stops the server as Ctrl-C does."""
+    raise KeyboardInterrupt
 
 
 STOP_S = 30  # the longest a graceful stop is waited for
@@ -264,9 +292,13 @@ class Launched:
         await self.uv.serve()
 
     def stop(self) -> None:
-        """A graceful stop: requests in flight end (and the live page's streams), then the
-        engine's process; an engine still compiling its decode step is ended at once. A stop
-        that takes over STOP_S says so and gives up waiting (the command then exits)."""
+        """A graceful stop: requests in flight end at once with a 503 (a stream with an error
+        event) and the live page's streams too, then the engine's process; an engine still
+        compiling its decode step is ended at once. A stop that takes over STOP_S says so and
+        gives up waiting (the command then exits)."""
+        stopping = APIError(503, "the server is stopping", kind="server_error")
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.served.loop.end_all, stopping)
         self.uv.should_exit = True
         self.served.pages.stop()  # the live page's streams end too
         if not self.served.loop.started and self.task is not None:

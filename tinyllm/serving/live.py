@@ -307,9 +307,7 @@ class Pages:
             self.last = None
 
     def tell_engine(self, every_s: float | None) -> None:
-        loop = self.served.loop
-        if loop.started and not loop.failed:
-            loop.engine.send(Watch(every_s, self.show_prompts))
+        self.served.loop.watch(Watch(every_s, self.show_prompts))  # and each engine after it
 
     def fan_out(self, event: str) -> None:
         """One ready event to every open page, the pages that read nothing dropped first."""
@@ -359,10 +357,10 @@ class Pages:
         return sse("hello", hello)
 
     def beat(self) -> str:
-        """The engine's state (ok, or failed and why: the engine loop's check, read here only)
-        and the counters as they are."""
-        why = self.served.loop.check()
-        beat = {"engine": "ok" if why is None else "failed", "why": why}
+        """The engine's state as /health says it (ok, busy, starting, restarting or failed, and
+        why: the engine loop's health, read here only) and the counters as they are."""
+        verdict = self.served.loop.health()
+        beat = {"engine": verdict.status, "why": verdict.why}
         return sse("beat", beat | {"counters": self.counters.now()})
 
     async def events(self, http, page: Page):

@@ -1,11 +1,12 @@
 """Step 10 - the messages between the server and its engine process, and how they cross.
 
 The HTTP side (`engine_loop.EngineLoop`) and the engine's own process
-(`engine_loop.engine_process`) speak over two ZeroMQ sockets, as vLLM's engine core and
+(`engine_core.engine_process`) speak over two ZeroMQ sockets, as vLLM's engine core and
 SGLang's scheduler speak to their front ends: one carries requests to the engine, the other its
 news back. The messages are small frozen dataclasses: `Add`, `Abort`, `Watch` and `Stop` go to
-the engine; `Warming` lines while its decode step compiles, `Ready`, one `StepReport` per step, a
-`Heartbeat` every BEAT_S and `Failed` come back.
+the engine; `Warming` lines while its decode step compiles, `Ready`, one `StepReport` per step and
+`Failed` come back. No message says that the engine lives: the server watches its processes
+(watchdog.py), so a long step never reads as a dead engine.
 Each side matches on the message's type. A request is called by its key, a number the HTTP side
 gives it and both sides know; a request of n choices is n sequences, keys key, key + 1, ...,
 each with tokens of its own. The engine's own request ids never leave its process. Logprobs
@@ -27,8 +28,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tinyllm.core.requests import Request, TokenLogprobs
-
-BEAT_S = 0.5  # seconds between two heartbeats of the engine process
 
 
 # ---- to the engine ------------------------------------------------------------------------
@@ -68,7 +67,10 @@ class Watch:
 # ---- from the engine ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Ready:
-    """The engine process has started and waits for requests."""
+    """The engine process has started and waits for requests; children: the processes it
+    started, pid -> name (a split model's ranks, step 14), which the server watches too."""
+
+    children: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,6 @@ class Warming:
     (a bucket compiled, and in how long)."""
 
     line: str
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    """The engine process lives: a thread of its own sends one every BEAT_S, whatever its loop
-    is doing (a long step, a grammar's compile, a warm-up)."""
 
 
 class SpeculationCounts(NamedTuple):
@@ -133,13 +129,15 @@ class StepReport:
 
 @dataclass(frozen=True)
 class Failed:
-    """The engine cannot go on, for the reason `why`; its process ends."""
+    """The engine cannot go on, for the reason `why`; its process ends. taken: the sequences of
+    the Adds it read in its last turn (as StepReport's)."""
 
     why: str
+    taken: int = 0
 
 
 ToEngine = Add | Abort | Stop | Watch
-FromEngine = Ready | Warming | Heartbeat | StepReport | Failed
+FromEngine = Ready | Warming | StepReport | Failed
 
 
 # ---- how they cross -----------------------------------------------------------------------

@@ -26,8 +26,9 @@ in every chunk, by responses.choice_events) or collects them into one body (resp
 logprobs spelled as logprobs.py says). A client that goes away aborts every choice of its
 request: their slots and blocks are free before the next step, and nothing else in flight
 notices; a request that the engine fails on fails alone. `/health` says whether the
-engine runs (its process alive, and heard from in the last few seconds), whether its KV cache's
-books are sound and what it serves (served.py: weights, decoder, speculation, cache); it answers
+engine serves, is busy (a long step: a slow engine is a live one), restarts or has failed
+(engine_loop.py supervises it, watchdog.py judges it), whether its KV cache's books are sound
+and what it serves (served.py: weights, decoder, speculation, cache); it answers
 at once whatever the other requests are doing. The sampling fields a request leaves out take the
 model's defaults (served.py), which `/v1/models` shows. Every error is an
 OpenAI-style JSON body, a server's fault a 500 that says what failed.
@@ -78,6 +79,7 @@ from tinyllm.serving.responses import (
 from tinyllm.serving.responses import usage as usage  # the exercise's files take it from here
 from tinyllm.serving.served import NO_DEFAULTS, ModelDefaults, describe
 from tinyllm.serving.textstream import TextStream
+from tinyllm.serving.watchdog import ENGINE_TIMEOUT_S
 
 
 @dataclass
@@ -118,7 +120,8 @@ class Metrics:
     inter-token latency and end-to-end latency, and with speculation (11) the guesses proposed
     and accepted (vLLM's spec_decode counters), the acceptance rate and the tokens a request
     makes per target pass; the requests answered 429, the engine's steps, a paged pool's
-    blocks held and cached, and the frames the engine built for the live page (live.py)."""
+    blocks held and cached, the frames the engine built for the live page (live.py), the
+    engine's restarts and the age of its running step."""
 
     def __init__(self, loop: EngineLoop):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -141,25 +144,17 @@ class Metrics:
             "tinyllm_requests_finished", "requests finished", ["finish_reason"], registry=r
         )
         secs = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-        self.ttft = Histogram(
-            "tinyllm_time_to_first_token_seconds", "time to first token", buckets=secs, registry=r
-        )
-        self.itl = Histogram(
-            "tinyllm_inter_token_latency_seconds",
-            "gap between two tokens",
-            buckets=secs,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "tinyllm_e2e_request_latency_seconds", "arrival to last token", buckets=secs, registry=r
-        )
+        seconds = lambda name, doc: Histogram(name, doc, buckets=secs, registry=r)
+        self.ttft = seconds("tinyllm_time_to_first_token_seconds", "time to first token")
+        self.itl = seconds("tinyllm_inter_token_latency_seconds", "gap between two tokens")
+        self.e2e = seconds("tinyllm_e2e_request_latency_seconds", "arrival to last token")
         spec = "tinyllm_spec_decode_"
         self.spec = [
             Counter(spec + "num_drafts", "rows verified by a target pass", registry=r),
             Counter(spec + "num_draft_tokens", "guesses proposed", registry=r),
             Counter(spec + "num_accepted_tokens", "guesses accepted", registry=r),
         ]
-        self.spec_seen = (0, 0, 0, 0)
+        self.spec_seen, self.restarts_seen = (0, 0, 0, 0), 0
         self.acceptance = Gauge(spec + "acceptance_rate", "accepted / proposed", registry=r)
         self.per_pass = Gauge(
             spec + "tokens_per_pass", "a request's new tokens per target pass", registry=r
@@ -176,6 +171,14 @@ class Metrics:
         )
         self.frames = Gauge(
             "tinyllm_live_frames", "frames the engine built for the live page", registry=r
+        )
+        self.restarts = Counter(
+            "tinyllm_engine_restarts", "engines the server started again", registry=r
+        )
+        self.step_age = Gauge(
+            "tinyllm_engine_step_age_seconds",
+            "how long the engine's running step has run",
+            registry=r,
         )
 
     def exposition(self) -> tuple[bytes, str]:
@@ -195,6 +198,9 @@ class Metrics:
         self.per_pass.set(tokens / rows if rows else 0.0)
         self.steps.set(self.loop.steps)
         self.frames.set(self.loop.frames)
+        self.restarts.inc(self.loop.restarts - self.restarts_seen)
+        self.restarts_seen = self.loop.restarts
+        self.step_age.set(self.loop.health().step_s)
         if self.loop.blocks is not None:
             for state, n in zip(("held", "cached"), self.loop.blocks):
                 self.blocks.labels(state).set(n)
@@ -360,19 +366,23 @@ async def starting_with(first, rest):
 
 
 def health(loop: EngineLoop, about: dict | None = None) -> tuple[int, dict]:
-    """GET /health: (status code, body). 200 while the engine serves: {"status": "ok",
-    "kv_cache": "ok"}, or "degraded" with the sentence that says what is wrong with the KV
-    cache's books when they were last checked (the engine still serves, on fewer blocks than
-    it should); 503 once the engine has failed: {"status": "failed", "engine": why}, as vLLM
-    and SGLang answer when their engine is gone; each with "serving": about, what the engine is
-    made of (served.describe), when given. It asks the loop (`check`) first: an engine whose
-    process ended, or that was not heard from for silence_s, has failed."""
-    serving = {} if about is None else {"serving": about}
-    if (why := loop.check()) is not None:
-        return 503, {"status": "failed", "engine": why, **serving}
+    """GET /health: (status code, body), the engine's state as the loop says it
+    (EngineLoop.health). 200 while the engine serves: {"status": "ok", "kv_cache": "ok"};
+    "busy" while a step runs longer than usual, with "step_s", its age, and "engine", what is
+    slow or stopped (a slow engine is a live one); "degraded" with the sentence that says what
+    is wrong with the KV cache's books when they were last checked (the engine still serves,
+    on fewer blocks than it should). 503 while the engine restarts ({"status": "restarting",
+    "engine": why}) and once it has failed for good ({"status": "failed", "engine": why}), as
+    vLLM and SGLang answer when their engine is gone; "restarts" counts the restarts so far.
+    Each with "serving": about, what the engine is made of (served.describe), when given."""
+    verdict, serving = loop.health(), {} if about is None else {"serving": about}
+    said = {"restarts": loop.restarts, **serving}
+    if verdict.status in ("starting", "restarting", "failed"):
+        return 503, {"status": verdict.status, "engine": verdict.why, **said}
+    busy = {"step_s": round(verdict.step_s, 1), "engine": verdict.why} if verdict.why else {}
     if loop.integrity is not None:
-        return 200, {"status": "degraded", "kv_cache": loop.integrity, **serving}
-    return 200, {"status": "ok", "kv_cache": "ok", **serving}
+        return 200, {"status": "degraded", "kv_cache": loop.integrity, **busy, **said}
+    return 200, {"status": verdict.status, "kv_cache": "ok", **busy, **said}
 
 
 async def json_body(http, limit: int) -> object:
@@ -612,7 +622,7 @@ def live_routes(app, served: Served) -> None:
 
     @app.get("/engine/events", include_in_schema=False)
     async def engine_events(http: HTTPRequest):
-        if served.pages.full():
+        if (page := served.pages.open()) is None:  # the cap, taken as the page is counted
             raise APIError(
                 503,
                 f"{MAX_PAGES} pages watch already, the most this server feeds",
@@ -620,7 +630,7 @@ def live_routes(app, served: Served) -> None:
             )
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(
-            served.pages.events(http), media_type="text/event-stream", headers=headers
+            served.pages.events(http, page), media_type="text/event-stream", headers=headers
         )
 
 
@@ -630,18 +640,19 @@ def build(
     name: str,
     max_waiting: int = 64,
     max_body: int = MAX_BODY,
-    silence_s: float = 5.0,
+    engine_timeout: float = ENGINE_TIMEOUT_S,
     defaults: ModelDefaults | tuple = NO_DEFAULTS,
     show_prompts: bool = False,
 ) -> Served:
     """What make_app serves: an engine loop around engine (not started), with its metrics and
     its live view's pages (show_prompts: the page shows each slot's prompt and answer); a
-    body over max_body bytes is refused, an engine not heard from for silence_s has failed; the
+    body over max_body bytes is refused, an engine's turn older than engine_timeout seconds with
+    no CPU is hung (watchdog.py), and the engine restarted; the
     sampling fields a request leaves out take the model's defaults (served.model_defaults' for
     `python -m tinyllm serve`; none by default: OpenAI's). The engine's grammar backend (its
     `grammars`) checks each constraint on this side too: the engine process gets a copy of its
     own."""
-    loop = EngineLoop(engine, max_waiting, silence_s)
+    loop = EngineLoop(engine, max_waiting, engine_timeout)
     chars, vocab = longest_token_chars(tok), engine.model.cfg.vocab_size
     texts, grammars = TokenTexts(tok), engine.grammars
     served = Served(

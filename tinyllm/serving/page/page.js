@@ -98,6 +98,8 @@ function onFrame(f) {
 
 function onBeat(beat) {
   if (beat.engine === "failed") setStatus("failed", `engine failed: ${beat.why}`);
+  else if (beat.engine === "restarting") setStatus("gone", `engine restarting: ${beat.why}`);
+  else if (beat.engine === "busy") setStatus("busy", `engine busy: ${beat.why}`);
   else if (root.dataset.status !== "live") setStatus("live", "live");
   if (beat.counters && state.frame) drawCounters(beat.counters, state.frame);
 }
