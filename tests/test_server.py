@@ -455,6 +455,45 @@ def test_serve_says_what_it_serves_before_it_serves(tmp_path):
     assert "stopping" in out and "Traceback" not in out, out
 
 
+def test_sigterm_ends_the_streams_in_flight_with_an_error_and_exits_0():
+    """`python -m tinyllm serve` sent SIGTERM (what systemd, Docker and Kubernetes send) while a
+    stream runs: the stream ends with an error event that says the server stops, and the
+    command exits 0, as after Ctrl-C."""
+    import signal
+
+    port = free_port()
+    proc = run_serve(["--slots", "2", "--port", str(port)])
+    try:
+        while not (line := proc.stdout.readline()).startswith("serving"):
+            assert line, "serve ended before it served"
+        body = {"model": "tinyllm-shakespeare", "prompt": PROMPTS[0], "max_tokens": 400}
+        body |= {"ignore_eos": True, "stream": True}
+        url, said = f"http://127.0.0.1:{port}/v1/completions", []
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and not said:
+                    proc.send_signal(signal.SIGTERM)
+                said += [line] if line else []
+        assert said[-1].startswith('data: {"error"'), said[-3:]
+        assert '"the server is stopping"' in said[-1], said[-1]
+        assert proc.wait(60) == 0, f"serve exited {proc.returncode} after SIGTERM"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.communicate(timeout=30)[0]
+    assert "stopping" in out and "Traceback" not in out, out
+
+
+def test_more_choices_than_may_wait_is_a_400_naming_n(running):
+    """n above the sequences that may wait for a slot (max_waiting, 64 here) can never be
+    served: a 400 naming n and the limit, not a 429 that says retry later."""
+    with pytest.raises(openai.BadRequestError) as e:
+        running.client().completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=2, n=65)
+    assert e.value.body["param"] == "n", e.value.body
+    assert "n=65 choices are more than the 64 sequences" in e.value.body["message"]
+    assert running.client().completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=1, n=64)
+
+
 # ---- the text stream (no server) -----------------------------------------------------------------
 
 

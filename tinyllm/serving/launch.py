@@ -256,10 +256,11 @@ class Launched:
             uvicorn.Config(make_app(served), host=host, port=port, log_level="warning")
         )
         self.loop = self.task = None
+        self.ended = threading.Event()  # set as the thread ends
         self.thread = threading.Thread(target=self.run, name="uvicorn", daemon=True)
         self.thread.start()
         try:
-            while not self.uv.started and self.thread.is_alive():
+            while not self.uv.started and not self.ended.is_set():
                 time.sleep(0.05)
         except KeyboardInterrupt:
             self.stop()
@@ -278,6 +279,7 @@ class Launched:
         finally:
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
+            self.ended.set()
 
     async def main(self) -> None:
         """Start the engine (a line a compiled bucket), then serve until asked to stop."""
@@ -303,15 +305,14 @@ class Launched:
         self.served.pages.stop()  # the live page's streams end too
         if not self.served.loop.started and self.task is not None:
             self.loop.call_soon_threadsafe(self.task.cancel)
-        self.thread.join(STOP_S)
-        if self.thread.is_alive():
+        if not self.ended.wait(STOP_S):
             print(f"the server did not stop within {STOP_S} s: ending it", flush=True)
 
     def wait(self) -> None:
         """Serve until Ctrl-C, then stop gracefully."""
-        try:
-            while self.thread.is_alive():
-                self.thread.join(0.5)
+        try:  # a join interrupted by Ctrl-C may leave the thread looking ended: a plain sleep
+            while not self.ended.is_set():
+                time.sleep(0.2)
         except KeyboardInterrupt:
             print("stopping: requests in flight end, then the engine's process", flush=True)
             self.stop()
