@@ -396,6 +396,11 @@ class EngineLoop(RequestBooks):
         verdict = self.engine.watchdog.judge()
         return Verdict("restarting", verdict.why) if verdict.status in ("hung", "dead") else verdict
 
+    def processes(self) -> dict[str, int]:
+        """The engine's processes, name -> pid (its own, its ranks'), while it serves."""
+        dog = self.engine.watchdog if self.serves else None
+        return {} if dog is None else {name: pid for pid, name in dog.processes().items()}
+
     def watch(self, message: Watch) -> None:
         """Tell the engine (and each engine after it) whether pages of the live view watch."""
         self.watching = message

@@ -14,7 +14,7 @@ long, and no lock it holds, makes a live engine look dead. `Watchdog.judge` says
   processes together had less than HUNG_CPU_SHARE of a core meanwhile: it waits for what never
   comes (a stopped process, a lost peer). A turn that computes is never hung, however long: a
   timeout is for what never returns;
-- dead: its process ended.
+- dead: its process ended, or one it started (a rank).
 
 The server (engine_loop.EngineLoop) restarts an engine that is hung or dead; /health says ok
 and busy with a 200. Where the system has no /proc, CPU seconds and stopped processes are not
@@ -101,6 +101,9 @@ class Watchdog:
         if not self.process.is_alive():
             return Verdict("dead", f"its process ended (exit code {self.process.exitcode})")
         age, stats = self.clock.age(), {p: process_stat(p) for p in self.processes()}
+        for p, name in self.children.items():
+            if stats[p] is None or stats[p][0] in "ZX":
+                return Verdict("dead", f"{name} (pid {p}) ended")
         self.sample(stats)
         usual = statistics.median(self.turns) if self.turns else 0.0
         stopped = [
