@@ -353,14 +353,15 @@ def test_a_client_that_goes_away_aborts_every_choice(running):
 
 
 def test_a_full_server_counts_each_choice(bundled):
-    """With 1 slot and 2 sequences waiting at most, n=3 is refused with a 429 at once; n=2
-    is served, each choice equal to solo."""
+    """With 1 slot and 2 sequences waiting at most, n=3 can never wait: a 400 naming n at once;
+    n=2 is served, each choice equal to solo."""
     model, tok = bundled
     srv = Running(make_engine(model, 1), tok, max_waiting=2)
     try:
         cl = srv.client()
-        with pytest.raises(openai.RateLimitError):
+        with pytest.raises(openai.BadRequestError) as e:
             cl.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, n=3, temperature=0)
+        assert e.value.body["param"] == "n", e.value.body
         r = cl.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, n=2, temperature=0)
         expected = tok.decode(oracle(srv, tok.encode(PROMPTS[0]), 4).tokens)
         assert texts_of(r.choices) == [expected] * 2

@@ -638,15 +638,29 @@ def lark_of(grammar: str, param: str) -> str:
         raise APIError(400, f"{param}: the grammar is neither Lark nor GBNF: {e}", param) from None
 
 
-def check_constraint(grammars, param: str, constraint: Constraint) -> None:
-    """A 400 naming param when there is no grammar backend, or it refuses the constraint: its
-    sentence says why. The backend compiles the grammar and walks its first tokens (a big
-    schema takes a while): the server calls it off its event loop."""
+# bytes of a constraint's text (Constraint.spec) at most: the engine compiles a constraint again
+# as its request is added, its steps waiting meanwhile, so the largest taken must compile in
+# about a CPU-second. LLGuidance.check on the bundled tokenizer, a Xeon core: a JSON schema of
+# 490 properties, each a pattern (the costliest per byte measured), 0.86 s at 32 KiB, 1.7 s at
+# 64 KiB; a choice of 3,700 strings 0.03 s; a regex of 2,100 alternatives 0.02 s
+MAX_CONSTRAINT = 32 * 2**10
+
+
+def check_constraint(grammars, param: str, constraint: Constraint, why: str | None = None) -> None:
+    """A 400 naming param when there is no grammar backend, or the constraint is refused: its
+    text is over MAX_CONSTRAINT bytes (the backend is not asked), or why says why (the
+    backend's sentence, asked elsewhere: the server asks it in a process of its own, checks.py;
+    or its CPU budget's), else the backend's own sentence, asked here. The backend compiles the
+    grammar and walks its first tokens: a big one takes CPU-seconds."""
     if grammars is None:
         raise APIError(
             400, f"{param} is not supported: this server's engine has no grammar backend", param
         )
-    if (why := grammars.check(constraint)) is not None:
+    if (size := len(constraint.spec.encode(errors="surrogatepass"))) > MAX_CONSTRAINT:
+        why = f"it is {size:,} bytes, over the {MAX_CONSTRAINT:,} this server compiles"
+    elif why is None:
+        why = grammars.check(constraint)
+    if why is not None:
         raise APIError(400, f"{param}: the {SPELLED[constraint.kind]} is refused: {why}", param)
 
 

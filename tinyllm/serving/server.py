@@ -15,10 +15,12 @@ coroutine: it reads the body a chunk at a time (a 413 past max_body bytes), chec
 says (a 400 naming the field: every field OpenAI's and vLLM's APIs define is read, or taken
 where its value changes nothing, or refused where it would ask for what the server does not do),
 has the grammar backend check the constraint it asks for, if any (12: the engine's backend,
-LLGuidance, which launch.py gives it; a 400 naming the field when it refuses), tokenizes its
-prompt off the event loop (a prompt too long to fit is refused by its size first), and submits
-one `Request`. A request of n choices is n sequences in the engine, each its own key here (a 429
-when max_waiting sequences would wait). It then reads its queue (`Answer`), turning each
+LLGuidance, which launch.py gives it), in a worker process of its own (checks.py: bounded in
+size, CPU-seconds and waiting checks, ended when its client leaves; a 400 naming the field when
+it refuses), tokenizes its prompt off the event loop (a prompt too long to fit is refused by
+its size first), and submits one `Request`. A request of n choices is n sequences in the
+engine, each its own key here (a 429 when max_waiting sequences would wait, a 400 when n alone
+is more). It then reads its queue (`Answer`), turning each
 choice's tokens into text a settled piece at a time (textstream.py, each choice with the stop
 strings), with their logprobs when asked, and streams them as server-sent events (one plain
 choice by `sse_events`; any other, or any with vLLM's continuous_usage_stats, the usage so far
@@ -41,6 +43,7 @@ import gc
 import json
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from tinyllm.core.continuous import ContinuousEngine
@@ -54,7 +57,6 @@ from tinyllm.serving.api import (
     APIError,
     Asked,
     check_body,
-    check_constraint,
     check_model,
     check_token_ids,
     constraint_of,
@@ -64,6 +66,7 @@ from tinyllm.serving.api import (
     to_request,
     usage_of,
 )
+from tinyllm.serving.checks import ConstraintChecks
 from tinyllm.serving.engine_loop import EngineLoop, Ticket, next_event
 from tinyllm.serving.live import MAX_PAGES, Pages, page_file
 from tinyllm.serving.logprobs import TokenTexts, vllm_prompt_logprobs
@@ -91,8 +94,9 @@ class Served:
     tokens' texts as logprobs spell them, the grammar backend that checks a constraint before
     it goes to the engine (the engine's own, LLGuidance; None: a constraint is refused), the
     model's sampling defaults for the fields a request leaves out (served.ModelDefaults), what
-    the engine is made of (served.describe: /health says it), and the open pages of the live
-    view (live.Pages)."""
+    the engine is made of (served.describe: /health says it), the open pages of the live
+    view (live.Pages), and the constraint checks that ask the grammar backend, each in a worker
+    process (checks.ConstraintChecks)."""
 
     loop: EngineLoop
     tok: object
@@ -107,6 +111,7 @@ class Served:
     defaults: ModelDefaults = NO_DEFAULTS
     about: dict = field(default_factory=dict)
     pages: Pages | None = None
+    checks: ConstraintChecks | None = None
 
     def limit(self) -> tuple[int, int]:
         """(positions a request may use, characters a token stands for at most)."""
@@ -373,10 +378,11 @@ def health(loop: EngineLoop, about: dict | None = None) -> tuple[int, dict]:
     is wrong with the KV cache's books when they were last checked (the engine still serves,
     on fewer blocks than it should). 503 while the engine restarts ({"status": "restarting",
     "engine": why}) and once it has failed for good ({"status": "failed", "engine": why}), as
-    vLLM and SGLang answer when their engine is gone; "restarts" counts the restarts so far.
+    vLLM and SGLang answer when their engine is gone; "restarts" counts the restarts so far,
+    "processes" names the engine's processes the server watches (name -> pid).
     Each with "serving": about, what the engine is made of (served.describe), when given."""
     verdict, serving = loop.health(), {} if about is None else {"serving": about}
-    said = {"restarts": loop.restarts, **serving}
+    said = {"restarts": loop.restarts, "processes": loop.processes(), **serving}
     if verdict.status in ("starting", "restarting", "failed"):
         return 503, {"status": verdict.status, "engine": verdict.why, **said}
     busy = {"step_s": round(verdict.step_s, 1), "engine": verdict.why} if verdict.why else {}
@@ -412,7 +418,7 @@ async def serve_completion(served: Served, http, kind: str):
     body = check_body(await json_body(http, served.max_body), kind)
     check_model(body, served.name)
     if (constraint := constraint_of(body)) is not None:  # the grammar backend's word first
-        await asyncio.to_thread(check_constraint, served.grammars, *constraint)
+        await served.checks.check(*constraint, http.is_disconnected)
     ids = await asyncio.to_thread(prompt_ids, served.tok, body, kind, served.limit())
     constrained = constraint[1] if constraint is not None else None
     asked = to_request(
@@ -512,6 +518,7 @@ async def collected(http, pieces, answer: Answer, kind: str, head: dict, spell: 
     while not (await asyncio.wait([task], timeout=0.25))[0]:
         if await http.is_disconnected():  # the client went away: abort
             task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody hears it
             return Response(status_code=499)
     got = await failing_plainly(task)
     return json_response(await asyncio.to_thread(answer_json, got, answer, kind, head, spell))
@@ -543,24 +550,26 @@ def model_list(served: Served) -> dict:
     return {"object": "list", "data": [{**model, "sampling_defaults_from": source}]}
 
 
-def make_app(served: Served):
-    """The FastAPI app serving `served`; its engine loop runs while the app does."""
-    from contextlib import asynccontextmanager
+@asynccontextmanager
+async def lifespan(served: Served):
+    """What runs while the app does: the engine loop, and the constraint checks' workers."""
+    if not served.loop.started:  # launch.py starts it first, to say how it goes
+        await served.loop.start()
+    served.checks.start()
+    gc.collect()  # what lives now lives as long as the server: freezing it spares every
+    gc.freeze()  # later full collection the walk over it (vLLM and SGLang freeze it too)
+    yield
+    served.checks.stop()
+    await served.loop.stop()
 
+
+def make_app(served: Served):
+    """The FastAPI app serving `served`; its engine loop runs while the app does (`lifespan`)."""
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.responses import JSONResponse, PlainTextResponse
 
-    @asynccontextmanager
-    async def lifespan(app):
-        if not served.loop.started:  # launch.py starts it first, to say how it goes
-            await served.loop.start()
-        gc.collect()  # what lives now lives as long as the server: freezing it spares every
-        gc.freeze()  # later full collection the walk over it (vLLM and SGLang freeze it too)
-        yield
-        await served.loop.stop()
-
-    app = FastAPI(title="tinyllm", lifespan=lifespan)
+    app = FastAPI(title="tinyllm", lifespan=lambda app: lifespan(served))
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
@@ -650,8 +659,8 @@ def build(
     no CPU is hung (watchdog.py), and the engine restarted; the
     sampling fields a request leaves out take the model's defaults (served.model_defaults' for
     `python -m tinyllm serve`; none by default: OpenAI's). The engine's grammar backend (its
-    `grammars`) checks each constraint on this side too: the engine process gets a copy of its
-    own."""
+    `grammars`) checks each constraint on this side too, in a worker process of the checks'
+    (started with the app, or by the first check): the engine process gets a copy of its own."""
     loop = EngineLoop(engine, max_waiting, engine_timeout)
     chars, vocab = longest_token_chars(tok), engine.model.cfg.vocab_size
     texts, grammars = TokenTexts(tok), engine.grammars
@@ -670,5 +679,6 @@ def build(
         describe(engine),
     )
     served.pages = Pages(served, show_prompts)
+    served.checks = ConstraintChecks(grammars)
     loop.on_frame = served.pages.publish
     return served
