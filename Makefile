@@ -35,7 +35,7 @@ TIMED  := import pathlib, resource, subprocess, sys, time; t = time.perf_counter
 	sys.exit(rc)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test test-fast lint check oracle bench eval train gpu-check browser-check notebooks clean
+.PHONY: help setup lab test test-fast lint check oracle soak-server bench eval train gpu-check browser-check notebooks clean
 
 help:                             ## list the targets
 	@echo "usage: make TARGET; every target below but help and clean sets up $(VENV) first"
@@ -115,6 +115,10 @@ MINUTES ?= 10
 oracle: export OMP_NUM_THREADS = 1
 oracle: $(STAMP)                  ## every setting against solo, for MINUTES (default 10), and what it covered
 	$(BIN)/python tools/oracle.py --minutes $(MINUTES)
+
+# The real server under a mixed load and faults while CPU hogs load the machine (tools/soak_server.py).
+soak-server: $(STAMP)             ## serve under load, faults and CPU hogs for MINUTES (default 10), then what it lost
+	$(BIN)/python tools/soak_server.py --minutes $(MINUTES)
 
 bench: $(STAMP)                   ## static against continuous batching on a long-tailed workload
 	$(BIN)/python -m tinyllm bench --workload longtail --slots 16

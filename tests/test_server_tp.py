@@ -9,6 +9,8 @@ rank 0 serving HTTP and rank 1 serving rank 0's steps.
 import asyncio
 import signal
 import subprocess
+import threading
+import time
 
 import httpx
 import openai
@@ -52,6 +54,56 @@ def test_serve_over_2_ranks_streams_each_request_its_solo_text(bundled64, kv):
         srv.wait_idle()
         health = httpx.get(srv.url.removesuffix("/v1") + "/health", timeout=30).json()
         assert health["serving"]["tensor_parallel_size"] == 2, health
+    finally:
+        srv.stop()
+
+
+def test_a_rank_killed_or_stopped_is_named_and_the_ranks_start_again(bundled64):
+    """Rank 1 killed while the engine idles: the engine is dead, and restarted (new ranks) before
+    a request meets the broken group. Rank 1 stopped during a request: /health says busy and
+    names it; past the engine timeout (3 s, no CPU) the engine is hung, the request gets a 500
+    naming the stopped rank, and the ranks start again; each next request is its solo text."""
+    model, tok = bundled64
+    config = EngineConfig(2, tensor_parallel_size=2)
+    srv = Running(make_engine(ParallelModel(model, 2), config), tok, engine_timeout=3.0)
+    base, ask = srv.url.removesuffix("/v1"), dict(model=NAME, temperature=0)
+    health = lambda: httpx.get(base + "/health", timeout=30).json()
+    try:
+        first = health()["processes"]["rank 1"]
+        subprocess.run(["kill", "-KILL", str(first)], check=True)
+        t0 = time.time()
+        while (h := health())["status"] != "ok" or h["restarts"] < 1:
+            assert time.time() - t0 < 120, f"not serving again in 120 s (a slow machine?): {h}"
+            time.sleep(0.1)
+        assert h["processes"]["rank 1"] != first, h
+        text = srv.client().completions.create(prompt=PROMPTS[0], max_tokens=6, **ask)
+        assert text.choices[0].text == tok.decode(solo_ids(model, tok, PROMPTS[0], 6))
+        rank = h["processes"]["rank 1"]
+        got = []
+        asking = threading.Thread(
+            target=lambda: got.append(
+                httpx.post(srv.url + "/completions", json=dict(prompt=PROMPTS[1], max_tokens=300,
+                                                               ignore_eos=True, **ask), timeout=120)
+            )
+        )  # fmt: skip
+        asking.start()
+        time.sleep(0.5)
+        subprocess.run(["kill", "-STOP", str(rank)], check=True)
+        t0 = time.time()
+        while (h := health())["status"] != "busy":
+            assert time.time() - t0 < 30, f"/health never said busy: {h}"
+            time.sleep(0.05)
+        assert f"rank 1 (pid {rank}) is stopped" in h["engine"], h
+        asking.join(120)
+        assert got and got[0].status_code == 500, got and got[0].text
+        said = got[0].json()["error"]["message"]
+        assert f"rank 1 (pid {rank}) is stopped, with no CPU for 3 s" in said, said
+        while (h := health())["status"] != "ok":
+            assert time.time() - t0 < 120, f"not serving again in 120 s (a slow machine?): {h}"
+            time.sleep(0.1)
+        assert h["restarts"] == 2, h
+        text = srv.client().completions.create(prompt=PROMPTS[2], max_tokens=6, **ask)
+        assert text.choices[0].text == tok.decode(solo_ids(model, tok, PROMPTS[2], 6))
     finally:
         srv.stop()
 
