@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tinyllm.core.requests import Request
+from tinyllm.serving import watchdog
 from tinyllm.serving.engine_loop import Outbox, Ticket
 from tinyllm.serving.messages import Abort, Add
 from tinyllm.serving.watchdog import StepClock, Watchdog
@@ -34,6 +35,15 @@ class Child:
     @property
     def exitcode(self):
         return self.popen.returncode
+
+
+def stopped_by_now(pid: int) -> None:
+    """Wait until the system shows pid stopped (a signal lands when the process is next
+    scheduled: later on a busy machine)."""
+    t0 = time.monotonic()
+    while watchdog.process_stat(pid)[0] not in "Tt":
+        assert time.monotonic() - t0 < 30, "not stopped 30 s after SIGSTOP: a slow machine?"
+        time.sleep(0.01)
 
 
 def judged_for(dog: Watchdog, seconds: float) -> list:
@@ -64,6 +74,7 @@ def test_a_turn_that_computes_is_busy_and_one_that_waits_for_nothing_is_hung():
         assert hung[0].status == "busy" and hung[-1].status == "hung", [v.status for v in hung]
         assert hung[-1].why.endswith("with no CPU for 1 s (--engine-timeout)"), hung[-1]
         os.kill(spinning.pid, signal.SIGSTOP)
+        stopped_by_now(spinning.pid)
         stopped = judged_for(dogs[0], 1.5)
         assert f"the engine's process (pid {spinning.pid}) is stopped" in stopped[0].why
         assert stopped[-1].status == "hung", stopped[-1]
@@ -97,7 +108,7 @@ def test_a_loop_that_comes_round_is_ok_and_a_stopped_one_is_busy_whatever_its_tu
         if os.path.exists("/proc"):
             clock.tick()
             os.kill(child.pid, signal.SIGSTOP)
-            time.sleep(0.1)
+            stopped_by_now(child.pid)
             verdict = dog.judge()
             assert verdict.status == "busy" and "is stopped" in verdict.why, verdict
     finally:
