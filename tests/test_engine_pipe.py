@@ -151,13 +151,13 @@ def big_report_size(srv, ids: list[int]) -> int:
     return len(messages.dumps(report))
 
 
-def stops_body(srv, n: int = 500_000) -> tuple[str, bytes]:
-    """A greedy completion of 8 tokens whose stop_token_ids repeat the vocabulary's last id n
-    times (a 3 MB body, and an Add of MBs to the engine), and the text solo gives it."""
-    tok, model, last = srv.tok, srv.engine.model, srv.engine.model.cfg.vocab_size - 1
+def big_body(srv, size: int = 3_000_000) -> tuple[str, bytes]:
+    """A greedy completion of 8 tokens in a body of `size` bytes (its `user` field, which OpenAI
+    reads and this server takes), and the text solo gives it."""
+    tok, model = srv.tok, srv.engine.model
     body = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0}
-    body["stop_token_ids"] = [last] * n
-    res = solo(model, Request(tok.encode(PROMPTS[3]), 8, (*(tok.eos_ids or ()), last)))
+    body["user"] = "x" * size
+    res = solo(model, Request(tok.encode(PROMPTS[3]), 8, tok.eos_ids or None))
     return tok.decode(res.tokens), json.dumps(body).encode()
 
 
@@ -214,9 +214,9 @@ def test_a_report_of_several_mb_comes_back_whole(bulky):
 
 
 def test_a_request_of_several_mb_goes_in_whole(bulky):
-    """A 3 MB body of stop_token_ids, twice, and an Add of 4 MB sent straight to the engine
-    loop: each answered as asked; the next request is served."""
-    text, body = stops_body(bulky)
+    """A 3 MB body, twice, and an Add of 4 MB sent straight to the engine loop: each answered
+    as asked; the next request is served."""
+    text, body = big_body(bulky)
     assert len(body) > 3_000_000
     for _ in range(2):
         check_stopped(post(bulky, body), text)
@@ -234,7 +234,7 @@ def test_health_answers_within_100_ms_while_mbs_cross(bulky):
     it answers ok each time, the slowest within 100 ms."""
     ids = long_prompt(bulky.tok)
     report_body = {"model": NAME, "prompt": ids, "max_tokens": 5, "prompt_logprobs": 20}
-    text, stops = stops_body(bulky)
+    text, big = big_body(bulky)
     got = {}
 
     def ask(name, body):
@@ -243,7 +243,7 @@ def test_health_answers_within_100_ms_while_mbs_cross(bulky):
     asks = [
         threading.Thread(target=ask, args=(f"report {i}", {**report_body, "temperature": 0}))
         for i in range(2)
-    ] + [threading.Thread(target=ask, args=(f"request {i}", stops)) for i in range(2)]
+    ] + [threading.Thread(target=ask, args=(f"request {i}", big)) for i in range(2)]
     with HealthWatch(bulky) as watch:
         time.sleep(0.1)
         for t in asks:
