@@ -35,7 +35,7 @@ TIMED  := import pathlib, resource, subprocess, sys, time; t = time.perf_counter
 	sys.exit(rc)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test test-fast lint check oracle soak-server bench eval train gpu-check browser-check notebooks clean
+.PHONY: help setup lab test test-quick test-step lint check oracle soak-server bench eval train gpu-check browser-check notebooks clean
 
 help:                             ## list the targets
 	@echo "usage: make TARGET; every target below but help and clean sets up $(VENV) first"
@@ -103,8 +103,16 @@ lint: $(STAMP)                    ## ruff: the linter, and the formatter's check
 		echo "ruff: the code is clean and formatted"
 	@$(BIN)/python tools/core_lines.py --quiet
 
-test-fast: $(STAMP)               ## the package and exercise tests only
-	$(PYTEST) tests --ignore=$(BROWSER)
+# The quick loop: every test but those marked slow (servers and their engine processes, ranks,
+# torch.compile, the benchmark, the oracle's long draw), in one process.
+test-quick: export OMP_NUM_THREADS = 1
+test-quick: $(STAMP)              ## the quick loop: every test but the slow ones (a few minutes)
+	$(PYTEST) tests -m "not slow and not cuda" --ignore=$(BROWSER)
+
+test-step: export OMP_NUM_THREADS = 1
+test-step: $(STAMP)               ## one step's tests and its exercise's, slow ones too: make test-step N=05
+	$(if $(N),,$(error name the step: make test-step N=05))
+	$(PYTEST) tests -m "step$(N) and not cuda" --ignore=$(BROWSER)
 
 check: $(STAMP)                   ## check your exercise: make check EX=01
 	$(if $(EX),,$(error name the exercise: make check EX=01))

@@ -21,6 +21,8 @@ from tinyllm.core.sampling import Sampling  # noqa: E402
 from tinyllm.course import bench, viz  # noqa: E402
 from tinyllm.engine import Request, Trace, run_continuous, run_static  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the benchmark's runs, and servers it launches
+
 
 @pytest.mark.parametrize("name", workloads.WORKLOADS)
 def test_workloads_are_well_formed(bundled, name):

@@ -23,6 +23,8 @@ from tinyllm.ext.structured import LLGuidance
 from tinyllm.serving.api import MAX_CONSTRAINT, APIError, check_constraint, choice_grammar
 from tinyllm.serving.checks import MAX_WAITING_CHECKS, ConstraintChecks
 
+pytestmark = pytest.mark.slow  # constraint checks' worker processes, and a server
+
 SLOW_S = 60.0  # a wait for what a working server does in a second: past it, the machine is slow
 GOOD, BAD = Constraint("regex", "good"), Constraint("regex", "bad")
 STALL, SPIN, CRASH = (Constraint("regex", s) for s in ("stall", "spin", "crash"))

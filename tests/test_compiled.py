@@ -21,6 +21,8 @@ from tinyllm.core.static import run_static
 from tinyllm.course.check import divergence, near_tie
 from tinyllm.engine import Request, make_engine, run_continuous
 
+pytestmark = pytest.mark.slow  # torch.compile's compiles
+
 BUCKETS = (16,)  # over slots of 48 positions: above 16 the step runs eagerly
 
 

@@ -30,6 +30,8 @@ from tinyllm.core.sampling import Sampling
 from tinyllm.ext.structured import LLGuidance
 from tinyllm.serving import engine_loop, messages, server
 
+pytestmark = pytest.mark.slow  # servers, each with its engine process
+
 BULK = 1000  # alternatives BulkyEngine adds to each prompt token's top: about 14 bytes each
 FAILS = 13  # max_new_tokens of a request whose add raises in BulkyEngine
 

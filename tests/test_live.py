@@ -22,6 +22,8 @@ from tinyllm.core.continuous import ContinuousEngine
 from tinyllm.serving import live
 from tinyllm.serving.loadgen import run, run_load
 
+pytestmark = pytest.mark.slow  # servers, each with its engine process
+
 STEMS = ["Ham.\nTo be, or not to be, that is the question:\n", "Rom.\nBut soft, what light\n"]
 PROMPTS = [stem + tail for stem in STEMS for tail in ("Whether", "Through", "It is", "Arise")]
 

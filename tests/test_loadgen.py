@@ -21,6 +21,8 @@ from tinyllm.build import make_engine
 from tinyllm.checkpoints.checkpoint import resolve
 from tinyllm.serving import loadgen
 
+pytestmark = pytest.mark.slow  # servers, each with its engine process
+
 
 def test_percentile_and_summary_count_right():
     xs = [0.3, 0.1, 0.2, 0.4, 0.9]

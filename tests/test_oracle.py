@@ -445,6 +445,7 @@ def run_example(data, tp_sizes=TP_SIZES) -> None:
     event(f"{config.kv} {config.decoder} {weights} speculate={config.speculate}")
 
 
+@pytest.mark.slow  # two minutes of drawing: make test and make oracle run it, not make test-quick
 @settings(
     max_examples=600,
     deadline=None,

@@ -33,6 +33,8 @@ from tinyllm.ext.parallel import ThreadedRanks, shard, shard_bytes
 from tinyllm.ext.quant import quantize
 from tinyllm.ext.ranks import ParallelModel, RankFailed
 
+pytestmark = pytest.mark.slow  # rank processes
+
 
 def biased(seed: int = 5):
     """A tiny model with biases on q, k, v and the attention's output: a row-parallel bias

@@ -26,6 +26,8 @@ from tinyllm.ext import piecewise
 from tinyllm.ext.piecewise import PiecewiseDecoder
 from tinyllm.ext.quant import quantize
 
+pytestmark = pytest.mark.slow  # torch.compile's compiles
+
 MODELS = {
     "float": quantize(make_tiny(seed=21), "float"),
     "int8": quantize(make_tiny(seed=21), "int8"),

@@ -23,6 +23,8 @@ from tinyllm.ext.quant import quantize
 from tinyllm.serving import engine_loop, launch, server
 from tinyllm.serving.textstream import REPLACEMENT, TextStream, next_piece
 
+pytestmark = pytest.mark.slow  # servers, each with its engine process
+
 NAME = "tinyllm-test"
 PROMPTS = [
     "Ham.\nTo be, or not",

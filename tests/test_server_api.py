@@ -21,6 +21,8 @@ from tinyllm.core.config import EngineConfig
 from tinyllm.core.generate import generate
 from tinyllm.serving import api
 
+pytestmark = pytest.mark.slow  # servers, each with its engine process
+
 
 @pytest.fixture(scope="module")
 def running(bundled64):

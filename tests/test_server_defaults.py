@@ -19,6 +19,8 @@ from tinyllm.core.requests import Request
 from tinyllm.core.sampling import Sampling
 from tinyllm.serving import launch, served
 
+pytestmark = pytest.mark.slow  # servers, each with its engine process
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -19,6 +19,8 @@ from tinyllm.core.requests import Request
 from tinyllm.core.sampling import Sampling
 from tinyllm.serving.logprobs import TokenTexts
 
+pytestmark = pytest.mark.slow  # servers, each with its engine process
+
 # a logprob's tolerance: in float32 the engine's decode attention (cpu_kernels'
 # decode_attention) and solo's (scaled_dot_product_attention) add in other orders
 LOGPROB_TOL = 1e-5

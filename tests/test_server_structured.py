@@ -25,6 +25,8 @@ from tinyllm.core.sampling import Sampling
 from tinyllm.ext.structured import Constraint, LLGuidance
 from tinyllm.serving import api
 
+pytestmark = pytest.mark.slow  # servers, each with its engine process
+
 AS_PERSON = {
     "type": "json_schema",
     "json_schema": {"name": "person", "schema": PERSON, "strict": True},

@@ -24,6 +24,8 @@ from tinyllm.core.generate import generate
 from tinyllm.course.check import near_tie
 from tinyllm.ext.ranks import ParallelModel
 
+pytestmark = pytest.mark.slow  # servers whose models run over rank processes
+
 
 def solo_ids(model, tok, prompt: str, n: int) -> list[int]:
     return generate(model, tok.encode(prompt), n, eos_id=tok.eos_id)

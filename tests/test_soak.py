@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the real server under CPU hogs for a minute
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -207,6 +207,7 @@ def notebook_imports(path: Path) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.slow  # a fresh interpreter for each notebook
 @pytest.mark.parametrize(
     "path", sorted((ROOT / "notebooks").glob("0[0-8]_*.ipynb")), ids=lambda p: p.stem
 )
