@@ -98,9 +98,10 @@ test: $(STAMP) lint               ## every test: lint, package, exercises (solut
 
 # ruff at 100 columns (pyproject.toml's [tool.ruff]): the linter everywhere, the formatter where
 # the layout is not hand-aligned (tests, tools, serving); notebooks are checked by running them
-lint: $(STAMP)                    ## ruff: the linter, and the formatter's check (make test runs it first)
+lint: $(STAMP)                    ## ruff (the linter, the formatter's check) and mypy on the core (make test runs it first)
 	@$(BIN)/ruff check --quiet . && $(BIN)/ruff format --check --quiet . && \
 		echo "ruff: the code is clean and formatted"
+	@$(BIN)/mypy --no-error-summary && echo "mypy: the core's parts hold their types"
 	@$(BIN)/python tools/core_lines.py --quiet
 
 # The quick loop: every test but those marked slow (servers and their engine processes, ranks,

@@ -15,9 +15,10 @@ A request inside the engine is a `tinyllm.core.requests.Sequence`: `seq.rid` (it
 `seq.slot` (None while it waits), `seq.context()` (its prompt and the tokens it has made),
 `seq.context_len()` (their number) and `seq.prefix_key()` (what a prefix cache may serve it by:
 its context, or None).
-The cache (`tinyllm.core.slot_cache.SlotCache`) answers `free_slots()` and `can_admit([n_tokens],
-[key])`, and takes `admit(slot, n_tokens, key)` and `release(slot)`; given the context as the
-key (`seq.prefix_key()`), a prefix cache (08) counts and gives only what it does not hold already.
+The cache (`CacheBooks` in `tinyllm.core.parts`: step 04's `SlotCache`, or a later step's)
+answers `free_slots()` and `can_admit([n_tokens], [key])`, and takes `admit(slot, n_tokens, key)`
+and `release(slot)`; given the context as the key (`seq.prefix_key()`), a prefix cache (08)
+counts and gives only what it does not hold already.
 
 Check your work with `make check EX=04` (or `check_exercise("04")` in notebook 04). The tests
 plug your functions into the engine and compare every request's tokens with solo generate().
@@ -28,11 +29,11 @@ from collections import deque
 import torch
 from torch import Tensor
 
+from tinyllm.core.parts import CacheBooks
 from tinyllm.core.requests import Sequence
-from tinyllm.core.slot_cache import SlotCache
 
 
-def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Sequence]:
+def admit_waiting(waiting: deque, running: dict, cache: CacheBooks) -> list[Sequence]:
     """Waiting sequences enter the cache's free slots, first come first served; returns them
     in the order they entered.
 
@@ -53,7 +54,7 @@ def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Seque
                               "first served, while they fit")
 
 
-def leave_slot(seq: Sequence, running: dict, cache: SlotCache) -> None:
+def leave_slot(seq: Sequence, running: dict, cache: CacheBooks) -> None:
     """seq gives its slot back (it finished, was aborted or is preempted). Afterwards the cache
     has released the slot and its memory, running no longer holds it, and seq.slot is None, so
     the next step may admit a waiting sequence there.

@@ -29,8 +29,8 @@ from collections import deque
 from torch import Tensor
 
 from tinyllm.core import scheduler
+from tinyllm.core.parts import CacheBooks
 from tinyllm.core.requests import Sequence
-from tinyllm.core.slot_cache import SlotCache
 
 
 def allocate_blocks(free_list: list[int], allocated: list[bool], n: int) -> list[int] | None:
@@ -75,7 +75,7 @@ def slot_mapping(tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
                               "its offset")
 
 
-def reserve_or_preempt(running: dict, waiting: deque, cache: SlotCache) -> list[Sequence]:
+def reserve_or_preempt(running: dict, waiting: deque, cache: CacheBooks) -> list[Sequence]:
     """Room for every running sequence's next token, oldest first (lowest rid). While the cache
     has none for a sequence (cache.reserve(seq.slot, 1) is False), the youngest running
     sequence (highest rid; it may be this very one) is preempted: it leaves its slot

@@ -25,6 +25,7 @@ from tests.test_server import NAME, PROMPTS, Running
 from tinyllm.build import make_engine
 from tinyllm.core.continuous import ContinuousEngine
 from tinyllm.core.generate import solo
+from tinyllm.core.parts import DecodeStep
 from tinyllm.core.requests import Request, TokenLogprobs
 from tinyllm.core.sampling import Sampling
 from tinyllm.ext.structured import LLGuidance
@@ -340,10 +341,11 @@ class PoisonEngine(ContinuousEngine):
         time.sleep(0.02)
         return super().step()
 
-    def _decode(self, seqs, *args, **kwargs):
-        if self.request_counts()[0] and any(s.request.max_new_tokens == POISON for s in seqs):
+    def retire(self, plan, out):
+        poisoned = any(s.request.max_new_tokens == POISON for s in plan.decodes)
+        if self.request_counts()[0] and poisoned:
             raise RuntimeError("the kernel read past the cache")
-        return super()._decode(seqs, *args, **kwargs)
+        return super().retire(plan, out)
 
 
 @pytest.mark.parametrize("kv", ["slots", "paged"])
@@ -535,11 +537,12 @@ def check_answer(srv, got: httpx.Response, prompt: str, n: int) -> None:
 
 
 # ---- a decoder that compiles: before Ready, said as it goes -----------------------------------
-class SlowDecoder:
+class SlowDecoder(DecodeStep):
     """A decoder whose warm-up compiles three buckets of WARM_S each (it sleeps), saying each;
     its steps are the model's own."""
 
     WARM_S = 0.8
+    compiles = True
 
     def __init__(self, model, fails: bool = False):
         self.model, self.fails = model, fails

@@ -226,8 +226,8 @@ def fitted(config: EngineConfig, model, reqs: list[Request], data) -> EngineConf
 def books(eng: ContinuousEngine, idle: bool = False) -> None:
     """The cache's books (and a draft's), sound; idle: nothing held either."""
     why = eng.cache.check_integrity(idle)
-    if why is None and eng.speculator is not None:
-        why = eng.speculator.proposer.check_integrity(idle)
+    if why is None:
+        why = eng.runner.check_integrity(idle)
     assert why is None, why
 
 
@@ -275,7 +275,7 @@ class Injected(RuntimeError):
 
 
 # where a step may raise: admitting and planning, a prefill pass, a decode pass, retiring tokens
-FAULT_POINTS = ("scheduler.plan", "runner.prefill", "runner.decode", "_retire")
+FAULT_POINTS = ("scheduler.plan", "runner.prefill", "runner.decode", "retire")
 
 
 @contextlib.contextmanager
@@ -287,6 +287,7 @@ def faulty(eng: ContinuousEngine, point: str | None, at: int):
         return
     owner, _, name = point.rpartition(".")
     obj = getattr(eng, owner) if owner else eng
+    obj = getattr(obj, "base", obj)  # a speculating runner's passes are its base runner's
     real, count = getattr(obj, name), itertools.count()
 
     def raising(*args, **kwargs):

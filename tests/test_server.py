@@ -533,7 +533,7 @@ class FailingEngine(ContinuousEngine):
 class FailingPass(ContinuousEngine):
     """An engine whose every step fails after its pass, its requests taken."""
 
-    def _retire(self, *args, **kwargs):
+    def retire(self, *args, **kwargs):
         raise RuntimeError("the model ran out of memory")
 
 

@@ -128,11 +128,11 @@ def test_greedy_speculation_gives_the_solo_tokens(reqs, n_slots, data):
             if eng.abort(rids[i]):
                 aborted.add(i)
         eng.step()
-        for cache in (eng.cache, getattr(eng.speculator.proposer, "cache", None)):
+        for cache in (eng.cache, getattr(eng.runner.speculator.proposer, "cache", None)):
             why = cache and cache.check_integrity()
             assert not why, why
     assert eng.cache.check_integrity(idle=True) is None
-    assert eng.speculator.proposer.check_integrity(idle=True) is None, "a draft slot leaked"
+    assert eng.runner.speculator.proposer.check_integrity(idle=True) is None, "a draft slot leaked"
     for i, rid in rids.items():
         if i in aborted:
             continue
@@ -182,9 +182,9 @@ def test_a_request_whose_guesses_fall_stops_guessing_and_tries_again_later(monke
     eng = make_engine(TINY, 1, speculate="ngram", spec_tokens=3)
     passes = {"verify": 0, "decode": 0}
     for name in passes:
-        run = getattr(eng.runner, name)
+        run = getattr(eng.runner.base, name)
         monkeypatch.setattr(
-            eng.runner,
+            eng.runner.base,
             name,
             lambda *a, name=name, run=run: passes.__setitem__(name, passes[name] + 1) or run(*a),
         )
@@ -193,7 +193,7 @@ def test_a_request_whose_guesses_fall_stops_guessing_and_tries_again_later(monke
     while eng.has_work():
         seqs = list(eng.scheduler.running.values())
         if seqs and seqs[0].tokens:
-            ks.append(eng.speculator.allowed(seqs, None)[0])
+            ks.append(eng.runner.speculator.allowed(seqs, None)[0])
         eng.step()
     assert eng.results[rid].tokens == want
     guessed = [i for i, k in enumerate(ks) if k]
@@ -203,7 +203,7 @@ def test_a_request_whose_guesses_fall_stops_guessing_and_tries_again_later(monke
     assert later and later == [w + 1 for w in waits[: len(later)]], ks  # twice as long each
     assert all(ks[i] == 1 for i in guessed[1:]), ks  # a try is one guess
     assert passes["decode"] > passes["verify"] > 0, passes
-    spec = eng.speculator
+    spec = eng.runner.speculator
     spec.record[99], spec.record[97] = [4.0, 2.0], [3.0, 3.0]
     assert [spec.guesses_for(99, rows) for rows in (1, 2, 8)] == [2, 1, 0]
     assert [spec.guesses_for(97, rows) for rows in (1, 8, 64)] == [3, 2, 0]

@@ -156,6 +156,38 @@ def test_a_steps_module_imports_no_later_step():
     assert not later, "a step imports a later step: " + "; ".join(later)
 
 
+def probes(path: Path) -> list[str]:
+    """The hasattr and getattr calls in a module that ask an object for a named attribute (a
+    string, not a dunder): where a part's interface should be declared instead."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("hasattr", "getattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and not str(node.args[1].value).startswith("__")
+        ):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_core_asks_its_parts_nothing_they_do_not_declare():
+    """The engine's parts (core/parts.py) are declared: no module of the core, and not the
+    builder, probes an object for an attribute (hasattr(decoder, "warm_up")); and step 04's
+    engine names no later step's part."""
+    found = [
+        p
+        for f in [*sorted((PACKAGE / "core").glob("*.py")), PACKAGE / "build.py"]
+        for p in probes(f)
+    ]
+    assert not found, "probes for undeclared attributes: " + "; ".join(found)
+    engine = (PACKAGE / "core" / "continuous.py").read_text().lower()
+    named = sorted({w for w in ("specul", "draft", "rank", "quantiz", "guess") if w in engine})
+    assert not named, f"core/continuous.py names later steps' parts: {named}"
+
+
 def test_the_layout_shows_the_steps():
     """The top of the package holds its faces only; core/ holds steps 00-08 and the untagged
     vocabulary, ext/ the steps after 10 (each a plug-in), checkpoints/ steps 00 and 09."""

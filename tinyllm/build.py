@@ -24,6 +24,7 @@ import dataclasses
 from tinyllm.core.config import EngineConfig
 from tinyllm.core.continuous import ContinuousEngine, run_engine
 from tinyllm.core.model import Transformer, gpu_dtype
+from tinyllm.core.model_runner import ModelRunner, ModelStep
 from tinyllm.core.requests import Request, Result
 from tinyllm.core.slot_cache import SlotCache, SlotKVCache
 from tinyllm.core.stats import Trace, kv_bytes_per_token
@@ -153,13 +154,14 @@ def make_engine(model: Transformer, config: EngineConfig | int, *, generator=Non
         cache, decoder = lent_cache(model, config, max_len, n_blocks, lent), lent
     if config.kv == "paged":
         cache.headroom = config.kv_headroom             # its admission (05)
-    speculator = None
-    if config.speculate is not None or draft is not None:
-        from tinyllm.ext.speculative import make_speculator
-        speculator = make_speculator(model, config, cache, draft, decoder)
-    return ContinuousEngine(model, config, cache=cache, decoder=decoder,
-                            planner=make_planner(config), speculator=speculator,
-                            grammars=grammars, generator=generator, trace=trace)
+    runner = ModelRunner(model, cache, decoder or ModelStep(model), device)
+    if config.speculate is not None or draft is not None:   # speculation around it (11)
+        from tinyllm.ext.speculative import SpeculatingRunner, make_speculator
+        runner = SpeculatingRunner(runner, make_speculator(model, config, cache, draft,
+                                                           runner.decode_step))
+    return ContinuousEngine(model, config, cache=cache, runner=runner,
+                            planner=make_planner(config), grammars=grammars,
+                            generator=generator, trace=trace)
 
 
 def run_continuous(model: Transformer, requests: list[Request], config: EngineConfig | int,
@@ -229,7 +231,7 @@ def settings_of(config: EngineConfig | int, settings: dict):
     SlotGraphDecoder, CompiledDecoder), whose kind, compile mode and cache (max_len; a paged
     pool's blocks and prefix cache) the config then takes."""
     lent = settings.pop("decoder", None)
-    if hasattr(lent, "slots"):                          # a bucketed decoder, with its cache
+    if lent is not None and not isinstance(lent, str):  # a bucketed decoder, with its cache
         from tinyllm.core.compiled import CompiledDecoder
         if isinstance(lent, CompiledDecoder):
             settings["decoder"] = "compiled"
@@ -259,9 +261,8 @@ def lent_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks:
     if config.kv == "paged":
         wanted = ["paged", max_len, n_blocks, config.n_slots, config.block_size,
                   config.prefix_cache]
-    naming = getattr(cache, "name_at_admission", False)     # safe only without a budget (08)
     if decoder.model is not model or cache_sizes(cache) != wanted or any(cache.active) or \
-            (naming and config.max_step_tokens is not None):
+            (cache.name_at_admission and config.max_step_tokens is not None):   # 08: no budget
         raise ValueError(f"the decoder serves another model, or its cache is not the "
                          f"{config.kv} cache of these settings ({config.n_slots} idle slots of "
                          f"{max_len} positions)")
@@ -271,7 +272,7 @@ def lent_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks:
 def cache_sizes(cache: SlotCache) -> list:
     """What a cache was made with: its kind, max_len, blocks (None for slots), slots, and a
     paged pool's block size and whether it has a prefix cache."""
-    if hasattr(cache, "n_blocks"):
+    if cache.n_blocks is not None:
         return ["paged", cache.max_len, cache.n_blocks, cache.n_slots, cache.block_size,
                 cache.prefix is not None]
     return ["slots", cache.max_len, None, cache.n_slots]

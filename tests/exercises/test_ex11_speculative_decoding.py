@@ -238,7 +238,7 @@ def run(eng, reqs, per_step: int = 2, expected=None) -> list[list[int]]:
     """Add per_step requests before each step, step until done (the exercises' run_engine),
     checking both caches' books after every step, and with `expected` (solo's tokens) every
     request's tokens as they come; returns each request's tokens."""
-    draft = getattr(eng.speculator.proposer, "cache", None)
+    draft = getattr(eng.runner.speculator.proposer, "cache", None)
 
     def books(step):
         for name, cache in (("the KV cache", eng.cache), ("the draft's cache", draft)):
@@ -326,7 +326,7 @@ def test_greedy_speculation_with_your_functions_matches_solo(plug, name):
     assert_same_counts(eng, ref, name)
     msg = leaks(eng)
     assert msg is None, msg
-    why = eng.speculator.proposer.check_integrity(idle=True)
+    why = eng.runner.speculator.proposer.check_integrity(idle=True)
     assert why is None, f"{name}: the draft's cache after every request finished: {why}"
 
 

@@ -35,7 +35,8 @@ import torch
 from tinyllm.core.config import COMPILE_MODES
 from tinyllm.core.cuda_graph import SlotGraphDecoder
 from tinyllm.core.model import Transformer
-from tinyllm.core.slot_cache import SlotCache
+from tinyllm.core.paged_kv import PagedKVCache
+from tinyllm.core.slot_cache import SlotKVCache
 
 
 def compile_settings(mode: str, device: torch.device,
@@ -114,13 +115,13 @@ class CompiledDecoder(SlotGraphDecoder):
     are free, so that no request waits for a compilation. mode: "default" or "max-autotune"
     (frozen weights and generated GEMM kernels: a faster step, a longer compilation)."""
 
-    def __init__(self, model: Transformer, slots: SlotCache, buckets=None,
+    def __init__(self, model: Transformer, slots: SlotKVCache | PagedKVCache, buckets=None,
                  mode: str = "default"):
         # torch.compile's keywords and the inductor settings of every bucket (refuses a bad mode)
         self.compile_kwargs, self.inductor = compile_settings(mode, slots.k[0].device,
                                                               slots.k[0].dtype)
         super().__init__(model, slots, buckets, capture=False)
-        self.mode = mode
+        self.mode, self.compiles = mode, True
         lift_recompile_limit(len(self.buckets))
         self.capture = True                             # decode_step replays graphs[W]
         self.graphs = CompiledSteps(self)

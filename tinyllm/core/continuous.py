@@ -6,46 +6,33 @@ nobody waits for a stranger's long answer. Requests may arrive while others deco
 (`run_engine` feeds them at their arrival times); the offline run is the same loop with every
 request arriving at 0.
 
-One step of `ContinuousEngine` reads as its four calls: 1) reserve (room for every running
-request's next token; scheduler.py), 2) admit the newcomers and plan the step (a token for
-every decoding request, the newcomers' contexts), 3) one forward pass for both (the contexts go
-straight into their slots; model_runner.py), 4) retire what finished. The pass is one ragged
-step of the cache (slot_cache.py), packed: its products run on the step's new tokens alone, so
-a decode row costs one token beside a long prompt (Orca's iteration-level batching, vLLM's one
-batch a step).
+A step is three calls, as nano-vllm's: the scheduler plans it (room for every running
+request's next token, the newcomers admitted, a token for each decoding request and the
+newcomers' contexts: scheduler.py), the runner computes it (one packed forward pass for both,
+and the sampled tokens: model_runner.py), and the engine retires it (each request's new
+tokens; a finished one leaves its slot). Between two steps a request is waiting (in arrival
+order), or in a slot with its context computed up to `num_computed_tokens`, or finished.
 
-The engine is made of parts, each behind a small interface, and never asks which kind it
-holds: the cache (this step's SlotKVCache), the decode step (the model), the planner (every
-context whole: scheduler.WholeContexts); later steps bring other parts through the same
-interfaces, and `tinyllm.build.make_engine` makes them from an EngineConfig. Given no parts,
-the engine makes this step's own.
+The engine is made of parts (parts.py) and never asks which kind it holds; given none, it
+makes step 04's own. `tinyllm.build.make_engine` makes the parts of any EngineConfig.
 """
 
+import functools
 import time
 
 import torch
 from torch import Tensor
 
-from tinyllm.core import token_stage
-from tinyllm.core.config import EngineConfig
+from tinyllm.core import parts, token_stage
+from tinyllm.core.config import EngineConfig, later_settings
 from tinyllm.core.model import Transformer, gpu_dtype
-from tinyllm.core.model_runner import ModelRunner, wants_prompt_logprobs
+from tinyllm.core.model_runner import ModelRunner, ModelStep, wants_prompt_logprobs
 from tinyllm.core.requests import Event, Request, Result, Sequence, check_request
 from tinyllm.core.sampling import Sampling, check_generator
 from tinyllm.core.scheduler import Scheduler
-from tinyllm.core.slot_cache import SlotCache, SlotKVCache
-from tinyllm.core.stats import Stats, Trace, kv_bytes_per_token
+from tinyllm.core.slot_cache import SlotKVCache
+from tinyllm.core.stats import Trace, kv_bytes_per_token
 from tinyllm.core.token_stage import new_matchers
-
-# what this step's engine makes itself; other values, the builder
-LATER = {"kv": "slots", "decoder": "eager", "max_step_tokens": None, "prefix_cache": False,
-         "speculate": None, "tensor_parallel_size": 1}
-
-
-def compiles(decoder) -> bool:
-    """Whether a decode step compiles (06's compiled step, before it serves; 13's pieces,
-    while it serves)."""
-    return hasattr(decoder, "warm_up")
 
 
 def slot_cache(model: Transformer, config: EngineConfig, device=None) -> SlotKVCache:
@@ -60,7 +47,8 @@ def slot_cache(model: Transformer, config: EngineConfig, device=None) -> SlotKVC
 
 
 def config_and_cache(model: Transformer, config: EngineConfig | int, settings: dict,
-                     cache: SlotCache | None, device) -> tuple[EngineConfig, SlotCache]:
+                     cache: parts.EngineCache | None, device
+                     ) -> tuple[EngineConfig, parts.EngineCache]:
     """The engine's config (n_slots, or a config; `settings` change fields) and its cache: the
     one given, or this step's own (slot_cache) for a config that asks for no later step's."""
     config = config if isinstance(config, EngineConfig) else EngineConfig(config)
@@ -74,19 +62,10 @@ def config_and_cache(model: Transformer, config: EngineConfig | int, settings: d
 def check_own_settings(config: EngineConfig) -> None:
     """Raise ValueError naming a setting of a later step, which this step's engine cannot make
     itself: tinyllm.build.make_engine makes the parts of any EngineConfig."""
-    for name, own in LATER.items():
-        if getattr(config, name) != own:
-            raise ValueError(f"{name}={getattr(config, name)!r} is a later step's: make the "
-                             f"engine with tinyllm.build.make_engine(model, config), which "
-                             f"builds its parts, or pass them")
-
-
-def sample(seqs: list[Sequence], logits: Tensor, shared: torch.Generator | None):
-    """Each sequence's next token from logits (B, V) through the token stage, as one-token
-    lists (a speculating step keeps several), with its logprobs (None where not asked)."""
-    tokens, logprobs = token_stage.select(logits, [s.history() for s in seqs],
-                                          [s.generator for s in seqs], shared)
-    return [[t] for t in tokens], [[lp] for lp in logprobs]
+    for name in later_settings(config):
+        raise ValueError(f"{name}={getattr(config, name)!r} is a later step's: make the "
+                         f"engine with tinyllm.build.make_engine(model, config), which "
+                         f"builds its parts, or pass them")
 
 
 def collect_prompt_logprobs(chunks: list[tuple[Sequence, int]], logits: Tensor | None) -> None:
@@ -105,50 +84,29 @@ def collect_prompt_logprobs(chunks: list[tuple[Sequence, int]], logits: Tensor |
                                               prompt[lo + 1:hi + 1], seq.sampling.prompt_logprobs)
 
 
-def mark_computed(seqs: list[Sequence], n: list[int], cache: SlotCache, scheduler: Scheduler,
-                  ahead: list[list[int]] | None = None) -> None:
+def written(seq: Sequence, ahead: list[int]) -> list[int]:
+    """What seq's slot holds once a step wrote it: its context, then the tokens ahead of it."""
+    return seq.context() + ahead
+
+
+def mark_computed(seqs: list[Sequence], n: list[int], cache: parts.EngineCache,
+                  scheduler: Scheduler, ahead: list[list[int]] | None = None) -> None:
     """The step wrote n[i] tokens of seqs[i]: it holds more of its context, which the cache may
     keep for later requests (cache_blocks: a prefix cache names the blocks that filled up, 08).
-    ahead[i]: tokens written that join the context only when retired (a speculating step's kept
-    guesses, 11). A first choice whose prompt is computed lets its other choices queue (a
-    cache that shares prefixes serves them its blocks)."""
+    ahead[i]: tokens written that join the context only as they are retired (a row that made
+    several tokens in one step). A first choice whose prompt is computed lets its other
+    choices queue (a cache that shares prefixes serves them its blocks)."""
     for i, (seq, k) in enumerate(zip(seqs, n)):
         prompt_done = seq.num_computed_tokens < len(seq.request.prompt) <= \
             seq.num_computed_tokens + k
         seq.num_computed_tokens += k
-        cache.cache_blocks(seq.slot, lambda seq=seq, i=i: seq.context() + (ahead[i] if ahead
-                                                                            else []))
+        cache.cache_blocks(seq.slot, functools.partial(written, seq, ahead[i] if ahead else []))
         if prompt_done:
             scheduler.release(seq)
 
 
-def computed_chunks(chunks: list[tuple[Sequence, int]], every: Tensor | None, cache: SlotCache,
-                    scheduler: Scheduler) -> None:
-    """A step's prefill chunks are computed: their prompt logprobs collected from every (C, T,
-    V) (None when none asks), their tokens counted (mark_computed)."""
-    collect_prompt_logprobs(chunks, every)
-    mark_computed([s for s, _ in chunks], [n for _, n in chunks], cache, scheduler)
-
-
-def tokens_left(max_step_tokens: int | None, decodes: list[Sequence],
-                chunks: list[tuple[Sequence, int]]) -> int | None:
-    """The tokens a step's plan leaves of its budget, max_step_tokens (None: no budget)."""
-    if max_step_tokens is None:
-        return None
-    return max_step_tokens - len(decodes) - sum(n for _, n in chunks)
-
-
-def record_decode_step(stats: Stats, cache: SlotCache, n_rows: int, decoder) -> None:
-    """A decode step of n_rows requests in Stats: the rows computed (the requests', or every
-    slot's for a decoder that computes every slot), and the cache's use of what it reserves and
-    allocates."""
-    used = cache.used_tokens()
-    every = getattr(decoder, "computes_every_slot", False)
-    stats.record_step(cache.n_slots if every else n_rows, n_rows, cache.n_slots,
-                      used / cache.reserved_tokens(), used / max(1, cache.allocated_tokens()))
-
-
-def fitting(req: Request, model: Transformer, cache: SlotCache, default: Sampling) -> Request:
+def fitting(req: Request, model: Transformer, cache: parts.CacheBooks, default: Sampling
+            ) -> Request:
     """The request checked (check_request, against the model; its sampling the request's or
     default), if its prompt and new tokens can fit the cache alone (whose max_len may be less
     than the model's); else a ValueError saying why not."""
@@ -160,60 +118,43 @@ def fitting(req: Request, model: Transformer, cache: SlotCache, default: Samplin
     return req
 
 
-def record_trace(trace: Trace, cache: SlotCache, holders: list[int | None],
-                 decodes: list[Sequence], chunks: list[tuple[Sequence, int]]) -> None:
+def record_trace(trace: Trace, cache: parts.EngineCache, holders: list[int | None],
+                 plan: parts.StepPlan) -> None:
     """A step in the trace: who holds each slot, the cache's use, the tokens each slot computes."""
     computed = [0] * cache.n_slots
-    for seq, n in [(s, 1) for s in decodes] + chunks:
-        computed[seq.slot] = n
+    for seq in plan.decodes:
+        computed[seq.slot] = 1
+    for seq, tokens, _ in plan.chunks:
+        computed[seq.slot] = len(tokens)
     n_reserved = cache.reserved_tokens()
     trace.record(holders, cache.used_tokens() / n_reserved, cache.allocated_tokens() / n_reserved,
                  computed)
 
 
-def decodes_apart(speculator, decodes: list[Sequence], left: int | None, decoder) -> bool:
-    """Whether a step's decode rows have a pass of their own rather than joining its prefill
-    chunks' (Orca's iteration-level batching: one pass a step): a speculating step's guesses
-    (11: a row the speculator allows a guess, within the step's `left` tokens), or a decoder
-    that replays every slot (06's graphs)."""
-    guessing = speculator is not None and any(speculator.allowed(decodes, left))
-    return guessing or getattr(decoder, "computes_every_slot", False)
-
-
-def chunk_tokens(planner, chunks: list[tuple[Sequence, int]]) -> list[tuple]:
-    """Each chunk as (sequence, the tokens it computes, whether they end its context), as the
-    planner says (next_chunk); a chunk of the wrong length is named."""
-    out = []
-    for seq, n in chunks:
-        tokens, ends = planner.next_chunk(seq, n)
-        if len(tokens) != n:
-            raise ValueError(f"next_chunk gave {len(tokens)} token{'s' * (len(tokens) != 1)} "
-                             f"for request {seq.rid}'s chunk of {n}")
-        out.append((seq, tokens, ends))
-    return out
-
-
 class ContinuousEngine:
-    """Continuous batching over a SlotCache, one step() at a time, of parts: this step's own for
+    """Continuous batching over a cache, one step() at a time, of parts: this step's own for
     `ContinuousEngine(model, n_slots or EngineConfig)`, or a later step's as keywords (`cache`,
-    `decoder`, `planner`, `speculator`, `grammars`: tinyllm.build.make_engine). A request added at
-    any time (add_request) gets its tokens as step()'s Events and its Result in `results` (pop
-    it), on the engine clock from its arrival; `generator` serves those without a seed."""
+    `decoder`, `planner`, `runner`, `grammars`: parts.py; tinyllm.build.make_engine). A request
+    added at any time (add_request) gets its tokens as step()'s Events and its Result in
+    `results` (pop it), on the engine clock from its arrival; `generator` serves those without
+    a seed."""
 
-    def __init__(self, model: Transformer, config: EngineConfig | int, *, cache=None,
-                 decoder=None, planner=None, speculator=None, grammars=None, generator=None,
+    def __init__(self, model: Transformer, config: EngineConfig | int, *,
+                 cache: parts.EngineCache | None = None, decoder: parts.DecodeStep | None = None,
+                 planner: parts.Planner | None = None, runner: parts.Runner | None = None,
+                 grammars: parts.Grammars | None = None, generator: torch.Generator | None = None,
                  trace: Trace | None = None, **settings):
         check_generator(generator)
         device = next(model.parameters()).device
         config, cache = config_and_cache(model, config, settings, cache, device)
         model.eval()
         self.model, self.config, self.cache, self.device = model, config, cache, device
-        self.max_len, self.decoder, self.speculator = cache.max_len, decoder, speculator
+        self.max_len = cache.max_len
+        self.runner: parts.Runner = runner or ModelRunner(model, cache, decoder or ModelStep(model),
+                                                    device)
+        self.decoder, self.stats = self.runner.decode_step, self.runner.stats
         self.scheduler = Scheduler(cache, planner)
         self.generator, self.trace, self.grammars = generator, trace, grammars
-        self.stats = Stats(kv_bytes_per_token=kv_bytes_per_token(model, device),
-                           kv_reserved_tokens=cache.reserved_tokens())
-        self.runner = ModelRunner(model, cache, decoder or model, self.stats, device)
         self.results: dict[int, Result] = {}
         self._seqs: dict[int, Sequence] = {}            # unfinished requests, by id
         self._next_id, self._t0 = 0, time.perf_counter()
@@ -260,73 +201,51 @@ class ContinuousEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq)
-        if self.speculator is not None:                 # its draft slot too (11)
-            self.speculator.sync(self.scheduler.running)
+        self.runner.sync(self.scheduler.running)
         return True
 
     def warm_up(self, progress=None) -> None:
         """A decoder that compiles (06, 13) compiles now: progress(bucket, seconds) hears each."""
-        if compiles(self.decoder):
+        if self.decoder.compiles:
             self.decoder.warm_up(progress=progress)
 
     @torch.no_grad()
     def step(self) -> list[Event]:
-        """1) reserve, 2) admit and plan, 3) the forward pass (decodes and prefill chunks in one,
-        unless the decodes have their own), 4) retire: the new tokens."""
+        """1) plan (the scheduler), 2) run (the runner: the forward pass and its tokens),
+        3) retire (the new tokens; the finished leave their slots): the step's Events."""
         if not self.scheduler.has_work():
             return []
-        self.stats.preemptions += len(self.scheduler.reserve())
-        decodes, chunks = self.scheduler.plan()
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
         if self.trace is not None:
-            record_trace(self.trace, self.cache, self.holders(), decodes, chunks)
-        t_step, planner = time.perf_counter(), self.scheduler.planner
-        if decodes:
-            record_decode_step(self.stats, self.cache, len(decodes), self.decoder)
-        left = tokens_left(planner.max_step_tokens, decodes, chunks)
-        if decodes and chunks and not decodes_apart(self.speculator, decodes, left, self.decoder):
-            prefilled = self.runner.prefill(chunk_tokens(planner, chunks), decodes)
-            events = self._decode(decodes, left, t_step, prefilled.decodes)
-        else:
-            events = self._decode(decodes, left, t_step) if decodes else []
-            prefilled = self.runner.prefill(chunk_tokens(planner, chunks)) if chunks else None
-        if chunks:
-            computed_chunks(chunks, prefilled.every, self.cache, self.scheduler)
-            if prefilled.ends:
-                seqs = [chunks[i][0] for i in prefilled.ends]
-                events += self._retire(seqs, *sample(seqs, prefilled.ended, self.generator))
-        if self.speculator is not None:
-            self.speculator.sync(self.scheduler.running)
-        self.stats.wall_s = self.now() - self._start
+            record_trace(self.trace, self.cache, self.holders(), plan)
+        events = self.retire(plan, self.runner.run(plan, self.generator))
+        self.runner.sync(self.scheduler.running)
+        self.stats.wall_s = self.now() - (self._start or 0.0)
         self.stats.kv_allocated_at_end = self.cache.allocated_tokens()
         return events
 
-    # ---- 3) decode: one token for every sequence that has one left ---------------------------
-    def _decode(self, seqs: list[Sequence], tokens_left: int | None, t_step: float,
-                logits: Tensor | None = None) -> list[Event]:
-        """A token for each, the step begun at t_step: from logits (B, V) of a mixed pass, else
-        from a decode pass of their own (or a speculating step's verified guesses, 11)."""
-        if logits is not None:
-            tokens, logprobs = sample(seqs, logits, self.generator)
-            if self.speculator is not None:             # a step without guesses (11)
-                self.speculator.decoded(seqs, tokens, logprobs)
-        elif self.speculator is None or not any(self.speculator.allowed(seqs, tokens_left)):
-            tokens, logprobs = sample(seqs, self.runner.decode(seqs), self.generator)
-            if self.speculator is not None:             # no row may guess (11)
-                self.stats.record_speculation(self.speculator.decoded(seqs, tokens, logprobs))
-        else:                                           # guesses, verified in one pass (11)
-            verdicts = self.speculator.decode(seqs, tokens_left, self.generator, self.runner)
-            self.stats.record_speculation(verdicts)
-            tokens, logprobs = [v.tokens for v in verdicts], [v.logprobs for v in verdicts]
-        mark_computed(seqs, [len(t) for t in tokens], self.cache, self.scheduler,
-                      [t[:-1] for t in tokens])
-        events = self._retire(seqs, tokens, logprobs)
-        self.stats.decode_s += time.perf_counter() - t_step
+    def retire(self, plan: parts.StepPlan, out: parts.StepOutput) -> list[Event]:
+        """The step's tokens in their requests: the decode rows' (each row's context grows by
+        its new tokens, one or a run of them, each joining the context as it is
+        retired), then the chunks' (their prompt logprobs, the tokens they computed, and a
+        token for each chunk that ends its context)."""
+        decodes, chunks = plan.decodes, plan.chunks
+        mark_computed(decodes, [len(t) for t in out.tokens], self.cache, self.scheduler,
+                      [t[:-1] for t in out.tokens])
+        events = self._append(decodes, out.tokens, out.logprobs)
+        if chunks:
+            sizes = [(seq, len(tokens)) for seq, tokens, _ in chunks]
+            collect_prompt_logprobs(sizes, out.every)
+            mark_computed([s for s, _ in sizes], [n for _, n in sizes], self.cache,
+                          self.scheduler)
+            ended = [chunks[i][0] for i in out.ended]
+            events += self._append(ended, out.ended_tokens, out.ended_logprobs)
         return events
 
-    # ---- 4) retire: sample, record, free the slots of the finished -------------------------
-    def _retire(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list]
+    def _append(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list]
                 ) -> list[Event]:
-        """Record each sequence's new tokens (one, or a speculating step's run) and their
+        """Record each sequence's new tokens (one, or a run a step made) and their
         logprobs; a finished request leaves its slot at once, nothing after its end kept."""
         now, events = self.now(), []
         for seq, toks, lps in zip(seqs, tokens, logprobs):

@@ -32,12 +32,15 @@ static-buffer step eagerly, so CPU tests check its arithmetic token for token, a
 only the capture.
 """
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from tinyllm.core import paged_kv
 from tinyllm.core.model import Transformer, gpu_dtype
 from tinyllm.core.paged_kv import PagedKVCache
+from tinyllm.core.parts import DecodeStep
 from tinyllm.core.slot_cache import SlotKVCache
 
 
@@ -107,6 +110,8 @@ class WindowCache:
     buffer. Implements the Cache protocol with tensor operations only: no Python state changes
     between steps, so a replay repeats it faithfully."""
 
+    packing = None
+
     def __init__(self, slots: SlotKVCache, lens: Tensor, W: int):
         self.slots, self.lens, self.W = slots, lens, W
         self.rows = torch.arange(slots.n_slots, device=lens.device)     # (S,)
@@ -133,6 +138,8 @@ class PagedWindowCache:
     static tables buffer, (S, n_table)) and reads its first W positions through the same table
     (slot_mapping). Tensor operations only, as WindowCache: a replay repeats it faithfully."""
 
+    packing = None
+
     def __init__(self, pool: PagedKVCache, lens: Tensor, tables: Tensor, W: int):
         self.pool, self.lens, self.tables, self.W = pool, lens, tables, W
         self.keys = torch.arange(W, device=lens.device)                 # (W,)
@@ -157,7 +164,7 @@ class PagedWindowCache:
         """Nothing to count here: the paged cache ends its own step after the replay."""
 
 
-class SlotGraphDecoder:
+class SlotGraphDecoder(DecodeStep):
     """Decode steps of a slot cache's slots (a SlotKVCache, or a PagedKVCache's), replayed as
     CUDA graphs, one per window bucket.
 
@@ -202,7 +209,7 @@ class SlotGraphDecoder:
         self.views = {W: self._view(W) for W in buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, Tensor] = {}                             # static outputs
-        self.pool = None
+        self.pool: Any = None                           # the graphs' memory pool
         if self.capture:
             self._capture_all()
 
@@ -219,7 +226,7 @@ class SlotGraphDecoder:
 
     def _view(self, W: int):
         """The cache as the step at window W sees it, over the static buffers."""
-        if self.tables is None:
+        if not isinstance(self.slots, PagedKVCache):
             return WindowCache(self.slots, self.lens, W)
         return PagedWindowCache(self.slots, self.lens, self.tables, W)
 
@@ -228,10 +235,11 @@ class SlotGraphDecoder:
         table, padded with the pad block, when s is one of the step's rows, else the pad block
         alone (a free slot, or one still prefilling: what it computes is written where no
         table reads). Nothing to do for a SlotKVCache."""
-        if self.tables is None:
+        pool = self.slots
+        if self.tables is None or not isinstance(pool, PagedKVCache):
             return
-        rows, pool = set(rows), self.slots
-        tables = [t if s in rows else [] for s, t in enumerate(pool.tables)]
+        stepping = set(rows)
+        tables = [t if s in stepping else [] for s, t in enumerate(pool.tables)]
         self.tables.copy_(paged_kv.table_tensor(tables, "cpu", pool.pad, self.tables.size(1)))
 
     def run_eager(self, W: int) -> Tensor:

@@ -70,7 +70,7 @@ def decode_loop(model: Transformer, idx: Tensor, max_new_tokens: int, eos_ids: f
     out: list[int] = []
     while True:
         nxt = pick(logits[:, -1])                                            # (1, 1)
-        out.append(nxt.item())
+        out.append(int(nxt.item()))
         if len(out) >= max_new_tokens or out[-1] in eos_ids:
             return out
         logits, _ = model(nxt, cache=cache)                                  # (1, 1, V)
@@ -87,7 +87,8 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int,
     check_eos(eos_id, model.cfg.vocab_size)
     check_generator(generator)
     sampling = Sampling(temperature, top_k, top_p)
-    return solo(model, Request(prompt, max_new_tokens, eos_id, sampling), generator).tokens
+    eos = tuple(eos_id) if isinstance(eos_id, list) else eos_id
+    return solo(model, Request(prompt, max_new_tokens, eos, sampling), generator).tokens
 
 
 def prompt_logprobs(model: Transformer, idx: Tensor, k: int) -> list[TokenLogprobs | None]:

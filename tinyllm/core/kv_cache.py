@@ -9,7 +9,7 @@ cache, `KVCache`: one contiguous buffer per layer for a batch that starts togeth
 pad-aware, so step 02 can left-pad prompts of different lengths into one batch.
 """
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -20,10 +20,12 @@ class Cache(Protocol):
     in every layer, then `end_step`. KVCache (01), SlotKVCache (04), PagedKVCache (05) and the
     graph decoder's window (06) implement it; the model never knows which one it holds. A
     cache of ragged steps (04) may also pack one: after begin_step, `packing` holds the new
-    tokens' places among the step's (B * T) columns when some columns are padding (else None
-    or no such attribute), and instead of update each layer stores groups of the step's rows'
+    tokens' places among the step's (B * T) columns when some columns are padding (else None,
+    as always here), and instead of update each layer stores groups of the step's rows'
     new tokens (`store(layer, k, v, rows)`, (1, n_kv, n, hd)), all of them before any group
     reads what it attends to (`read(layer, rows)`) (slot_cache.PackedStep)."""
+
+    packing: Any                        # None, or a ragged step's PackedStep (04)
 
     def begin_step(self, T: int) -> Tensor:
         """Start a forward pass of T token columns: returns their RoPE positions, (B, T) or
@@ -93,6 +95,8 @@ class KVCache:
     are known.
     """
 
+    packing = None                      # every step's columns are its tokens
+
     def __init__(self, n_layers: int, max_len: int, pad_lens: Tensor | None = None):
         self.n_layers = n_layers
         self.max_len = max_len
@@ -101,6 +105,7 @@ class KVCache:
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
         self._T = 0                                     # columns of the step in progress
+        self._mask: Tensor | None = None
 
     def begin_step(self, T: int) -> Tensor:
         if self.pos + T > self.max_len:

@@ -18,6 +18,7 @@ Seams: `apply_penalties` (exercise 10), `apply_bitmask` (exercise 12).
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,7 +35,7 @@ class History:
     prompt: list[int]
     output: list[int]
     eos_id: int | tuple[int, ...] | None = None
-    matcher: object | None = None   # its grammar's matcher (12), at the state after output
+    matcher: Any = None             # its grammar's matcher (12), at the state after output
 
     def stop_ids(self) -> list[int]:
         eos = self.eos_id

@@ -140,7 +140,7 @@ class Attention(nn.Module):
         """x (B, T, d) -> (B, T, d). In a packed step (cache.packing, see layers_pass) x is
         (1, N, d), the step's N new tokens; attention alone sees them in their rows."""
         B, T, _ = x.shape
-        if getattr(cache, "packing", None) is not None:
+        if cache is not None and cache.packing is not None:
             return self.o_proj(self.packed(x, cos, sin, cache))               # (1, N, d)
         q, k, v = self.qkv(x, cos, sin)                 # (B, H, T, hd), (B, n_kv, T, hd) twice
         if T == 1 and cache is not None:
@@ -264,6 +264,9 @@ class Transformer(nn.Module):
     prompts before they reach the model.
     """
 
+    rope_cos: Tensor                    # buffers (max_len, hd)
+    rope_sin: Tensor
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -320,7 +323,7 @@ class Transformer(nn.Module):
             pos = torch.arange(T, device=idx.device)[None]                    # (1, T)
         else:
             pos = cache.begin_step(T).to(idx.device)                          # (B or 1, T)
-        packing = getattr(cache, "packing", None)
+        packing = None if cache is None else cache.packing
         where = None if packing is None else packing.places                   # (N,) of B * T
         if where is not None:
             idx, pos = idx.reshape(-1)[where][None], pos.reshape(-1)[where][None]  # (1, N)

@@ -1,12 +1,14 @@
-"""Step 04 - the model runner: a step's forward passes on the engine's cache.
+"""Step 04 - the model runner: a planned step's forward passes and the tokens they sample.
 
-The continuous engine (continuous.py) decides what a step computes; the runner runs it: the
-decode rows alone, one token each (`decode`, through the engine's decode step: the model, or a
-later step's decoder), or the prompts' chunks with the decode rows beside them in one packed
-pass (`prefill`), whose result names what each part gave (`PrefillPass`). The head runs only
-where a token is sampled (vLLM's logits indices), unless a prompt asks for its logprobs.
-Speculation's target pass (11) is one more ragged pass (`verify`). As vLLM's and nano-vllm's
-model runners do, it plans the cache's step, runs the model, and times what it ran.
+The scheduler plans a step (parts.StepPlan); the runner computes it (`run`): the decode rows
+and the prompts' chunks in one packed pass (a mixed step, `prefill` with decodes), or the
+decode rows' pass (`decode`, through the engine's decode step: the model, or a later step's
+decoder) and then the chunks' (a decoder that replays every slot, 06, has its own pass). It
+samples each decode row's token and each ending chunk's (`sample`, through the token stage)
+and returns them (parts.StepOutput). The head runs only where a token is sampled (vLLM's
+logits indices), unless a prompt asks for its logprobs. Speculation's target pass (11) is one
+more ragged pass (`verify`). As vLLM's and nano-vllm's model runners do, it plans the cache's
+step, runs the model, samples, and times what it ran.
 """
 
 import itertools
@@ -16,11 +18,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tinyllm.core import token_stage
 from tinyllm.core.generate import autocast_for
 from tinyllm.core.model import Transformer, unpacked
+from tinyllm.core.parts import DecodeStep, EngineCache, StepOutput, StepPlan
 from tinyllm.core.requests import Sequence
-from tinyllm.core.slot_cache import SlotCache
-from tinyllm.core.stats import Stats, sync_device
+from tinyllm.core.stats import Stats, kv_bytes_per_token, sync_device
 
 
 @dataclass
@@ -35,15 +38,82 @@ class PrefillPass:
     every: Tensor | None
 
 
-class ModelRunner:
-    """A step's forward passes on the engine's cache: the decode rows alone (one token each,
-    through decode_step: the model, or a decoder of 06 or 13, called as the model is), or the
-    prefill chunks (a ragged batch) with the decode rows in the same pass. The time inside the
-    model of a pass with decode rows is added to stats.forward_s."""
+class ModelStep(DecodeStep):
+    """Step 04's decode step: the model itself, model(idx, cache=cache)."""
 
-    def __init__(self, model: Transformer, cache: SlotCache, decode_step, stats: Stats, device):
-        self.model, self.cache, self.decode_step, self.stats, self.device = \
-            model, cache, decode_step, stats, device
+    def __init__(self, model: Transformer):
+        self.model = model
+
+    def __call__(self, idx: Tensor, cache) -> tuple[Tensor, None]:
+        return self.model(idx, cache=cache)
+
+
+def sample(seqs: list[Sequence], logits: Tensor, shared: torch.Generator | None):
+    """Each sequence's next token from logits (B, V) through the token stage, as one-token
+    lists (a speculating step keeps several), with its logprobs (None where not asked)."""
+    tokens, logprobs = token_stage.select(logits, [s.history() for s in seqs],
+                                          [s.generator for s in seqs], shared)
+    return [[t] for t in tokens], [[lp] for lp in logprobs]
+
+
+class ModelRunner:
+    """A planned step's passes on the engine's cache and the tokens they sample (`run`): the
+    decode rows alone (one token each, through decode_step: the model, or a decoder of 06 or
+    13, called as the model is), or the prefill chunks (a ragged batch) with the decode rows in
+    the same pass. A step with decode rows adds its time to stats.decode_s, until its decode
+    tokens are sampled, and the part inside the model to stats.forward_s (the engine's Stats,
+    made here)."""
+
+    def __init__(self, model: Transformer, cache: EngineCache, decode_step: DecodeStep, device):
+        self.model, self.cache, self.decode_step, self.device = model, cache, decode_step, device
+        self.stats = Stats(kv_bytes_per_token=kv_bytes_per_token(model, device),
+                           kv_reserved_tokens=cache.reserved_tokens())
+
+    def run(self, plan: StepPlan, generator: torch.Generator | None) -> StepOutput:
+        """The plan's tokens: its decode rows and chunks in one pass, or (a decode step that
+        computes every slot) the decode rows' pass, then the chunks'."""
+        decodes, chunks = plan.decodes, plan.chunks
+        mixed = bool(decodes and chunks) and not self.decode_step.computes_every_slot
+        t0 = self.begin_decode(decodes) if decodes else 0.0
+        prefilled = self.prefill(chunks, decodes) if mixed else None
+        tokens: list[list[int]] = []
+        logprobs: list[list] = []
+        if decodes:
+            logits = prefilled.decodes if prefilled is not None else self.decode(decodes)
+            tokens, logprobs = sample(decodes, logits, generator)
+            self.stats.decode_s += time.perf_counter() - t0
+        if chunks and not mixed:
+            prefilled = self.prefill(chunks)
+        return self.output(tokens, logprobs, chunks, prefilled, generator)
+
+    def begin_decode(self, decodes: list[Sequence]) -> float:
+        """A step of these decode rows in the stats (the rows computed: every slot's for a
+        decode step that computes every slot; the cache's use); returns its start."""
+        cache, every = self.cache, self.decode_step.computes_every_slot
+        used = cache.used_tokens()
+        self.stats.record_step(cache.n_slots if every else len(decodes), len(decodes),
+                               cache.n_slots, used / cache.reserved_tokens(),
+                               used / max(1, cache.allocated_tokens()))
+        return time.perf_counter()
+
+    def output(self, tokens: list[list[int]], logprobs: list[list],
+               chunks: list[tuple[Sequence, list[int], bool]], prefilled: "PrefillPass | None",
+               generator: torch.Generator | None) -> StepOutput:
+        """The step's output: the decode rows' tokens, and a token sampled for each chunk that
+        ends its context."""
+        if prefilled is None or not prefilled.ends:
+            return StepOutput(tokens, logprobs, [], [], [],
+                              None if prefilled is None else prefilled.every)
+        ended, every = prefilled.ends, prefilled.every
+        ended_tokens, ended_logprobs = sample([chunks[i][0] for i in ended], prefilled.ended,
+                                              generator)
+        return StepOutput(tokens, logprobs, ended, ended_tokens, ended_logprobs, every)
+
+    def sync(self, running: dict[int, Sequence]) -> None:
+        """Nothing to follow: the runner keeps nothing of a request between steps."""
+
+    def check_integrity(self, idle: bool = False) -> str | None:
+        return None
 
     def decode(self, seqs: list[Sequence]) -> Tensor:
         """Each sequence's last token (or, after its prefill, its prompt's) -> logits (B, V)."""
@@ -58,17 +128,15 @@ class ModelRunner:
 
     def verify(self, seqs: list[Sequence], inputs: list[list[int]]) -> Tensor:
         """Speculation's target pass (11): each sequence's last token and its guesses (inputs,
-        1 or more a row) in one ragged batch -> every position's logits (B, T, V). A decode
-        step that offers `verify(idx, q_lens, cache)` computes it where it can (13: the fused
-        layers), returning None where the model is to."""
+        1 or more a row) in one ragged batch -> every position's logits (B, T, V): the decode
+        step's `verify` where it computes it (13: the fused layers), else the model's."""
         q_lens = [len(t) for t in inputs]
         T = max(q_lens)
         idx = torch.tensor([t + [0] * (T - len(t)) for t in inputs], device=self.device)
         t0 = time.perf_counter()
         self.cache.plan_step([s.slot for s in seqs], q_lens)
-        verify = getattr(self.decode_step, "verify", None)
         with autocast_for(self.device):
-            logits = None if verify is None else verify(idx, q_lens, self.cache)
+            logits = self.decode_step.verify(idx, q_lens, self.cache)
             if logits is None:
                 logits, _ = self.model(idx, cache=self.cache)           # (B, T, V)
         sync_device(self.device)
@@ -76,7 +144,7 @@ class ModelRunner:
         return logits
 
     def prefill(self, chunks: list[tuple[Sequence, list[int], bool]],
-                decodes: list[Sequence] = ()) -> PrefillPass:
+                decodes: list[Sequence] | tuple[()] = ()) -> PrefillPass:
         """The chunks, (sequence, the tokens of its context it computes now, whether they end
         it), in one ragged batch, and after them, in the same pass, one token of each decoding
         sequence in `decodes` (a mixed step). The cache packs the ragged batch: the products

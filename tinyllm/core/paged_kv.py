@@ -232,16 +232,16 @@ class PagedKVCache(SlotCache):
 
     Per layer the pool is ((n_blocks + 1) * block_size, n_kv, hd): row b * block_size + i is offset
     i of block b; the last block, `pad`, is no table's (a graph's step writes its idle rows there,
-    06). tables[s] is slot s's block table; reserved_tokens() is the n_blocks blocks,
-    allocated_tokens() what the tables hold. A step writes each new token through its row's table
-    and reads each row's first W positions (`slot_mapping`: a gather, or in place on a CPU's decode
-    step). `pool`, the BlockAllocator or the PrefixCache, hands blocks out and back.
+    06). tables[s] is slot s's block table. A step writes each new token through its row's table
+    and reads each row's first W positions (`slot_mapping`). `pool`, the BlockAllocator or the
+    PrefixCache, hands blocks out and back.
 
     prefix_cache (08: prefix_cache.PrefixCache, made over the pool's allocator): blocks are
     counted by the tables holding them, hashes[s] names slot s's full blocks in order, a
     newcomer admitted with its context starts with the cached blocks of its longest cached
     prefix, and a block is named once written (`cache_blocks`), or with name_at_admission as
     its newcomer is admitted (see `admit`; `release` forgets the names of blocks never written)."""
+    n_blocks: int
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int,
                  n_blocks: int, block_size: int, max_len: int,

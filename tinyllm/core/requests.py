@@ -122,7 +122,8 @@ def check_prompt(prompt, max_new_tokens: int, vocab_size: int, max_len: int) -> 
     if len(prompt) == 0:
         raise ValueError("empty prompt: give at least one token id")
     for t in prompt:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or \
+                not 0 <= int(t) < vocab_size:
             raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
     if len(prompt) + max_new_tokens > max_len:
         raise ValueError(f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens "
@@ -137,7 +138,7 @@ def check_eos(eos_id, vocab_size: int) -> None:
         return
     ids = list(eos_id) if isinstance(eos_id, (list, tuple, set, frozenset)) else [eos_id]
     if not ids or any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
-                      or not 0 <= t < vocab_size for t in ids):
+                      or not 0 <= int(t) < vocab_size for t in ids):
         raise ValueError(f"eos_id must be a token id in [0, {vocab_size}), several of them "
                          f"(a list), or None, got {eos_id!r}")
 

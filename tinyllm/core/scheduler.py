@@ -20,11 +20,11 @@ Seams: `admit_waiting` and `leave_slot` (exercise 04), `reserve_or_preempt` (exe
 from collections import deque
 from collections.abc import Callable
 
+from tinyllm.core.parts import CacheBooks, Planner, StepPlan
 from tinyllm.core.requests import Sequence
-from tinyllm.core.slot_cache import SlotCache
 
 
-def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Sequence]:
+def admit_waiting(waiting: deque, running: dict, cache: CacheBooks) -> list[Sequence]:
     """Waiting sequences enter the cache's free slots, first come first served; returns them
     in the order they entered.
 
@@ -56,7 +56,7 @@ def admit_waiting(waiting: deque, running: dict, cache: SlotCache) -> list[Seque
     return admitted
 
 
-def leave_slot(seq: Sequence, running: dict, cache: SlotCache) -> None:
+def leave_slot(seq: Sequence, running: dict, cache: CacheBooks) -> None:
     """seq gives its slot back (it finished, was aborted or is preempted). Afterwards the cache
     has released the slot and its memory, running no longer holds it, and seq.slot is None, so
     the next step may admit a waiting sequence there.
@@ -67,7 +67,7 @@ def leave_slot(seq: Sequence, running: dict, cache: SlotCache) -> None:
     seq.slot = None
 
 
-def reserve_or_preempt(running: dict, waiting: deque, cache: SlotCache) -> list[Sequence]:
+def reserve_or_preempt(running: dict, waiting: deque, cache: CacheBooks) -> list[Sequence]:
     """Room for every running sequence's next token, oldest first (lowest rid). While the cache
     has none for a sequence (cache.reserve(seq.slot, 1) is False), the youngest running
     sequence (highest rid; it may be this very one) is preempted: it leaves its slot
@@ -127,7 +127,7 @@ class WholeContexts:
     """The step's plan without a budget: every decoding sequence's token, then the contexts of
     the others, newcomers admitted, each computed whole (its chunk: all it has left)."""
 
-    max_step_tokens = None                              # no budget: every context at once
+    max_step_tokens: int | None = None                  # no budget: every context at once
 
     def plan(self, running: list[Sequence], admit: Callable[[], list[Sequence]]
              ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
@@ -143,12 +143,27 @@ class WholeContexts:
         return context[start:start + n], start + n == len(context)
 
 
-class Scheduler:
-    """The waiting queue and the running sequences (by slot) of one SlotCache, and the planner
-    of its steps (WholeContexts, or step 07's token budget)."""
+def chunk_tokens(planner: Planner, chunks: list[tuple[Sequence, int]]
+                 ) -> list[tuple[Sequence, list[int], bool]]:
+    """Each chunk as (sequence, the tokens it computes, whether they end its context), as the
+    planner says (next_chunk); a chunk of the wrong length is named."""
+    out = []
+    for seq, n in chunks:
+        tokens, ends = planner.next_chunk(seq, n)
+        if len(tokens) != n:
+            raise ValueError(f"next_chunk gave {len(tokens)} token{'s' * (len(tokens) != 1)} "
+                             f"for request {seq.rid}'s chunk of {n}")
+        out.append((seq, tokens, ends))
+    return out
 
-    def __init__(self, cache: SlotCache, planner=None):
-        self.cache, self.planner = cache, planner or WholeContexts()
+
+class Scheduler:
+    """The waiting queue and the running sequences (by slot) of one cache, and the planner of
+    its steps (WholeContexts, or step 07's token budget). `schedule` plans the next step."""
+
+    def __init__(self, cache: CacheBooks, planner: Planner | None = None):
+        self.cache = cache
+        self.planner: Planner = planner or WholeContexts()
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}          # slot -> the sequence it holds
         self.held: dict[int, list[Sequence]] = {}       # a first choice's rid -> the others (n > 1)
@@ -178,13 +193,24 @@ class Scheduler:
         """The running sequences by slot: the rows of a decode step."""
         return [self.running[s] for s in sorted(self.running)]
 
-    # ---- 1) reserve -------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """The next step: room for every running sequence's next token (reserve, preempting
+        while there is none), the newcomers admitted and the step's rows planned (plan), each
+        chunk's tokens (next_chunk)."""
+        preempted = self.reserve()
+        decodes, chunks = self.plan()
+        budget, left = self.planner.max_step_tokens, None
+        if budget is not None:
+            left = budget - len(decodes) - sum(n for _, n in chunks)
+        return StepPlan(decodes, chunk_tokens(self.planner, chunks), left, preempted)
+
+    # ---- reserve ----------------------------------------------------------------------------
     def reserve(self) -> list[Sequence]:
         """Room for every running sequence's next token, preempting while there is none.
         Returns the preempted sequences, now waiting again."""
         return reserve_or_preempt(self.running, self.waiting, self.cache)
 
-    # ---- 2) admit, and plan the step ---------------------------------------------------------
+    # ---- admit, and plan the step -----------------------------------------------------------
     def admit(self) -> list[Sequence]:
         """Waiting sequences that enter free slots now, each given a slot and memory for its
         context, and what the cache already holds of it (seq.num_computed_tokens, the slot's
@@ -228,7 +254,7 @@ class Scheduler:
                 f"request that never released its slot, or a plan that gave no tokens?)")
         return decodes, chunks
 
-    # ---- 4) retire --------------------------------------------------------------------------
+    # ---- retire ----------------------------------------------------------------------------
     def finish(self, seq: Sequence) -> None:
         """seq is done, or aborted: its slot and memory are free at once, and the choices held
         for it queue."""

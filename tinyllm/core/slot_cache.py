@@ -27,6 +27,8 @@ lie (`layout`), for attention that writes and reads them in place (step 13's C k
 keeps what the step's layers share (`memo`, made at the first layer that asks).
 """
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -67,7 +69,8 @@ class StepMask:
     PackedStep.picked."""
 
     def __init__(self, mask: Tensor, dtype: torch.dtype):
-        self.bool, self.dtype, self._whole = mask, dtype, None
+        self.bool, self.dtype = mask, dtype
+        self._whole: Tensor | None = None
         self.T, self.W = mask.size(2), mask.size(3)
 
     def whole(self) -> Tensor:
@@ -99,8 +102,9 @@ class PackedStep:
     def groups(self, rows: list[int] | None = None) -> list[list[int]]:
         """These rows (default: all of them) in attention's groups: those of one token, then
         the others; empty groups left out."""
-        rows = range(len(self.q_lens)) if rows is None else rows
-        groups = [[b for b in rows if self.q_lens[b] == 1], [b for b in rows if self.q_lens[b] > 1]]
+        picked = range(len(self.q_lens)) if rows is None else rows
+        groups = [[b for b in picked if self.q_lens[b] == 1],
+                  [b for b in picked if self.q_lens[b] > 1]]
         return [g for g in groups if g]
 
     def picked(self, rows: list[int], pick) -> tuple:
@@ -126,13 +130,13 @@ class PackedStep:
         return self._tokens[key]
 
 
-def check_slot(cache: "SlotCache", slot) -> None:
+def check_slot(cache: "RaggedStep", slot) -> None:
     """Raise ValueError unless slot is one of the cache's slots."""
     if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < cache.n_slots:
         raise ValueError(f"slot {slot!r} is not one of the cache's slots 0..{cache.n_slots - 1}")
 
 
-def check_plan(cache: "SlotCache", rows: list[int], q_lens: list[int]) -> None:
+def check_plan(cache: "RaggedStep", rows: list[int], q_lens: list[int]) -> None:
     """Raise ValueError naming why a step of these rows and q_lens cannot run: slots that are
     not distinct or not busy, a q_len that is not a positive int, or no room for the tokens."""
     if not rows or len(rows) != len(q_lens) or len(set(rows)) != len(rows):
@@ -187,6 +191,22 @@ class RaggedStep:
     During a step: `mask` (a StepMask), `packing` (a PackedStep, or None when no column is
     padding) and `memo`, what the step's layers share. SlotCache is the engine's half."""
 
+    # what a step reads of the slots' books (SlotCache) and of their storage (a subclass)
+    n_slots: int
+    active: list[bool]
+    lens: list[int]
+    device: Any
+    k: list[Tensor]
+    v: list[Tensor]
+    _plan: tuple[list[int], list[int]] | None
+    packing: PackedStep | None
+    memo: dict
+    _write: Tensor                      # made by _index
+    _reads: Tensor
+
+    def capacity(self, slot: int) -> int:
+        raise NotImplementedError
+
     def plan_step(self, rows: list[int], q_lens: list[int]) -> None:
         """The next forward pass runs these busy slots, in this order (batch row i is slot
         rows[i]), and row i brings q_lens[i] >= 1 new tokens."""
@@ -206,7 +226,8 @@ class RaggedStep:
         positions, mask = ragged_mask(lens, q_lens, self.device)       # (B, T), (B, 1, T, W)
         self.mask = StepMask(mask, self.k[0].dtype)
         self.packing = None if min(q_lens) == T else PackedStep(q_lens, self.device)
-        self._B, self._n, self._layout, self.memo = len(rows), sum(q_lens), None, {}
+        self._B, self._n, self.memo = len(rows), sum(q_lens), {}
+        self._layout: tuple | None = None
         self._widths = [n + q for n, q in zip(lens, q_lens)]           # keys each row may see
         self._index(rows, positions)
         return positions
@@ -253,6 +274,7 @@ class RaggedStep:
         decodes reads no further than its own longest context, whatever the step's prompts
         are); made at the step's first layer."""
         n_kv, W = self.k[0].size(1), max(self._widths[b] for b in rows)
+        assert self.packing is not None, "a group of rows is a packed step's"
         return self.packing.picked(rows, lambda tokens, picked: (
             self._write.view(-1, n_kv).index_select(0, tokens).view(-1),
             self._reads.index_select(0, picked), self.mask.rows(picked, W), W))
@@ -286,6 +308,9 @@ class RaggedStep:
     def _gather(self, layer: int, reads: Tensor, W: int, whole: bool) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
+    def _where(self) -> tuple[Tensor, Tensor, int]:
+        raise NotImplementedError
+
 
 class SlotCache(RaggedStep):
     """The engine's half of a cache of n_slots slots, each holding at most max_len tokens (the
@@ -294,6 +319,9 @@ class SlotCache(RaggedStep):
     (in lists `k` and `v`, a tensor per layer; `_index`: where a step writes and reads;
     `_gather`: the keys a read returns; `_where`: the rows of `layout`) and say
     how much memory a slot may use (`capacity`, `reserve`)."""
+
+    n_blocks: int | None = None         # a pool's blocks (05); slots have none
+    name_at_admission = False           # a prefix cache names blocks as it admits (08)
 
     def __init__(self, n_layers: int, n_slots: int, max_len: int, device=None):
         self.n_layers, self.n_slots, self.max_len, self.device = n_layers, n_slots, max_len, device

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from tinyllm.core.model import Transformer
+from tinyllm.core.parts import DecodeStep
 from tinyllm.ext import cpu_kernels
 from tinyllm.ext.cpu_attention import QUERY_ROWS, kernel_rows
 from tinyllm.ext.quant import FUSED_ROWS, QuantLinear
@@ -69,7 +70,7 @@ def c_product_of(m: nn.Module) -> str | None:
     return None if c_kernel is None else c_kernel(torch.empty(1, m.in_features))
 
 
-class FusedDecoder:
+class FusedDecoder(DecodeStep):
     """A model's decode step with each layer in one C call: decoder(idx (B, 1), cache) ->
     (logits (B, 1, V), None), what model(idx, cache=cache) returns. The model is not changed."""
 

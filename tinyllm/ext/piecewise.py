@@ -49,6 +49,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from tinyllm.core.model import Transformer, apply_rope
+from tinyllm.core.parts import DecodeStep
 from tinyllm.ext.quant import padded_rows, projections
 
 
@@ -153,12 +154,14 @@ PROGRAMS: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictio
 the model shares them, and they go with the model."""
 
 
-class PiecewiseDecoder:
+class PiecewiseDecoder(DecodeStep):
     """A model's decode step in compiled pieces: decoder(idx (B, 1), cache) -> (logits
     (B, 1, V), None), what model(idx, cache=cache) returns. The model itself is not changed:
     its other passes (prefill, chunks, verification) stay eager. The programs are compiled for
     the model as it is at their first use (its layers' kernels included), in the process that
     uses them: a decoder sent to the server's engine process compiles there."""
+
+    compiles = True
 
     def __init__(self, model: Transformer, max_rows: int = 1):
         self.model, self.max_rows = model, max_rows     # the rows warm_up compiles for

@@ -29,14 +29,16 @@ Seams: `accept_greedy`, `accept_sampled` and `roll_back` (exercise 11).
 import copy
 import dataclasses
 import math
+import time
 
 import torch
 from torch import Tensor, nn
 
-from tinyllm.core.continuous import sample
 from tinyllm.core.generate import autocast_for
 from tinyllm.core.logits_processors import process
 from tinyllm.core.model import Transformer
+from tinyllm.core.model_runner import ModelRunner, sample
+from tinyllm.core.parts import StepOutput, StepPlan
 from tinyllm.core.requests import Sequence, TokenLogprobs, is_done
 from tinyllm.core.sampling import draw, is_greedy, sampling_probs
 from tinyllm.core.slot_cache import SlotKVCache
@@ -383,7 +385,7 @@ def make_speculator(model: Transformer, config, cache, draft: Transformer | None
         return None
     device = cache.k[0].device
     return Speculator(make_proposer(model, config, cache.max_len, device, draft),
-                      config.spec_tokens, cache, getattr(decoder, "verify_rows", None))
+                      config.spec_tokens, cache, None if decoder is None else decoder.verify_rows)
 
 
 def make_proposer(model: Transformer, config, max_len: int, device, draft: Transformer | None):
@@ -549,3 +551,37 @@ class Speculator:
             self.proposer.kept(seq, v)
             self.learn(seq, v)
         return verdicts
+
+
+class SpeculatingRunner:
+    """Step 04's runner (model_runner.ModelRunner) with speculation around it, as step 13's C
+    attention wraps the model's: a step where some decode row may guess (Speculator.allowed)
+    runs the speculator's decode (the guesses, one target pass, the verdicts: a run of tokens
+    a row), then the chunks' own pass; any other step is the plain runner's, whose tokens the
+    speculator learns from. The engine sees a runner like any other."""
+
+    def __init__(self, base: ModelRunner, speculator: Speculator):
+        self.base, self.speculator = base, speculator
+        self.decode_step, self.stats = base.decode_step, base.stats
+
+    def run(self, plan: StepPlan, generator: torch.Generator | None) -> StepOutput:
+        decodes, chunks = plan.decodes, plan.chunks
+        if not decodes or not any(self.speculator.allowed(decodes, plan.budget_left)):
+            out = self.base.run(plan, generator)
+            verdicts = self.speculator.decoded(decodes, out.tokens, out.logprobs)
+            if decodes and not chunks:                  # a decode pass of their own
+                self.stats.record_speculation(verdicts)
+            return out
+        t0 = self.base.begin_decode(decodes)
+        verdicts = self.speculator.decode(decodes, plan.budget_left, generator, self.base)
+        self.stats.record_speculation(verdicts)
+        self.stats.decode_s += time.perf_counter() - t0
+        prefilled = self.base.prefill(chunks) if chunks else None
+        return self.base.output([v.tokens for v in verdicts], [v.logprobs for v in verdicts],
+                                chunks, prefilled, generator)
+
+    def sync(self, running: dict) -> None:
+        self.speculator.sync(running)
+
+    def check_integrity(self, idle: bool = False) -> str | None:
+        return self.speculator.check_integrity(idle)

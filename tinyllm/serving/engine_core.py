@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from tinyllm.core.continuous import ContinuousEngine, compiles
+from tinyllm.core.continuous import ContinuousEngine
 from tinyllm.core.requests import Event
 from tinyllm.serving.live import Sampler, block_counts
 from tinyllm.serving.messages import (
@@ -99,7 +99,7 @@ def warm_up(engine: ContinuousEngine, say) -> None:
     and leaves them to a thread of their own (compile_rest), their steps eager until then: a
     server's first token waits for no compiler."""
     kind, decoder = engine.config.decoder, engine.decoder
-    if not compiles(decoder):
+    if not decoder.compiles:
         return
     if hasattr(decoder, "compile_next"):
         decoder.eager_until_compiled = True

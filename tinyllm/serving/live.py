@@ -183,7 +183,7 @@ def slot_entry(engine, slot: int, seq, key_of: dict[int, int], plan: StepPlan | 
     if seq.left() > 1:
         phase = "recompute" if seq.tokens else "prefill"
     else:
-        phase = "decode" if engine.speculator is None else "speculate"
+        phase = "decode" if engine.config.speculate is None else "speculate"
     entry = {
         "key": key_of.get(seq.rid, -1),
         "phase": phase,

@@ -90,13 +90,13 @@ def speculation(engine) -> str:
     """The speculation (11): none, n-gram lookups, or a draft model (its own, or the
     target's first layers), with the guesses a request a step at most."""
     config = engine.config
-    if engine.speculator is None:
+    if config.speculate is None:
         return "none"
     guesses = f"up to {config.spec_tokens} guesses a step"
     if config.speculate == "ngram":
         n = f"{config.prompt_lookup_min}-{config.prompt_lookup_max}"
         return f"ngram (prompt lookup, n {n}), {guesses}"
-    draft = engine.speculator.proposer.model
+    draft = engine.runner.speculator.proposer.model
     return f"draft of {draft.cfg.n_layers} layers, {guesses}"
 
 
