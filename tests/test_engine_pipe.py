@@ -77,7 +77,7 @@ class SlowEngine(ContinuousEngine):
 def bulky(bundled64):
     model, tok = bundled64
     grammars = LLGuidance(tok, model.cfg.vocab_size)
-    srv = Running(BulkyEngine(model, 4, grammars=grammars), tok)
+    srv = Running(make_engine(model, 4, grammars=grammars, engine=BulkyEngine), tok)
     yield srv
     srv.stop()
 
@@ -446,7 +446,7 @@ def test_an_engine_process_killed_is_started_again(bundled64):
     took) is served by the new engine, its solo text; /health says restarting, then ok with one
     restart; nothing is left held, and the next request equals solo."""
     model, tok = bundled64
-    srv = Running(SlowEngine(model, 2), tok)
+    srv = Running(make_engine(model, 2, engine=SlowEngine), tok)
     try:
         got, asks = in_flight(srv, 2)
         process = srv.served.loop.engine.process
@@ -477,7 +477,7 @@ def test_an_engine_paused_for_seconds_is_busy_then_serves_on(bundled64):
     naming the stopped process), never 503; the requests in flight then end with their solo
     texts, and nothing was restarted."""
     model, tok = bundled64
-    srv = Running(SlowEngine(model, 2), tok)
+    srv = Running(make_engine(model, 2, engine=SlowEngine), tok)
     process = srv.served.loop.engine.process
     try:
         got, asks = in_flight(srv, 2)
@@ -510,7 +510,7 @@ def test_an_engine_stopped_past_its_timeout_is_hung_and_started_again(bundled64)
     engine is hung (no CPU for 3 s), ended and started again; the requests it held get a 500
     that names the stopped process, and the next request equals solo."""
     model, tok = bundled64
-    srv = Running(SlowEngine(model, 2), tok, engine_timeout=3.0)
+    srv = Running(make_engine(model, 2, engine=SlowEngine), tok, engine_timeout=3.0)
     process = srv.served.loop.engine.process
     try:
         got, asks = in_flight(srv, 2)
@@ -581,7 +581,7 @@ def test_a_decoder_compiles_before_the_engine_is_ready_saying_each_bucket(bundle
     bucket to its progress (the serve command prints them); the first request then waits for
     no compilation."""
     model, tok = bundled64
-    loop, lines = server.EngineLoop(ContinuousEngine(model, 2, decoder=SlowDecoder(model))), []
+    loop, lines = server.EngineLoop(make_engine(model, 2, decoder=SlowDecoder(model))), []
     started, first, tokens = asyncio.run(start_then_ask(loop, tok, lines))
     assert started >= 3 * SlowDecoder.WARM_S, f"ready after {started:.1f} s, before its warm-up"
     assert first < 2 * SlowDecoder.WARM_S, f"the first token took {first:.1f} s"
@@ -629,7 +629,7 @@ def test_a_decoder_that_compiles_later_is_ready_at_once_and_compiles_while_it_se
     its steps eager until then, and the first request waits for none of them."""
     model, tok = bundled64
     record = tmp_path / "compiled.txt"
-    engine = ContinuousEngine(model, 4, decoder=LaterDecoder(model, record))
+    engine = make_engine(model, 4, decoder=LaterDecoder(model, record))
     loop, lines = server.EngineLoop(engine), []
     _, first, tokens = asyncio.run(start_then_ask(loop, tok, lines, 4 * LaterDecoder.WARM_S))
     assert first < LaterDecoder.WARM_S, f"the first token took {first:.1f} s"
@@ -642,7 +642,7 @@ def test_a_decoder_that_cannot_compile_stops_the_start_in_one_line(bundled64):
     """A warm-up that fails (TorchInductor without a C++ compiler) ends the start with one
     sentence: what failed, the error's first line, and what to do; the engine process is gone."""
     model, _ = bundled64
-    engine = ContinuousEngine(model, 2, decoder=SlowDecoder(model, fails=True))
+    engine = make_engine(model, 2, decoder=SlowDecoder(model, fails=True))
     loop = server.EngineLoop(engine)
     with pytest.raises(RuntimeError) as e:
         asyncio.run(loop.start())

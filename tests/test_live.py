@@ -30,12 +30,9 @@ PROMPTS = [stem + tail for stem in STEMS for tail in ("Whether", "Through", "It 
 
 def paged_engine(model, kind=None):
     """8 slots over a paged pool of blocks of 8 with a prefix cache (blocks held, shared and
-    cached all show), as make_engine makes it, or as an engine of class kind of its parts."""
-    engine = make_engine(model, EngineConfig(8, kv="paged", block_size=8, prefix_cache=True))
-    if kind is None:
-        return engine
-    parts = dict(cache=engine.cache, decoder=engine.decoder, planner=engine.scheduler.planner)
-    return kind(model, engine.config, **parts)
+    cached all show), as make_engine makes it, of class kind (default: ContinuousEngine)."""
+    config = EngineConfig(8, kv="paged", block_size=8, prefix_cache=True)
+    return make_engine(model, config, engine=kind or ContinuousEngine)
 
 
 class SteadyEngine(ContinuousEngine):

@@ -11,6 +11,7 @@ starts new ranks. The server and torchrun's two-machine command are tested in te
 """
 
 import copy
+import dataclasses
 import os
 import signal
 import time
@@ -26,6 +27,7 @@ from tinyllm.build import make_engine
 from tinyllm.core.config import EngineConfig
 from tinyllm.core.continuous import run_engine
 from tinyllm.core.generate import solo
+from tinyllm.core.kv_spec import spec_of
 from tinyllm.core.requests import Request
 from tinyllm.ext import ranks
 from tinyllm.ext.cpu_attention import install
@@ -181,7 +183,8 @@ def test_a_rank_that_raises_says_why():
     pm = ParallelModel(model, 2)
     eng = make_engine(pm, EngineConfig(2, tensor_parallel_size=2))
     pm.start()
-    pm.ranks.send(("cache", pm.id, ("slots", 2, 2, torch.float64)))  # too short for the step
+    short = dataclasses.replace(spec_of(eng.cache), max_len=2)  # too short for the step
+    pm.ranks.send(("cache", pm.id, short))
     eng.add_request(requests(1)[0])
     with pytest.raises(RankFailed, match="rank 1 failed: ValueError"):
         eng.step()

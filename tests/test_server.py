@@ -546,7 +546,7 @@ def test_an_engine_that_fails_is_restarted_then_given_up(bundled64, engine, monk
     own request alone."""
     monkeypatch.setattr(engine_loop, "MAX_RESTARTS", 2)
     model, tok = bundled64
-    srv = Running(engine(model, 2), tok)
+    srv = Running(make_engine(model, 2, engine=engine), tok)
     why = "RuntimeError: the model ran out of memory"
     restart = "the engine failed: " + why + "; the server restarts it"
     given_up = "the engine failed: " + why + "; the server gave up after 2 restarts with no token"

@@ -188,6 +188,23 @@ def test_the_core_asks_its_parts_nothing_they_do_not_declare():
     assert not named, f"core/continuous.py names later steps' parts: {named}"
 
 
+MODULE_DOC_LINES = 16  # a module's docstring, its quotes included
+
+
+def test_a_modules_docstring_says_what_it_adds_in_a_few_lines():
+    """A module's docstring says what its step adds and its contract, in MODULE_DOC_LINES
+    lines at most: figures and history live in the notebooks and the commit messages, worked
+    examples in the functions' docstrings."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        body = ast.parse(path.read_text()).body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            n = body[0].end_lineno - body[0].lineno + 1
+            if n > MODULE_DOC_LINES:
+                long.append(f"{path.relative_to(ROOT)}: {n} lines")
+    assert not long, f"module docstrings over {MODULE_DOC_LINES} lines: " + "; ".join(long)
+
+
 def test_the_layout_shows_the_steps():
     """The top of the package holds its faces only; core/ holds steps 00-08 and the untagged
     vocabulary, ext/ the steps after 10 (each a plug-in), checkpoints/ steps 00 and 09."""

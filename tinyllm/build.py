@@ -1,18 +1,14 @@
 """The builder: an EngineConfig in, an engine made of its parts out.
 
-Step 04's `ContinuousEngine` takes parts, each behind a small interface, and never asks which
-kind it holds; every later step brings its own through the same interfaces. `make_engine` reads
-the config and makes each part: the cache (04's slots, 05's paged pool, with 08's prefix cache
-in it), the decode step (the model itself, 06's graphs and compiled step, 13's pieces and fused
-layers), the planner (04's whole contexts, 07's token budget), the speculator (11); a grammar
-backend (12) is given; with tensor_parallel_size > 1 the model itself is split over processes
-(14: ranks.ParallelModel), and the engine holds it as it holds any model. It imports a step's
-module only when the config asks for that step, so `import tinyllm.build` loads no later step
-than 04, and a step's notebook builds its engines
-here without loading the steps after it. `run_continuous` is make_engine and
-continuous.run_engine in one call; `compiled_decoder` makes a compiled decoder ahead, to lend.
-`load` is tinyllm.load with step 13's switches: quantized weights, the C attention, the
-weights on huge pages.
+Step 04's `ContinuousEngine` holds parts (core/parts.py) and never asks which kind it holds.
+`make_engine` is the one way to make an engine: it reads the config and makes each part: the
+cache (kv_spec.make_cache: 04's slots, 05's pool, 08's prefix cache), the decode step (the
+model, 06's graphs and compiled step, 13's pieces and fused layers), the runner (step 11's
+speculation wraps it), the planner (04's whole contexts, 07's budget); a grammar backend (12)
+is given; with tensor_parallel_size > 1 the model is split over processes (14). It imports a
+step's module only when the config asks for it, so a step's notebook builds here without
+loading later steps. `run_continuous` is make_engine and run_engine in one call; `load` is
+tinyllm.load with step 13's switches (quantized weights, the C attention, huge pages).
 
     make_engine(model, EngineConfig(8, kv="paged", prefix_cache=True))
     make_engine(model, 8, kv="paged", max_step_tokens=64, speculate="ngram")
@@ -23,11 +19,13 @@ import dataclasses
 
 from tinyllm.core.config import EngineConfig
 from tinyllm.core.continuous import ContinuousEngine, run_engine
-from tinyllm.core.model import Transformer, gpu_dtype
+from tinyllm.core.kv_spec import cache_spec, make_cache, spec_of
+from tinyllm.core.model import Transformer
 from tinyllm.core.model_runner import ModelRunner, ModelStep
+from tinyllm.core.parts import DecodeStep
 from tinyllm.core.requests import Request, Result
-from tinyllm.core.slot_cache import SlotCache, SlotKVCache
-from tinyllm.core.stats import Trace, kv_bytes_per_token
+from tinyllm.core.slot_cache import SlotCache
+from tinyllm.core.stats import Trace
 
 
 def load(path="default", device=None, dtype=None, max_seq_len: int | None = None,
@@ -130,12 +128,12 @@ def keep_gguf_blocks(model: Transformer, path) -> Transformer:
 
 def make_engine(model: Transformer, config: EngineConfig | int, *, generator=None,
                 trace: Trace | None = None, draft: Transformer | None = None, grammars=None,
-                **settings) -> ContinuousEngine:
+                engine: type[ContinuousEngine] = ContinuousEngine, **settings) -> ContinuousEngine:
     """The continuous engine of a config (or n_slots and keywords, or a config and keywords to
-    change; a built `decoder` of 06 lends its cache and compiled steps: see settings), with
-    every part the config asks for. `draft` proposes (speculate="draft", 11), `grammars`
-    constrains (12), `generator` serves every request without a seed, a Trace records every
-    step."""
+    change; a built `decoder` is used as it is, and a bucketed one of 06 lends its cache: see
+    settings_of), with every part the config asks for. `draft` proposes (speculate="draft",
+    11), `grammars` constrains (12), `generator` serves every request without a seed, a Trace
+    records every step; `engine` is the class made (ContinuousEngine or a subclass)."""
     config, lent = settings_of(config, settings)
     if config.tensor_parallel_size > 1:                 # the model split over ranks (14)
         from tinyllm.ext.ranks import parallel_model
@@ -144,24 +142,21 @@ def make_engine(model: Transformer, config: EngineConfig | int, *, generator=Non
                              "takes speculate='ngram' or None")
         model = parallel_model(model, config.tensor_parallel_size)
     device = next(model.parameters()).device
-    max_len, n_blocks = config.kv_sizes(model.cfg.max_seq_len, kv_bytes_per_token(model, device))
-    if lent is None:
-        cache = make_cache(model, config, max_len, n_blocks, device)
-        decoder = make_decoder(model, config, cache)
+    if lent is not None and lent.slots is not None:
+        cache, decoder = lent_cache(model, config, device, lent), lent
+    else:
+        cache = make_cache(cache_spec(model, config, device), device)
+        decoder = lent or make_decoder(model, config, cache) or ModelStep(model)
         if config.tensor_parallel_size > 1:
             model.attach(cache)                         # every rank makes one like it
-    else:
-        cache, decoder = lent_cache(model, config, max_len, n_blocks, lent), lent
     if config.kv == "paged":
         cache.headroom = config.kv_headroom             # its admission (05)
-    runner = ModelRunner(model, cache, decoder or ModelStep(model), device)
+    runner = ModelRunner(model, cache, decoder, device)
     if config.speculate is not None or draft is not None:   # speculation around it (11)
         from tinyllm.ext.speculative import SpeculatingRunner, make_speculator
-        runner = SpeculatingRunner(runner, make_speculator(model, config, cache, draft,
-                                                           runner.decode_step))
-    return ContinuousEngine(model, config, cache=cache, runner=runner,
-                            planner=make_planner(config), grammars=grammars,
-                            generator=generator, trace=trace)
+        runner = SpeculatingRunner(runner, make_speculator(model, config, cache, draft, decoder))
+    return engine(model, config, cache, runner, planner=make_planner(config),
+                  grammars=grammars, generator=generator, trace=trace)
 
 
 def run_continuous(model: Transformer, requests: list[Request], config: EngineConfig | int,
@@ -174,27 +169,6 @@ def run_continuous(model: Transformer, requests: list[Request], config: EngineCo
     summary."""
     engine = make_engine(model, config, generator=generator, trace=trace, **settings)
     return run_engine(engine, requests, arrivals, progress)
-
-
-def make_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks: int | None,
-               device) -> SlotCache:
-    """The engine's cache: config.n_slots slots of max_len positions, or (kv="paged", 05) a
-    pool of n_blocks blocks shared by them, in the model's dtype (a GPU's compute dtype on
-    CUDA). With a prefix cache (08) and no token budget every admitted context is computed
-    whole in its admission step, so its blocks are named at admission (a newcomer of the same
-    step shares them); under a budget a block is named after the step that writes it."""
-    cfg = model.cfg
-    dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
-    if config.kv == "slots":
-        return SlotKVCache(cfg.n_layers, config.n_slots, cfg.n_kv_heads, cfg.head_dim,
-                           max_len, dtype, device)
-    from tinyllm.core.paged_kv import PagedKVCache
-    prefix = None
-    if config.prefix_cache:
-        from tinyllm.core.prefix_cache import PrefixCache as prefix
-    return PagedKVCache(cfg.n_layers, config.n_slots, cfg.n_kv_heads, cfg.head_dim, n_blocks,
-                        config.block_size, max_len, dtype, device, prefix,
-                        name_at_admission=config.max_step_tokens is None)
 
 
 def make_decoder(model: Transformer, config: EngineConfig, cache: SlotCache):
@@ -226,12 +200,13 @@ def make_planner(config: EngineConfig):
 
 def settings_of(config: EngineConfig | int, settings: dict):
     """The EngineConfig of make_engine's arguments (n_slots and keywords, or a config and
-    keywords to change), and the decoder passed to reuse, if one was: `decoder` names a kind
-    ("eager", "graphs", "compiled", ...) or passes a built bucketed decoder (06:
-    SlotGraphDecoder, CompiledDecoder), whose kind, compile mode and cache (max_len; a paged
-    pool's blocks and prefix cache) the config then takes."""
+    keywords to change), and the decoder passed to use, if one was: `decoder` names a kind
+    ("eager", "graphs", "compiled", ...) or passes a built decode step (parts.DecodeStep); a
+    bucketed decoder (06: SlotGraphDecoder, CompiledDecoder) brings its cache, whose kind and
+    sizes (max_len; a paged pool's blocks and prefix cache), and its kind and compile mode, the
+    config then takes."""
     lent = settings.pop("decoder", None)
-    if lent is not None and not isinstance(lent, str):  # a bucketed decoder, with its cache
+    if isinstance(lent, DecodeStep) and lent.slots is not None:    # a bucketed decoder
         from tinyllm.core.compiled import CompiledDecoder
         if isinstance(lent, CompiledDecoder):
             settings["decoder"] = "compiled"
@@ -240,42 +215,34 @@ def settings_of(config: EngineConfig | int, settings: dict):
                                  f"given was compiled in mode {lent.mode!r}")
         else:
             settings["decoder"] = "graphs"
-        sizes = dict(zip(["kv", "max_len", "kv_blocks", "n_slots", "block_size", "prefix_cache"],
-                         cache_sizes(lent.slots)))     # by default, its cache's settings
-        sizes.pop("n_slots")
-        for name, value in sizes.items():
-            if name == "max_len" or sizes["kv"] == "paged":
+        spec = spec_of(lent.slots)                      # by default, its cache's settings
+        settings.setdefault("max_len", spec.max_len)
+        if spec.kind == "paged":
+            for name, value in (("kv", "paged"), ("kv_blocks", spec.n_blocks),
+                                ("block_size", spec.block_size),
+                                ("prefix_cache", spec.prefix_cache)):
                 settings.setdefault(name, value)
-    elif lent is not None:
+    elif lent is not None and not isinstance(lent, DecodeStep):
         settings["decoder"], lent = lent, None
     if isinstance(config, EngineConfig):
         return dataclasses.replace(config, **settings), lent
     return EngineConfig(config, **settings), lent
 
 
-def lent_cache(model: Transformer, config: EngineConfig, max_len: int, n_blocks: int | None,
-               decoder) -> SlotCache:
-    """A lent decoder's own cache (and its graphs or compiled steps), if it fits these
-    settings and is idle; else a ValueError."""
-    cache, wanted = decoder.slots, ["slots", max_len, None, config.n_slots]
-    if config.kv == "paged":
-        wanted = ["paged", max_len, n_blocks, config.n_slots, config.block_size,
-                  config.prefix_cache]
-    if decoder.model is not model or cache_sizes(cache) != wanted or any(cache.active) or \
-            (cache.name_at_admission and config.max_step_tokens is not None):   # 08: no budget
+def lent_cache(model: Transformer, config: EngineConfig, device, decoder) -> SlotCache:
+    """A lent decoder's own cache (and its graphs or compiled steps), if it is the cache of
+    these settings (cache_spec; a prefix cache that names blocks at admission only without a
+    token budget) and is idle; else a ValueError."""
+    cache = decoder.slots
+    have, want = spec_of(cache), cache_spec(model, config, device)
+    same = dataclasses.replace(have, name_at_admission=False) == \
+        dataclasses.replace(want, name_at_admission=False)
+    if decoder.model is not model or not same or any(cache.active) or \
+            (have.name_at_admission and config.max_step_tokens is not None):
         raise ValueError(f"the decoder serves another model, or its cache is not the "
                          f"{config.kv} cache of these settings ({config.n_slots} idle slots of "
-                         f"{max_len} positions)")
+                         f"{want.max_len} positions)")
     return cache
-
-
-def cache_sizes(cache: SlotCache) -> list:
-    """What a cache was made with: its kind, max_len, blocks (None for slots), slots, and a
-    paged pool's block size and whether it has a prefix cache."""
-    if cache.n_blocks is not None:
-        return ["paged", cache.max_len, cache.n_blocks, cache.n_slots, cache.block_size,
-                cache.prefix is not None]
-    return ["slots", cache.max_len, None, cache.n_slots]
 
 
 def compiled_decoder(model: Transformer, config: EngineConfig):

@@ -1,21 +1,18 @@
 """Step 09 - real models: a GGUF file (llama.cpp's format) in, the same model and tokenizer out.
 
-One `.gguf` file holds what a Hugging Face directory spreads over several: the config as
-metadata keys (`llama.block_count`, `llama.attention.head_count`...), the tokenizer's vocabulary,
-merges, special ids and chat template (`tokenizer.*`), the sampling its makers recommend when it
-states one (`general.sampling.*`: read_sampling_defaults), and the weights under llama.cpp's names
-(`blk.0.attn_q.weight`), most of them quantised in blocks (Q4_1: 32 weights share a scale and a
-minimum). `load_gguf` reads it with the `gguf` package (llama.cpp's own reader), de-quantises
-every tensor into the asked dtype, gives it its Hugging Face name and hands the result to
-`checkpoint.load_state`, so a GGUF model is checked and built like any checkpoint of step 00.
+One `.gguf` file holds the config as metadata keys (`llama.block_count`...), the tokenizer
+(`tokenizer.*`), the sampling its makers recommend when it states one (`general.sampling.*`:
+read_sampling_defaults) and the weights under llama.cpp's names (`blk.0.attn_q.weight`), most of
+them quantised in blocks. `load_gguf` reads it with the `gguf` package (llama.cpp's own reader),
+de-quantises every tensor into the asked dtype, gives it its Hugging Face name and hands the
+result to `checkpoint.load_state`, so a GGUF model is checked and built like any checkpoint.
 
 Three things are not a renaming. llama.cpp rotates a Llama's query and key dims in pairs that
-sit side by side (2i and 2i+1) where Hugging Face's Llama pairs dim i with dim i + head_dim/2;
-its converter reorders the rows of the q and k projections to match, and `unpermute` puts them
-back (llama.cpp rotates Qwen2 in halves, so Qwen2 files keep Hugging Face's order). Llama 3's
-RoPE scaling is stored as one factor per frequency (`rope_freqs.weight`), which `llama3_scaling`
-turns back into the settings `model.rope_table` takes. And the tokenizer is rebuilt from the
-metadata as a `tokenizers` byte-level BPE that cuts text as the file's `tokenizer.ggml.pre` says.
+sit side by side where Hugging Face pairs dim i with dim i + head_dim/2: `unpermute` puts the q
+and k rows back (Qwen2 files keep Hugging Face's order). `llama3_scaling` turns Llama 3's RoPE
+factors (`rope_freqs.weight`) back into the settings `model.rope_table` takes. The tokenizer is
+rebuilt from the metadata as a `tokenizers` byte-level BPE that cuts text as the file's
+`tokenizer.ggml.pre` says.
 """
 
 import os

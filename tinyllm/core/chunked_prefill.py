@@ -1,26 +1,15 @@
 """Step 07 - chunked prefill: a budget of tokens per step.
 
-Without a budget, a newcomer's whole context is prefilled in one step, and every running
-request waits for that forward pass: one 450-token prompt stalls every stream for as long as
-450 tokens take. With `max_step_tokens=N` a step computes at most N tokens in all. The running
-requests' decode tokens come first (one each); what is left of the budget goes to contexts
-being prefilled, first come first served (`plan_step`), so a long prompt is prefilled a chunk
-per step while the others keep decoding. This is the Sarathi-Serve scheme; vLLM calls the
-budget `max_num_batched_tokens`.
-
-A sequence being prefilled knows how far it got (`Sequence.num_computed_tokens`): each step
-computes its next chunk of the context (`next_chunk`), and only the chunk that reaches the end
-of the context gives logits to sample from. A decode is the same move with one token left, so
-one rule covers prefill, chunks, decode, and the recompute of a preempted request.
-
-The decode rows and the chunk rows run in one forward pass. The cache packs it: the model's
-products run on the step's new tokens alone (layers_pass), not on a (B, T) batch padded to
-the widest chunk, as vLLM packs a step's tokens into one flat row.
-
+Without a budget a newcomer's whole context is prefilled in one step, and every running request
+waits for that pass. With `max_step_tokens=N` a step computes at most N tokens: the decode
+tokens first (one each), then what is left goes to contexts being prefilled, first come first
+served (`plan_step`), so a long prompt is prefilled a chunk per step while the others keep
+decoding (Sarathi-Serve; vLLM's `max_num_batched_tokens`). A sequence knows how far it got
+(`Sequence.num_computed_tokens`); each step computes its next chunk (`next_chunk`), and only the
+chunk that reaches the end of the context gives logits to sample. A decode is the same move
+with one token left. The decode rows and the chunks run in one packed pass (04's runner).
 `TokenBudget` is the scheduler's planner of a budgeted engine, in the place of step 04's
-WholeContexts (scheduler.py): tinyllm.build makes it for `max_step_tokens`.
-
-Seams: `plan_step` and `next_chunk` (exercise 07).
+WholeContexts (parts.Planner). Seams: `plan_step` and `next_chunk` (exercise 07).
 """
 
 from collections.abc import Callable

@@ -1,31 +1,18 @@
 """Step 06 - the compiled decoder: the CUDA graphs' idea where there is no GPU.
 
-A small model's decode step is a few hundred small operations. On a GPU the cost is launching
-them (step 06's CUDA graphs remove it); on a CPU it is the same per-operation overhead in
-another form: every operation is dispatched from Python, allocates its output and reads it back
-from memory for the next one. `torch.compile` (its default backend, inductor) traces the step
-once for a fixed shape and generates one program that fuses the small operations (the RMSNorm,
-the rotary embedding, the SwiGLU gate, the mask) into a few loops, and calls the matrix
-products directly.
+On a CPU a small model's decode step pays per operation: each is dispatched from Python,
+allocates its output and is read back for the next. `torch.compile` (inductor) traces the step
+for a fixed shape and generates one program that fuses the small operations (RMSNorm, rotary
+embedding, SwiGLU gate, mask) and calls the matrix products directly. It fits the graph decoder
+exactly: the same static buffers, window buckets and decode step (`cuda_graph.decode_step`); a
+bucket's step compiles the first time it is needed (`decoder.graphs[W]`) or ahead (`warm_up`).
 
-It fits the graph decoder exactly: the same static buffers, the same window buckets, the same
-decode step (`cuda_graph.decode_step`). A bucket's step is compiled the first time it is needed
-(`decoder.graphs[W]`, compiled on first use: tens of seconds on a CPU, repaid by the steps that
-follow) and replayed after that; above the largest bucket the step runs eagerly. On CUDA it
-compiles with `mode="reduce-overhead"`, which adds CUDA graphs of its own.
-
-Two modes. "default" fuses the small operations and leaves the matrix products to the math
-library (MKL or oneDNN on a CPU), called as the eager step calls it. On a CPU, "max-autotune"
-also freezes the weights into the program (inductor's `freezing`: they become constants, packed
-once at compile time) and has inductor generate a GEMM micro-kernel of its own for each
-product's shape at the step's small batch (its C++ GEMM template), in place of the library
-call: a much faster step, for two to three times the compile time and a packed copy of the
-weights per compiled shape; a later change to the model's weights is not seen by a program
-already compiled. On CUDA it is torch.compile's mode of that name.
-
-Its arithmetic is the eager step's, up to the order of additions in the fused loops: logits
-differ from the eager step's by rounding (about 1e-6 in float32), so greedy tokens can part only
-at a near-tie (check.near_tie); in float64 they agree.
+Two modes: "default" leaves the products to the math library; "max-autotune" on a CPU also
+freezes the weights into the program and generates a GEMM micro-kernel per product's shape (a
+faster step, a longer compilation, a packed copy of the weights; a later change to the weights
+is not seen). On CUDA it compiles with `mode="reduce-overhead"`. Its logits differ from the
+eager step's by rounding (about 1e-6 in float32), so greedy tokens part only at a near-tie
+(check.near_tie); in float64 they agree.
 """
 
 import time

@@ -20,9 +20,6 @@ KV_KINDS = ("slots", "paged")
 DECODERS = ("eager", "graphs", "compiled", "pieces", "fused")
 COMPILE_MODES = ("default", "max-autotune")
 PROPOSERS = ("ngram", "draft")
-# the settings whose parts step 04's engine makes itself, given none (later_settings)
-STEP_04_OWN = {"kv": "slots", "decoder": "eager", "max_step_tokens": None,
-               "prefix_cache": False, "speculate": None, "tensor_parallel_size": 1}
 
 
 def cache_dir() -> Path:
@@ -177,12 +174,6 @@ class EngineConfig:
         names = {f.name for f in fields(cls)}
         given = {k: v for k, v in vars(args).items() if k in names}
         return cls(**{**given, **changes})
-
-
-def later_settings(config: EngineConfig) -> list[str]:
-    """The settings of a config that ask for a later step's parts (other than STEP_04_OWN's
-    values): the builder makes those (tinyllm.build.make_engine)."""
-    return [name for name, own in STEP_04_OWN.items() if getattr(config, name) != own]
 
 
 def check_speculation(config: EngineConfig) -> None:

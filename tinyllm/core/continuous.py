@@ -1,20 +1,16 @@
 """Step 04 - continuous batching: requests join and leave a fixed set of slots every step.
 
 Static batching (03) waits for a batch's longest request. Here a finished request frees its
-slot at once and a waiting one takes it in the next step, so no row computes for nobody and
-nobody waits for a stranger's long answer. Requests may arrive while others decode
-(`run_engine` feeds them at their arrival times); the offline run is the same loop with every
-request arriving at 0.
-
-A step is three calls, as nano-vllm's: the scheduler plans it (room for every running
-request's next token, the newcomers admitted, a token for each decoding request and the
-newcomers' contexts: scheduler.py), the runner computes it (one packed forward pass for both,
-and the sampled tokens: model_runner.py), and the engine retires it (each request's new
-tokens; a finished one leaves its slot). Between two steps a request is waiting (in arrival
-order), or in a slot with its context computed up to `num_computed_tokens`, or finished.
-
-The engine is made of parts (parts.py) and never asks which kind it holds; given none, it
-makes step 04's own. `tinyllm.build.make_engine` makes the parts of any EngineConfig.
+slot at once and a waiting one takes it in the next step. Requests may arrive while others
+decode (`run_engine` feeds them at their arrival times). A step is three calls, as nano-vllm's:
+the scheduler plans it (room for every running request's next token, the newcomers admitted, a
+token for each decoding request and the newcomers' contexts: scheduler.py), the runner computes
+it (one packed forward pass, and the sampled tokens: model_runner.py), and the engine retires
+it (each request's new tokens; a finished one leaves its slot). Between two steps a request is
+waiting (in arrival order; one preempted to make room for others waits again, to compute its
+context anew), or in a slot with its context computed up to `num_computed_tokens`, or finished.
+The engine holds parts (parts.py) and never asks which kind: `tinyllm.build.make_engine`
+makes step 04's, or a later step's.
 """
 
 import functools
@@ -24,48 +20,14 @@ import torch
 from torch import Tensor
 
 from tinyllm.core import parts, token_stage
-from tinyllm.core.config import EngineConfig, later_settings
-from tinyllm.core.model import Transformer, gpu_dtype
-from tinyllm.core.model_runner import ModelRunner, ModelStep, wants_prompt_logprobs
+from tinyllm.core.config import EngineConfig
+from tinyllm.core.model import Transformer
+from tinyllm.core.model_runner import wants_prompt_logprobs
 from tinyllm.core.requests import Event, Request, Result, Sequence, check_request
 from tinyllm.core.sampling import Sampling, check_generator
 from tinyllm.core.scheduler import Scheduler
-from tinyllm.core.slot_cache import SlotKVCache
-from tinyllm.core.stats import Trace, kv_bytes_per_token
+from tinyllm.core.stats import Trace
 from tinyllm.core.token_stage import new_matchers
-
-
-def slot_cache(model: Transformer, config: EngineConfig, device=None) -> SlotKVCache:
-    """This step's cache for the model: config.n_slots slots of the config's max_len (within
-    its KV budget), in the model's dtype (a GPU's compute dtype on CUDA)."""
-    device = device or next(model.parameters()).device
-    max_len, _ = config.kv_sizes(model.cfg.max_seq_len, kv_bytes_per_token(model, device))
-    dtype = gpu_dtype(device) if device.type == "cuda" else next(model.parameters()).dtype
-    cfg = model.cfg
-    return SlotKVCache(cfg.n_layers, config.n_slots, cfg.n_kv_heads, cfg.head_dim, max_len,
-                       dtype, device)
-
-
-def config_and_cache(model: Transformer, config: EngineConfig | int, settings: dict,
-                     cache: parts.EngineCache | None, device
-                     ) -> tuple[EngineConfig, parts.EngineCache]:
-    """The engine's config (n_slots, or a config; `settings` change fields) and its cache: the
-    one given, or this step's own (slot_cache) for a config that asks for no later step's."""
-    config = config if isinstance(config, EngineConfig) else EngineConfig(config)
-    config = config.changed(**settings)
-    if cache is None:
-        check_own_settings(config)
-        cache = slot_cache(model, config, device)
-    return config, cache
-
-
-def check_own_settings(config: EngineConfig) -> None:
-    """Raise ValueError naming a setting of a later step, which this step's engine cannot make
-    itself: tinyllm.build.make_engine makes the parts of any EngineConfig."""
-    for name in later_settings(config):
-        raise ValueError(f"{name}={getattr(config, name)!r} is a later step's: make the "
-                         f"engine with tinyllm.build.make_engine(model, config), which "
-                         f"builds its parts, or pass them")
 
 
 def collect_prompt_logprobs(chunks: list[tuple[Sequence, int]], logits: Tensor | None) -> None:
@@ -92,7 +54,7 @@ def written(seq: Sequence, ahead: list[int]) -> list[int]:
 def mark_computed(seqs: list[Sequence], n: list[int], cache: parts.EngineCache,
                   scheduler: Scheduler, ahead: list[list[int]] | None = None) -> None:
     """The step wrote n[i] tokens of seqs[i]: it holds more of its context, which the cache may
-    keep for later requests (cache_blocks: a prefix cache names the blocks that filled up, 08).
+    keep for later requests (cache_blocks; a slot keeps nothing).
     ahead[i]: tokens written that join the context only as they are retired (a row that made
     several tokens in one step). A first choice whose prompt is computed lets its other
     choices queue (a cache that shares prefixes serves them its blocks)."""
@@ -132,27 +94,22 @@ def record_trace(trace: Trace, cache: parts.EngineCache, holders: list[int | Non
 
 
 class ContinuousEngine:
-    """Continuous batching over a cache, one step() at a time, of parts: this step's own for
-    `ContinuousEngine(model, n_slots or EngineConfig)`, or a later step's as keywords (`cache`,
-    `decoder`, `planner`, `runner`, `grammars`: parts.py; tinyllm.build.make_engine). A request
-    added at any time (add_request) gets its tokens as step()'s Events and its Result in
-    `results` (pop it), on the engine clock from its arrival; `generator` serves those without
-    a seed."""
+    """Continuous batching over a cache, one step() at a time, of parts (parts.py): the cache,
+    the runner (which holds the decode step), the planner (step 04's: every context whole) and
+    a grammar backend (none). tinyllm.build.make_engine makes them from an EngineConfig. A
+    request added at any time (add_request) gets its tokens as step()'s Events and its Result
+    in `results` (pop it), on the engine clock from its arrival; `generator` serves those
+    without a seed."""
 
-    def __init__(self, model: Transformer, config: EngineConfig | int, *,
-                 cache: parts.EngineCache | None = None, decoder: parts.DecodeStep | None = None,
-                 planner: parts.Planner | None = None, runner: parts.Runner | None = None,
-                 grammars: parts.Grammars | None = None, generator: torch.Generator | None = None,
-                 trace: Trace | None = None, **settings):
+    def __init__(self, model: Transformer, config: EngineConfig, cache: parts.EngineCache,
+                 runner: parts.Runner, *, planner: parts.Planner | None = None,
+                 grammars: parts.Grammars | None = None,
+                 generator: torch.Generator | None = None, trace: Trace | None = None):
         check_generator(generator)
-        device = next(model.parameters()).device
-        config, cache = config_and_cache(model, config, settings, cache, device)
         model.eval()
-        self.model, self.config, self.cache, self.device = model, config, cache, device
-        self.max_len = cache.max_len
-        self.runner: parts.Runner = runner or ModelRunner(model, cache, decoder or ModelStep(model),
-                                                    device)
-        self.decoder, self.stats = self.runner.decode_step, self.runner.stats
+        self.model, self.config, self.cache, self.runner = model, config, cache, runner
+        self.device, self.max_len = next(model.parameters()).device, cache.max_len
+        self.decoder, self.stats = runner.decode_step, runner.stats
         self.scheduler = Scheduler(cache, planner)
         self.generator, self.trace, self.grammars = generator, trace, grammars
         self.results: dict[int, Result] = {}
@@ -169,7 +126,7 @@ class ContinuousEngine:
         malformed or can never fit the cache."""
         req = fitting(req, self.model, self.cache, self.config.sampling)
         choices, now, first = req.sampling.choices(), self.now(), None
-        matchers = new_matchers(self.grammars, choices)    # a constraint's, or None (12)
+        matchers = new_matchers(self.grammars, choices)    # a constraint's, or None
         for s, matcher in zip(choices, matchers):       # n > 1: rids rid, rid + 1, ...
             seq = Sequence(self._next_id, req, now, s, s.generator(self.device), matcher)
             self._next_id += 1
@@ -205,7 +162,7 @@ class ContinuousEngine:
         return True
 
     def warm_up(self, progress=None) -> None:
-        """A decoder that compiles (06, 13) compiles now: progress(bucket, seconds) hears each."""
+        """A decode step that compiles compiles now: progress(bucket, seconds) hears each."""
         if self.decoder.compiles:
             self.decoder.warm_up(progress=progress)
 
@@ -292,14 +249,3 @@ def run_engine(engine: ContinuousEngine, requests: list[Request],
             time.sleep(min(0.01, arrivals[len(rids)] - now))
     results = [engine.results.pop(r) for r in rids]
     return results, engine.stats.summary(results)
-
-
-def run_continuous(model: Transformer, requests: list[Request], config: EngineConfig | int,
-                   arrivals: list[float] | None = None, *, generator=None,
-                   trace: Trace | None = None, progress=None,
-                   **settings) -> tuple[list[Result], dict]:
-    """Continuous batching of `requests` on this step's engine (ContinuousEngine(model, config,
-    generator=..., trace=..., **settings)), as run_engine serves them: the Results in request
-    order and the summary. tinyllm.build.run_continuous takes any EngineConfig."""
-    engine = ContinuousEngine(model, config, generator=generator, trace=trace, **settings)
-    return run_engine(engine, requests, arrivals, progress)

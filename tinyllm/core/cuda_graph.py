@@ -1,35 +1,17 @@
 """Step 06 - CUDA graphs for decode: one launch for a whole decode step.
 
-Small-batch decode is launch-bound: a decode step of a small model is a few hundred small
-kernels, and the CPU needs longer to launch each one than the GPU needs to run it. A CUDA graph
-records the step's kernels once and replays them all with one launch. A graph replays the same
-kernels on the same memory addresses with the same shapes, so the decode step is rebuilt around
-three moves:
+Small-batch decode is launch-bound: the CPU takes longer to launch a step's few hundred small
+kernels than the GPU takes to run them. A CUDA graph records them once and replays them with one
+launch, on the same addresses and shapes, so the step is rebuilt around static buffers (each
+slot's token and length, the logits: `fill_static` copies into them), one graph per window
+bucket (`choose_bucket`: the smallest that holds the longest busy slot; the mask hides the rest;
+above the largest the step runs eagerly) and one decode step (`decode_step`) that replays it.
+Every bucket is captured after a warm-up, on a side stream, in one memory pool.
 
-1. **Static buffers.** The step's inputs (each slot's token and length) and its output (the
-   logits) live in tensors allocated once. Each step copies new values *into* them
-   (`fill_static`); replacing them would leave the graph reading the old ones.
-2. **One graph per attention-window bucket.** The keys a step attends to grow with the longest
-   sequence, but a graph has one shape. So a graph is captured for each window W in `buckets`
-   (say 64, 128, 256, 512); a step replays the smallest bucket that covers the longest active
-   sequence (`choose_bucket`), and the mask hides the keys past each slot's length. Above the
-   largest bucket the same step runs eagerly, at the window it needs.
-3. **One decode step** (`decode_step`): the window is the longest busy slot's length + 1, the
-   bucket the smallest that holds it; the step's inputs go into the static buffers, the
-   bucket's graph replays, and the slots' lengths grow by one.
-4. **Capture after a warm-up**, on a side stream, every bucket's graph in one memory pool
-   (their activations are never live at the same time, so they can share it).
-
-The step decodes every slot, free or not: a graph has one batch shape. Prefill stays eager
-(prompts come in every length). A paged cache (05) adds one static input, the block tables
-(S, blocks a slot may hold), as vLLM's graphs keep them: each step copies the decoding rows'
-tables into it (`fill_tables`), and the graph writes and reads through them
-(`PagedWindowCache`). A row that decodes nothing this step gets a table of the pool's pad
-block alone, so what it computes is written where no sequence reads.
-
-On a CPU there is nothing to capture: `capture=False` runs the very same bucketed,
-static-buffer step eagerly, so CPU tests check its arithmetic token for token, and a GPU adds
-only the capture.
+The step decodes every slot, free or not (a graph has one batch shape); prefill stays eager. A
+paged cache (05) adds one static input, the block tables (`fill_tables`, `PagedWindowCache`); a
+row that decodes nothing gets the pad block alone. On a CPU `capture=False` runs the same
+bucketed, static-buffer step eagerly, so CPU tests check its arithmetic token for token.
 """
 
 from typing import Any
@@ -279,7 +261,7 @@ class SlotGraphDecoder(DecodeStep):
         """The planned decode step as the model computes it: idx (B, 1), a token for each of
         the step's rows (the cache's planned slots) -> (logits (B, 1, V), None). Every slot is
         computed; a slot that decodes nothing brings token 0."""
-        rows = self.slots._planned()[0]
+        rows = self.slots.planned()[0]
         tokens = torch.zeros(self.slots.n_slots, 1, dtype=torch.long, device=idx.device)
         tokens[rows] = idx
         return self.step(tokens)[rows], None                            # (S, 1, V) -> (B, 1, V)
@@ -293,5 +275,5 @@ class SlotGraphDecoder(DecodeStep):
             raise ValueError("no active slot to decode")
         if max(slots.lens[s] for s in live) >= slots.max_len:
             raise ValueError(f"a slot is full ({slots.max_len} positions)")
-        self.fill_tables(slots._planned()[0])
+        self.fill_tables(slots.planned()[0])
         return decode_step(self, tokens)

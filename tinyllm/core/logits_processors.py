@@ -1,19 +1,12 @@
 """The token stage's processors: a request's logits changed from its history, before sampling.
 
-A `LogitsProcessor` is the declared interface: a batch of logits (B, V) and each row's
-`History` (the request's settings, its prompt, the tokens it has made, the ids that end it) in,
-logits (B, V) out. `process` applies each processor to the rows whose settings ask for it
-(`applies`), so a row that asks for nothing keeps its logits bit for bit, and a row's result
-never depends on the rows beside it: each processor reads only its own row. The built-in ones
-are vLLM's, in vLLM's order: a grammar's mask (`GrammarMask`, step 12), `MinTokens` (no stop
-id before min_tokens tokens), `LogitBias`, then `Penalties` (repetition, frequency, presence).
-
-`apply_penalties` is the batched rule, one tensor expression for every row from its counts;
-`penalize_row` is the same rule written for one row, token by token: they agree exactly.
-
-A grammar's mask comes as bits (`apply_bitmask`), 32 tokens to a word, as the grammar libraries
-give it.
-
+A `LogitsProcessor` takes a batch of logits (B, V) and each row's `History` (its settings,
+prompt, tokens made, the ids that end it) and returns logits (B, V). `process` applies each to
+the rows that ask for it (`applies`), so a row that asks for nothing keeps its logits bit for
+bit, and no row depends on its neighbours. The built-in ones are vLLM's, in vLLM's order: a
+grammar's mask (`GrammarMask`, 12; bits, 32 tokens a word: `apply_bitmask`), `MinTokens`,
+`LogitBias`, then `Penalties` (`apply_penalties`, the batched rule; `penalize_row`, the same
+rule for one row, token by token: they agree exactly).
 Seams: `apply_penalties` (exercise 10), `apply_bitmask` (exercise 12).
 """
 

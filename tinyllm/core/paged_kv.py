@@ -1,34 +1,18 @@
 """Step 05 - the paged KV cache: memory in blocks, handed out as a sequence grows.
 
 A slot (04) reserves max_len positions for whatever request it holds, and most requests are
-short, so most of the reservation holds nothing. Here every layer's keys and values live in one
-pool of n_blocks blocks of block_size positions. A sequence owns a list of blocks, its **block
-table**: its position p lives in block table[p // block_size] at offset p % block_size. It gets
-a block when it grows past the last one and gives every block back when it ends, so a sequence
-wastes at most one partly filled block.
+short. Here every layer's keys and values live in one pool of n_blocks blocks of block_size
+positions; a sequence owns a list of blocks, its **block table** (position p lives in block
+table[p // block_size] at offset p % block_size), takes a block as it grows past its last one
+and gives them all back when it ends: it wastes at most one partly filled block.
 
-Memory can now run out mid-run: requests grow, and the pool is shared. Before each decode step
-the engine reserves every running sequence's next token (`reserve`); when the pool is dry, the
-scheduler preempts a request (scheduler.py) and recomputes it later. A newcomer enters only
-while every running sequence could still take a block (`can_admit`'s headroom), so that the
-pool does not fill with newcomers only to preempt them again as they grow.
-
-`PagedKVCache` has the interface of `SlotKVCache` (both are `SlotCache`s), plus block tables.
-With `prefix_cache=True` (08, prefix_cache.py) its full blocks are named by the prefix they
-hold and shared between the tables of requests that start alike. Its seams are exercise 05: the
-block allocator (`allocate_blocks`, `free_blocks`), a block table's growth (`grow_table`: how
-many blocks a sequence needs, and taking them) and the block-table lookup (`slot_mapping`).
-
-A newcomer's context is looked up before it takes fresh blocks: its table starts with the
-cached blocks of its longest cached prefix, and admission takes blocks only for the rest (as
-nano-vllm's BlockManager does). A block is named, and so may be shared, only when nobody can
-read it before it is written: after the step that fills it, or, with `name_at_admission`, as
-its newcomer is admitted. That is for an engine that computes every admitted context whole in
-its admission step (no token budget, 07): a later newcomer of the step may share those blocks,
-since both rows are in one forward pass, whose every layer writes all the rows' new keys before
-it reads any, and nothing aborts or preempts a request between its admission and that pass.
-Under a budget a later chunk could be read before it is computed, so a block is named only
-after its step.
+Memory can now run out mid-run. Each step reserves every running sequence's next token
+(`reserve`); when the pool is dry the scheduler preempts a request and recomputes it later. A
+newcomer enters only while every running sequence could still take a block (`can_admit`'s
+headroom). `PagedKVCache` is a `SlotCache` with block tables; with a prefix cache (08) its full
+blocks are named and shared, named only once nobody can read them unwritten (after the step that
+fills them, or at admission when no token budget splits a context: `name_at_admission`).
+Seams (exercise 05): `allocate_blocks`, `free_blocks`, `grow_table`, `slot_mapping`.
 """
 
 import math

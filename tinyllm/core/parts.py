@@ -96,10 +96,12 @@ class DecodeStep:
     V), None), as the model computes them. The defaults are the model's own (ModelStep); a
     decoder that compiles says so (`compiles`, and compiles in `warm_up`); one that replays
     every slot (06's graphs) gets a pass of its own (`computes_every_slot`); one with a faster
-    target pass for speculation (13's fused layers) offers `verify` for up to `verify_rows`."""
+    target pass for speculation (13's fused layers) offers `verify` for up to `verify_rows`; one
+    that brings its own cache (06's bucketed decoders) holds it in `slots`."""
     compiles = False
     computes_every_slot = False
     verify_rows: int | None = None
+    slots: Any = None
 
     def __call__(self, idx: Tensor, cache: Any) -> tuple[Tensor, Any]:
         raise NotImplementedError

@@ -1,29 +1,18 @@
 """Step 08 - prefix caching: requests that share a prefix share its blocks.
 
-Chat requests repeat long prefixes: a system prompt, few-shot examples, the earlier turns of a
-conversation. The keys and values of a prefix depend on its tokens alone, so a paged cache (05)
-can keep the blocks that hold one and hand them to the next request that starts the same way,
-which then prefills only the rest of its prompt.
+Chat requests repeat long prefixes (a system prompt, the earlier turns). A prefix's keys and
+values depend on its tokens alone, so a paged cache (05) keeps the blocks that hold one and
+hands them to the next request that starts the same way, which prefills only the rest. A full
+block is named by a hash of its tokens *and of the block before it* (`block_hashes`); a new
+request takes the longest run of named blocks (`match_prefix`), leaving at least one token to
+compute for its first token's logits.
 
-A full block is named by a hash of its tokens *and of the block before it* (`block_hashes`):
-block 3 of two prompts holds the same keys only if blocks 0-2 match too, since attention mixed
-them in. A new request looks its blocks up in order and takes the longest run found
-(`match_prefix`), always leaving at least one token to compute, so that the step has logits
-to sample its first token from.
-
-`PrefixCache` keeps the pool's books once blocks are shared: a reference count per block (how
-many block tables hold it), the hash of each full block, and the blocks nobody holds but that
-still hold a prefix. Those stay cached until the pool needs them, and then the least recently
-used goes first. Only full blocks are ever named: once every position is written, or, when the
-engine computes a newcomer's whole context in its admission step, as the newcomer is admitted
-(the step's one forward pass writes those positions before any row reads them; a step that
-raises before writing them fails its requests, and their release forgets those names). So no
-block is shared before it is written, and no shared block is written again: copy-on-write is
-not needed.
-
-Seams (exercise 08): `block_hashes` and `match_prefix`, the names and the lookup; `take_blocks`,
-`share_blocks` and `release_blocks`, the reference counts and the least-recently-used eviction
-that `PrefixCache` runs on.
+`PrefixCache` keeps the pool's books once blocks are shared: a reference count per block, the
+name of each full block, and the blocks nobody holds that still hold a prefix, evicted least
+recently used first. A block is named only once written (or as its newcomer is admitted, when
+the step's one pass writes it before any row reads), so no shared block is written again.
+Seams (exercise 08): `block_hashes`, `match_prefix`, `take_blocks`, `share_blocks`,
+`release_blocks`.
 """
 
 import hashlib

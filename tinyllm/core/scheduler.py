@@ -1,19 +1,15 @@
 """Steps 04-05 - the scheduler: who waits, who runs, who enters a slot, who is preempted.
 
-The continuous engine's scheduler holds every unfinished request as a `Sequence`, waiting (in
-arrival order) or running (in a slot of the cache). Each step it first reserves room for every
-running sequence's next token, oldest first; when the cache has none (a paged pool, 05, runs
-dry), it preempts the youngest running sequence: its slot and memory go back, and it waits again
-in arrival order, to be recomputed from its prompt and the tokens it has made
-(`reserve_or_preempt`). Then it moves waiting sequences into free slots, first come first
-served (`admit_waiting`, 04); a sequence that finishes or is aborted leaves its slot at once
-(`leave_slot`, 04). Last it plans the step (`plan`) with its planner: one token for each
-decoding sequence, and the contexts of the others, whole (`WholeContexts`, this step's), or in
-chunks within a token budget (step 07's planner, chunked_prefill.py).
-It asks the cache questions (`can_admit`, `reserve`) and gives it each newcomer's context to
-admit, so that a prefix cache (08) starts the newcomer with what it holds already; it never
-asks which kind of cache it holds.
-
+The scheduler holds every unfinished request as a `Sequence`, waiting (in arrival order) or
+running (in a slot of the cache), and plans each step (`schedule`, a parts.StepPlan). It first
+reserves room for every running sequence's next token, oldest first; when a paged pool (05)
+runs dry it preempts the youngest, which waits again to be recomputed (`reserve_or_preempt`).
+Then it moves waiting sequences into free slots, first come first served (`admit_waiting`); a
+sequence that finishes or is aborted leaves its slot at once (`leave_slot`). Last its planner
+plans the rows: a token for each decoding sequence, and the others' contexts whole
+(`WholeContexts`) or in chunks within a budget (07). It asks the cache questions (`can_admit`,
+`reserve`) and hands it each newcomer's context, so a prefix cache (08) starts the newcomer
+with what it holds; it never asks which kind of cache it holds.
 Seams: `admit_waiting` and `leave_slot` (exercise 04), `reserve_or_preempt` (exercise 05).
 """
 

@@ -1,32 +1,21 @@
 """Step 04 - the slot cache: a fixed set of slots that requests join and leave.
 
-Continuous batching serves many requests from one set of slots: a request holds a slot from
-admission to its last token, then the slot serves the next one at once. Every forward pass is a
-**ragged step**: each row (a busy slot) brings its own number of new tokens, its whole context
-when it is admitted (prefill), one token while it decodes, and later a chunk of a prompt or
-several guesses to check (speculation). Builds on 01 (the cache protocol); the paged cache of 05
-keeps the same interface with its memory in blocks.
-
-`SlotCache` is what both slot caches share: the slots' bookkeeping, the engine-facing half of
-the interface (free slots, admit, reserve, release, roll back, plan a step, tokens used,
-allocated and reserved, whether its books are sound) and the step's positions and mask. A
-subclass decides where keys and values live. `SlotKVCache` reserves max_len positions per slot
-up front.
-
-One step, in three moves: the engine plans it (`plan_step(rows, q_lens)`: which slots, how many
-new tokens each), the model's forward pass begins it (`begin_step`: positions, mask, where to
-write and what to read, built once for every layer), calls `update` in each layer, and ends it
-(`end_step`: each row's length grows by its new tokens). A step whose rows bring different
-numbers of tokens is **packed** (`packing`, a PackedStep: the new tokens' places among the
-(B, T) columns): the model computes those N tokens alone, and only attention sees them in
-their rows: in a packed step a layer stores its rows' new tokens, a group of rows at a time
-(`store(layer, k, v, rows)`, (1, n_kv, n, hd)), before any group reads the keys and mask it
-attends to (`read(layer, rows)`): a layer writes every new token of its step before any row
-reads, since two newcomers of one step may share blocks (08). A cache also says where its keys
-lie (`layout`), for attention that writes and reads them in place (step 13's C kernel), and
-keeps what the step's layers share (`memo`, made at the first layer that asks).
+A request holds a slot from admission to its last token, then the slot serves the next one at
+once. Every forward pass is a **ragged step**: each row (a busy slot) brings its own number of
+new tokens: its context when admitted, one token while it decodes, later a chunk of a prompt or
+a run of guesses. `SlotCache` is the engine's half (free slots, admit, reserve, release, roll
+back, tokens used; parts.CacheBooks), `RaggedStep` the model's (parts.StepView): the engine
+plans a step (`plan_step(rows, q_lens)`), the forward pass begins it (`begin_step`: positions,
+mask, where to write and read, once for every layer), stores and reads in each layer, and ends
+it (`end_step`: each row grows by its new tokens). A step whose rows differ in length is
+**packed** (`packing`): the model computes its N new tokens alone, and each layer stores every
+row's new tokens (`store`) before any group of rows reads (`read`), since two newcomers of one
+step may share blocks (08). `layout` says where the keys lie, for attention in place (13).
+`SlotKVCache` reserves max_len positions per slot up front; the paged cache (05) keeps the
+same interface with its memory in blocks.
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -130,6 +119,17 @@ class PackedStep:
         return self._tokens[key]
 
 
+@dataclass
+class PlannedStep:
+    """A planned step as another copy of the cache needs it (14: a rank's cache follows rank
+    0's books): the rows' slots and new tokens (as plan_step took them), the tokens each row's
+    slot holds, and a paged cache's block tables of the rows (None for slots)."""
+    rows: list[int]
+    q_lens: list[int]
+    lens: list[int]
+    tables: list[list[int]] | None
+
+
 def check_slot(cache: "RaggedStep", slot) -> None:
     """Raise ValueError unless slot is one of the cache's slots."""
     if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < cache.n_slots:
@@ -213,13 +213,14 @@ class RaggedStep:
         check_plan(self, rows, q_lens)
         self._plan = (list(rows), list(q_lens))
 
-    def _planned(self) -> tuple[list[int], list[int]]:
+    def planned(self) -> tuple[list[int], list[int]]:
+        """The planned step: its rows' slots and the new tokens each brings."""
         if self._plan is None:
             raise ValueError("no step planned: call plan_step(rows, q_lens) before the pass")
         return self._plan
 
     def begin_step(self, T: int) -> Tensor:
-        rows, q_lens = self._planned()
+        rows, q_lens = self.planned()
         if T != max(q_lens):
             raise ValueError(f"the step was planned for {max(q_lens)} columns, the batch has {T}")
         lens = [self.lens[s] for s in rows]
@@ -257,7 +258,7 @@ class RaggedStep:
         return flat if self.packing is None else flat.index_select(0, self.packing.places)
 
     def end_step(self) -> None:
-        rows, q_lens = self._planned()
+        rows, q_lens = self.planned()
         for s, q in zip(rows, q_lens):
             self.lens[s] += q
         self._plan, self.packing, self.memo = None, None, {}
@@ -321,6 +322,7 @@ class SlotCache(RaggedStep):
     how much memory a slot may use (`capacity`, `reserve`)."""
 
     n_blocks: int | None = None         # a pool's blocks (05); slots have none
+    tables: Any = None                  # a pool's block tables, a list per slot (05)
     name_at_admission = False           # a prefix cache names blocks as it admits (08)
 
     def __init__(self, n_layers: int, n_slots: int, max_len: int, device=None):
@@ -396,6 +398,20 @@ class SlotCache(RaggedStep):
     def capacity(self, slot: int) -> int:
         """Tokens the slot can hold with the memory it has now."""
         return self.max_len
+
+    def planned_step(self) -> PlannedStep:
+        """The planned step (plan_step) with the books of its rows."""
+        rows, q_lens = self.planned()
+        tables = None if self.tables is None else [list(self.tables[s]) for s in rows]
+        return PlannedStep(list(rows), list(q_lens), [self.lens[s] for s in rows], tables)
+
+    def follow(self, step: PlannedStep) -> None:
+        """Take another copy's planned step: its rows' books as it says, and the step planned."""
+        for i, s in enumerate(step.rows):
+            self.active[s], self.lens[s] = True, step.lens[i]
+            if step.tables is not None:
+                self.tables[s] = step.tables[i]
+        self.plan_step(step.rows, step.q_lens)
 
     def check_integrity(self, idle: bool = False) -> str | None:
         """None when the slots' books are sound, else what is wrong, in one sentence

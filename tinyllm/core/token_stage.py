@@ -64,5 +64,5 @@ def new_matchers(grammars, samplings: list) -> list:
     constraint and there is no backend, or the backend refuses it."""
     if any(s.constraint is not None for s in samplings) and grammars is None:
         raise ValueError("constraint: this engine has no grammar backend; give it one: "
-                         "ContinuousEngine(..., grammars=LLGuidance(tokenizer, vocab_size))")
+                         "make_engine(..., grammars=LLGuidance(tokenizer, vocab_size))")
     return [None if s.constraint is None else grammars.matcher(s.constraint) for s in samplings]

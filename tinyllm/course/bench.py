@@ -3,34 +3,16 @@
     python -m tinyllm bench --workload longtail --engines static,continuous --slots 16
     python -m tinyllm bench --engines continuous,paged --slots 16 --paged-slots 64
     python -m tinyllm bench --decode-steps          # one decode step: eager, graphed, compiled
-    python -m tinyllm bench --decoder compiled --dtype bf16
-    python -m tinyllm bench --decode-steps --compile-mode max-autotune --batch-sizes 1,8
-    python -m tinyllm bench --workload long-prompt --engines continuous,continuous+chunked
-    python -m tinyllm bench --workload shared-prefix --engines paged,paged+prefix
-    python -m tinyllm bench --engines paged,paged+compiled --slots 16 --paged-slots 64
-    python -m tinyllm bench --prefill 128,512,2047 --engines continuous,continuous+chunked
-    python -m tinyllm bench --model smollm2 --solo 128 --quant int8,int4 --peers
-    python -m tinyllm bench --model smollm2 --serve-start --decoder pieces --empty-caches
-    python -m tinyllm bench --model smollm2 --workload chat --temperature 0.8 --top-p 0.9
 
-The engine's flags are EngineConfig's (EngineConfig.add_arguments, as `serve`'s), and each
-engine's name parses once into the EngineConfig it runs (engine_config). Engines: static (03,
-batches of --slots requests), continuous (04, --slots slots), paged (05: the same continuous
-engine on a pool of blocks, by default the memory of --slots slots, shared by --paged-slots
-slots), graphs (06: continuous with the decode step replayed as CUDA graphs; eager bucketed on
-a CPU) and compiled (06: continuous with the decode step compiled by torch.compile, on any
-device; its compilation happens before the clock starts and is reported apart, as compile_s).
-A continuous engine's name may carry the later steps: +chunked (07: at most --max-step-tokens
-tokens a step), +prefix (08, paged: a prefix cache), +ngram or +draft (11: speculative
-decoding, guesses by prompt lookup or by a draft model) and +tpN (14: the model split over N
-ranks, whose CPU seconds count too; all_reduce_s and gather_s say what their talk took).
-Timing lives here and in the notebooks, never in a test. Besides the summary keys of every
-engine it reports where a decode step's time goes: the model's forward pass against the
-engine's own bookkeeping (admission, sampling, slot moves, Python), and the CPU seconds of the
-run (cpu_s) with its tokens per CPU-second (tok_per_cpu_s), the figure that holds still on a
-shared machine. --rounds N runs every engine N times in turn and shows each engine's median
-round. --temperature (with --top-k, --top-p) has the workload's greedy requests sample instead,
-each with a seed of its own: the token stage's cost in the step, every engine drawing alike.
+The engine's flags are EngineConfig's (as `serve`'s); each engine's name parses into the
+EngineConfig it runs (engine_config). Engines: static (03), continuous (04), paged (05: a pool
+of blocks shared by --paged-slots slots), graphs and compiled (06: the decode step replayed as
+CUDA graphs, or compiled before the clock starts and reported apart, as compile_s). A
+continuous engine's name may carry later steps: +chunked (07), +prefix (08, paged), +ngram or
++draft (11) and +tpN (14). Timing lives here and in the notebooks, never in a test. Besides
+every engine's summary keys it reports the forward pass against the engine's bookkeeping, and
+the run's CPU seconds (cpu_s, tok_per_cpu_s). --rounds N runs every engine N times in turn and
+shows each one's median round; --temperature (with --top-k, --top-p) has the requests sample.
 """
 
 import argparse

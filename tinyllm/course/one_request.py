@@ -2,22 +2,15 @@
 request's tokens one by one (decode at batch 1), tinyllm's engines beside llama.cpp's on the
 same values.
 
-A decode step reads every weight for a token a row; a prefill computes a whole prompt in one
-pass, so its products are matrices and its cost is arithmetic, with attention's share growing
-with the prompt. `python -m tinyllm bench --prefill 128,512,2047` times one request of each
-length on a slot of its own: its time to first token (TTFT) and its prompt's tokens a second,
-for each engine of --engines (`continuous`: the whole prompt in one pass; `continuous+chunked`:
---max-step-tokens a step, 07) and each --quant. `--solo N` times a request's N new tokens
-after a 16-token prompt instead: the decode steps after its first token, in tokens a second
-and a CPU-second, and the share of the memory's read speed (a sum over 256 MiB, as notebook 13
-measures it) that the weights' bytes a token make. With --peers, llama.cpp does the same
-(llama-cpp-python, where installed: an optional peer) on the GGUF file's values: F32 beside
-float weights, Q8_0 made from them beside int8, the file itself beside gguf (its own blocks)
-and int4 (groups of 32 as the file's Q4_1), its threads as many as torch's. Each figure is the
-median of --rounds runs, taken in turn.
+`python -m tinyllm bench --prefill 128,512,2047` times one request of each length on a slot of
+its own: its time to first token (TTFT) and its prompt's tokens a second, for each engine of
+--engines and each --quant. `--solo N` times a request's N new tokens after a 16-token prompt
+instead, in tokens a second and a CPU-second, and the share of the memory's read speed that the
+weights' bytes a token make. With --peers, llama.cpp (llama-cpp-python, an optional peer) does
+the same on the GGUF file's values: F32 beside float weights, Q8_0 beside int8, the file itself
+beside gguf and int4, its threads as many as torch's. Each figure is the median of --rounds
+runs, taken in turn.
 
-    python -m tinyllm bench --model smollm2 --prefill 128,512,2047 --quant none,int8 \\
-        --engines continuous,continuous+chunked --max-step-tokens 512 --peers --rounds 3
     python -m tinyllm bench --model smollm2 --solo 128 --quant none,int8,int4,gguf \\
         --engines continuous+fused --peers --rounds 3
 """

@@ -1,21 +1,17 @@
 """Step 09 - the peers: one workload through tinyllm's engines and through transformers.
 
     python -m tinyllm bench --peers                     # the bundled model, longtail workload
-    python -m tinyllm bench --peers --model DIR --workload eos --slots 8
     python -m tinyllm bench --peers --model model.gguf --workload chat --slots 8
 
-tinyllm runs its solo generate(), static batching, continuous batching on slots (the eager
-decode step and, with compiled, the compiled one of step 06: compiled before the clock
-starts, its seconds in the compile_s column) and paged; and, given a bf16 copy of the model,
-continuous batching compiled in bf16. transformers runs the same weights two ways:
-`generate()` on left-padded static batches (what most people write first), and its
-continuous-batching manager (`init_continuous_batching`, the engine behind `generate_batch`)
-with an explicit, small paged KV cache: by default it sizes the cache from the machine's free
-memory. On a GGUF file, where llama-cpp-python is installed (an optional peer: it compiles
-llama.cpp), llama.cpp runs the file as it is (batched) and a copy de-quantised to F32, the
-very values tinyllm computes with (solo and batched). Every request's tokens are compared
-with tinyllm's solo generate(): the table says how many agreed. Greedy workloads only
-(sampling draws differ).
+tinyllm runs its solo generate(), static batching, continuous batching on slots (eager, and
+compiled as in step 06, its compile seconds in the compile_s column) and paged; and, given a
+bf16 copy of the model, continuous batching compiled in bf16. transformers runs the same weights
+two ways: `generate()` on left-padded static batches, and its continuous-batching manager
+(`init_continuous_batching`) with an explicit, small paged KV cache. On a GGUF file, where
+llama-cpp-python is installed (an optional peer), llama.cpp runs the file as it is (batched)
+and a copy de-quantised to F32, the very values tinyllm computes with (solo and batched). Every
+request's tokens are compared with tinyllm's solo generate(): the table says how many agreed.
+Greedy workloads only (sampling draws differ).
 """
 
 import contextlib

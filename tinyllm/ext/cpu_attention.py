@@ -1,24 +1,18 @@
 """Step 13 - attention in C where the cache keeps the keys, installed on a loaded model.
 
-A decode step's attention through the library costs several calls a layer: the cache's writes,
-the gather of every row's keys, then scaled_dot_product_attention. `CAttention` does it in one
-call of `cpu_kernels.decode_attention`, reading the keys where a slot or paged cache (04, 05)
-holds them (`cache.layout`, as vLLM's paged attention reads them): about 20 microseconds a
-layer against 60 at batch 1. `install(model)` puts it in the place of each layer's Attention,
-sharing its projections, as `quantize` puts quantized layers in the place of the linear ones;
-the model's other passes are unchanged.
+`CAttention` does a decode step's attention in one call of `cpu_kernels.decode_attention`, in
+place of the cache's writes, a gather and scaled_dot_product_attention, reading the keys where a
+slot or paged cache (04, 05) holds them (`cache.layout`, as vLLM's paged attention reads them).
+`install(model)` puts it in the place of each layer's Attention, sharing its projections; the
+model's other passes are unchanged.
 
-The kernel attends a query at a time. That suits a decode, a speculation's guesses and a short
-prompt, each new token a query row of its own; a row of more than QUERY_ROWS tokens (a
-prefill) is done faster by the library, which multiplies its queries with its keys as
-matrices. So a packed step (04) splits: the long rows store their keys, the short rows' tokens
-attend in one kernel call (which writes theirs first), then the long rows attend as
-`Attention.attend` does; every key of the step is written before any row reads one. Where the
-kernel cannot run (no C compiler, a GPU, half precision, a cache without a layout) the layer
-is the model's own Attention. The first step builds the kernels where the cache has none yet
-(about ten seconds, once a machine); installed with wait_for_kernels=False (a server's model),
-it starts their build in a thread of its own instead, and the steps attend as the model does
-until they are built.
+The kernel attends a query at a time: a decode, a speculation's guesses, a short prompt. A row
+of more than QUERY_ROWS tokens (a prefill) is left to the library, so a packed step (04) splits,
+and every key of the step is written before any row reads one. Where the kernel cannot run (no
+C compiler, a GPU, half precision, a cache without a layout) the layer is the model's own
+Attention. The first step builds the kernels where the cache has none yet; installed with
+wait_for_kernels=False (a server's model), it builds them in a thread instead, and the steps
+attend as the model does until they are built.
 """
 
 import torch

@@ -1,75 +1,18 @@
 """Step 13 - matrix-vector kernels in C, for a decode step on a CPU.
 
-A decode step at batch 1 reads each weight once and does two operations with it, so its time
-is the weights' bytes over the memory's speed, if the loop keeps up. PyTorch's own int8
-products (`torch._int_mm`, the weight-only `_weight_int8pack_mm`, fbgemm's dynamic linear) and
-the loops torch.compile writes reach about 8 GB/s on one thread of a CPU that streams 16-22:
-one accumulator a row, each addition waiting for the one before. The math library's float32
-product of a few rows reads its weights at 6-10 GB/s there. llama.cpp keeps up with
-hand-written loops, and so do these, in C with AVX2 (the float32 ones with AVX-512's 16-float
-vectors where the compiler targets it: their loads stream a weight about a tenth faster) and
-in plain C, which the compiler vectorizes, anywhere else. The quantized ones quantize the
-activations too and multiply integers, as llama.cpp's products do:
-
-- `float_gemv`: y = x @ W^T in float32, one weight row at a time (a CPU streams one row
-  fastest), each weight vector multiplied with up to 4 rows of x; with several rows the
-  weight passes through the cache a tile at a time, so it comes from memory once, and the
-  next tile is asked for (prefetched) while this one is multiplied.
-- `int8_gemv`: y[m, n] = (xq[m] . q[n]) * (sx[m] * scale[n]), each row of x quantized to int8
-  by its largest magnitude (quant.int8_matmul's product). The integer products multiply an
-  unsigned byte by a signed one, so the weights' magnitudes meet x with the weights' signs; 32
-  bytes at a time, summed by fours into int32: one instruction with VNNI (`dpbusd`: AVX-512's
-  VNNI, or AVX-VNNI), two with AVX2 (`maddubs`, then `madd` by ones). With several rows of x
-  and AVX2 without VNNI, the weights go 4 rows a pass, widened once to int16, and every 2 rows
-  of x meet them in a tile of 8 sums by `madd` alone: the signs moved for `maddubs` would be
-  moved again for every row of x. A 64-row product of SmolLM2's MLP went from 1.9 to 0.9 ms on
-  one core of an AMD EPYC with AVX2, past the library's float32 product, which quant.py then
-  uses no more there. The integer sum is exact on every path, so the result is
-  torch._int_mm's, bit for bit, for any number of rows.
-- `int4_gemv`: each group of x rounded to int8 steps (quant.rounded_activations), then
-  y[m, n] = sum over groups g of scale[n, g] sx[m, g] (xq's group . the group's 4-bit values)
-  + zero[n, g] sx[m, g] (the sum of xq's group): the nibbles of GGUF's layout (quant.py),
-  unpacked by one broadcast load, a shift and a mask, and multiplied with the int8 activations
-  as integers; the integer sums of 8 groups gathered into one vector, so that 8 groups'
-  scales, zeros and conversions to float cost one vector operation each.
-- `int8g_gemv`: the same for 8-bit weights in groups (GGUF's Q8_0), without zero points.
-  The grouped products add their floats in one order on every path (8 lanes, then the groups
-  past the last 8, then the lanes' sum in a fixed order), so the vector paths and the plain C
-  loops give the same bits (`integer_path()` names the machine's). The three integer products
-  ask for the weight rows about 2 KB ahead (a prefetch) as they go: their arithmetic per byte
-  is heavier than float32's, and without it the loop and the memory take turns. On one core
-  of an Intel Xeon with AVX-512, SmolLM2's int4 layers at one row went from 15.6 to 9 ms a step
-  that way.
-- `decode_attention`: a decode step's attention in one layer, read where the cache holds the
-  keys and values (a slot's rows, a paged pool's blocks: the cache's `layout`), as
-  vLLM's paged attention reads them, with no gather: the new key and value written, then for
-  each query head the scores four keys at a time, their exponentials eight at a time, and the
-  weighted values with the output in registers. One call a layer replaces the update's writes
-  and gathers and scaled_dot_product_attention: at batch 1 and a short context, about 20
-  microseconds a layer against 60; float64 too, in plain C, so the float64 oracle tests run it.
-- `decode_layers`: the decoder layers' decode step in one call (fused_layer.py), each layer's
-  norms, q, k and v product, RoPE, decode_attention, output product, SwiGLU MLP and residuals
-  in turn, with float_gemv's loops (float32) or plain C's (float64), or with quantized products
-  (float32) each the integer one a QuantLinear of its layout calls. The weights go as one
-  `layers(...)` object, checked once when it is made: handed to an operator one by one they
-  would cost about a microsecond and a half each, and a quantized layer has 23. A step of
-  SmolLM2 then makes one call where its layers made about 300. `decode_layer` and
-  `decode_layer_q` run one layer this way.
-
-Each product takes a list of weights that read the same x (q, k and v; gate and up:
-quant.projections), their outputs side by side: x is read (and quantized) once, and the
-call's cost is paid once. Each output is one loop over one row, the same loop for any batch,
-list or thread count, so every row's result depends on that row alone.
-
-The loops are C, in csrc/kernels.c beside this module, and the C++ of csrc/ops.cpp makes each
-a PyTorch operator (`torch.ops.tinyllm.int8_gemv` and the rest); both ship with the package.
-This module is their loader: at first use (`library()`) it compiles kernels.c with the
-machine's flags and ops.cpp against torch's own headers (by the C++ compiler torch.compile
-also needs), once per machine into the cache directory, and loads the library. An operator is
-what a compiled piece calls like any of torch's, and a call costs about 6 microseconds beyond
-its arithmetic; the same operator written in Python around a ctypes call cost about 18, 121
-times a step of SmolLM2. Where nothing compiles, `library()` is None and quant.py uses
-PyTorch's products.
+A decode step at batch 1 reads each weight once, so its time is the weights' bytes over the
+memory's speed, if the loop keeps up. These loops keep up as llama.cpp's do: C with AVX2
+(AVX-512 and VNNI where the compiler targets them), plain C elsewhere; the quantized ones
+quantize the activations too and multiply integers. The products are `float_gemv` (float32),
+`int8_gemv` (int8 per row: torch._int_mm's result, bit for bit), `int4_gemv` (GGUF's 4-bit
+groups) and `int8g_gemv` (Q8_0); `decode_attention` is a layer's decode attention, read where
+the cache holds the keys (its `layout`, as vLLM's paged attention); `decode_layers` runs the
+decoder layers' decode step in one call (fused_layer.py), its weights one `layers(...)` object.
+Each product takes the weights that read the same x, so x is read once; every row's result
+depends on that row alone, and the integer products give the same bits on every path
+(`integer_path()` names the machine's). The loops are csrc/kernels.c, made PyTorch operators
+(`torch.ops.tinyllm.*`) by csrc/ops.cpp; `library()` compiles them once per machine into the
+cache directory and loads them. Where nothing compiles it is None and quant.py uses PyTorch's.
 """
 
 import hashlib

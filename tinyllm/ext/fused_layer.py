@@ -1,34 +1,18 @@
 """Step 13 - the decode step's layers in one C call.
 
-The pieces (piecewise.py) fuse a layer's small operations, yet a step of SmolLM2 still makes
-about 300 calls from Python: 31 compiled pieces, and inside them and between them the products,
-the fused loops, the attention, each a dispatch of a few microseconds. At batch 1 on a CPU those
-calls cost a quarter of a float32 step, and their Python's data is pushed out of the caches by
-every layer's weights as they stream past. llama.cpp has none of that: its step is a graph of C
-kernels, run from C. `FusedDecoder(model)` does the same for the layers: one call of
-`cpu_kernels.decode_layers` computes every layer in turn for the step's rows (each layer's norm,
-the q, k and v product, RoPE, the attention in the cache, the output product, norm, the SwiGLU
-MLP, the two residuals), the same loops as the kernels' own (float_gemv, decode_attention), so a
-step is the embedding, one call and the head. The layers' weights go to C once, as one object
-(`cpu_kernels.layers`) made with the decoder: handed over tensor by tensor every step, a
-quantized layer's 23 would cost about 35 microseconds. Nothing is compiled at run time and no
-batch is padded. The C loops multiply a weight vector with 4 rows at a time, and each row's
-result depends on that row alone. From a few dozen rows on, a step is arithmetic more than
-reading, and the math library's blocked products do more of it a cycle, so a step of more than
-FUSED_ROWS (16) rows runs the model as it is, as GemvLinear hands such products to the library.
+llama.cpp's decode step is a graph of C kernels, run from C. `FusedDecoder(model)` does the same
+for the layers: one call of `cpu_kernels.decode_layers` computes every layer in turn for the
+step's rows (the norms, the q, k and v product, RoPE, the attention in the cache, the output
+product, the SwiGLU MLP, the residuals) with the kernels' own loops, so a step is the embedding,
+one call and the head. The layers' weights go to C once, as one object (`cpu_kernels.layers`)
+made with the decoder. Nothing is compiled at run time and no batch is padded; each row's result
+depends on that row alone. A step of more than FUSED_ROWS rows, of several tokens a row, or with
+a cache without a layout or in another dtype runs the model as it is.
 
-It serves a model of float weights (float32, or float64 for the oracle tests) without biases on
-a CPU, with a cache that says where its keys lie (`layout`: slots, a paged pool, a prefix
-cache), the continuous engine's decoder="fused"; a model it cannot compute is refused by name
-(`FusedDecoder.refusal`). A step of several tokens a row, or a cache without a layout or in
-another dtype, runs the model as it is.
-
-A quantized model's layers (int8, int4, a GGUF file's blocks) are one call too: each product
-there is the integer product its QuantLinear makes (the same C loop, the same bits), and the
-rest is the float layers'. At batch 1 a quantized step
-is a third of a float32 one, so the calls it no longer makes from Python are a larger share:
-the layers' own time is what is left. In float64 (the oracle's) a quantized model's step is
-the model's, as its products are.
+It is the continuous engine's decoder="fused", on a CPU, for a model without biases whose
+weights are float (float32, or float64 for the oracle tests) or quantized (int8, int4, a GGUF
+file's blocks: each product the integer one its QuantLinear makes, the same bits); a model it
+cannot compute is refused by name (`FusedDecoder.refusal`).
 """
 
 import torch

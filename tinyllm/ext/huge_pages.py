@@ -1,21 +1,17 @@
 """Step 13 - the weights on huge pages: fewer address translations per byte read.
 
-A program's addresses are virtual. The CPU translates each one, a page at a time, through a
-small cache of translations (the TLB, a few thousand pages) and, on a miss, a walk of the page
-tables. A page is 4 KB by default, so a decode step that streams SmolLM2's 538 MB of float32
-crosses about 131,000 pages, each new one a TLB miss: one every few hundred nanoseconds at the
-memory's speed, and each walk holds up the reads behind it. With 2 MB pages the same weights
-span 269 pages.
+The CPU translates each virtual address a page at a time, through a small cache of translations
+(the TLB) and, on a miss, a walk of the page tables. A page is 4 KB by default, so a decode step
+that streams the weights crosses a new page, and misses, every few hundred nanoseconds; with
+2 MB pages the same weights span far fewer.
 
 Linux gives 2 MB pages ("transparent huge pages") to memory that asks for them with
 `madvise(MADV_HUGEPAGE)`, where /sys/kernel/mm/transparent_hugepage/enabled says "madvise" or
-"always"; with "never", or on another system, the memory keeps its 4 KB pages and nothing else
-changes. The request must come before the memory is first written, since a page is chosen
-when it is first touched. So `place` copies every weight of a model into one block of memory
-(`block`) that asked first: a fresh private anonymous map, its 2 MB-aligned part advised, each
-tensor a view of it with a storage of its own (`torch.frombuffer`), so a copy of the model
-(`copy.deepcopy`) copies each tensor alone. `tinyllm.load` places a CPU model's weights this
-way. Notebook 13 measures the difference: the memory's read speed, and a decode step.
+"always"; elsewhere the memory keeps its 4 KB pages and nothing else changes. The request must
+come before the memory is first written. So `place` copies every weight of a model into one
+block of memory (`block`) that asked first: a fresh private anonymous map, its 2 MB-aligned part
+advised, each tensor a view of it with a storage of its own (`torch.frombuffer`), so
+`copy.deepcopy` copies each tensor alone. `tinyllm.load` places a CPU model's weights this way.
 """
 
 import copy

@@ -1,26 +1,16 @@
 """Step 14 - tensor parallelism: a model split over ranks, each layer in pieces.
 
-A model that outgrows one device is split across several, each layer in pieces (Megatron's
-split, as vLLM's, SGLang's and nano-vllm's model code does it). In each layer:
-- q, k and v, and the MLP's gate and up, are split by output (**column-parallel**): a rank holds
-  the rows of W for its own heads (whole KV groups, their query heads with them) and its part
-  of the MLP's width, and computes them from the whole input with no talk;
-- the attention's output and the MLP's down projection are split by input
-  (**row-parallel**): a rank multiplies its own columns of W with its own part of the input
-  and gets a partial sum of the whole output; one **all-reduce** adds the ranks' partial sums,
-  after which every rank holds the whole output, the bias added once (`row_parallel`);
-- the embedding is whole on every rank (a lookup reads a row a token); the head is split by
-  vocabulary (column-parallel), and rank 0 gathers the logits of the positions it samples.
-So a layer costs two all-reduces of (tokens, d_model), and a rank keeps 1/size of the layers'
-weights and the KV cache of its own heads. Where the KV heads do not divide (SmolLM2: 9 query
-heads in 3 KV groups), the ranks take whole KV groups, unevenly (the first ranks one more):
-vLLM refuses such a size; a rank never needs another rank's keys.
+Each layer is split as Megatron splits it (as vLLM's, SGLang's and nano-vllm's model code do):
+q, k, v and the MLP's gate and up by output (**column-parallel**: a rank holds its own heads,
+whole KV groups, the first ranks one more where they do not divide, and its part of the MLP's
+width); the attention's output and the MLP's down projection by input (**row-parallel**: one
+**all-reduce** adds the ranks' partial sums, the bias added once, `row_parallel`). The
+embedding is whole on every rank; the head is split by vocabulary, and rank 0 gathers the
+logits of the positions it samples.
 
-`shard(model, rank, size)` is a rank's part of a model, a Transformer whose row-parallel layers
-call an all-reduce: torch.distributed's between processes (`all_reduce`; ranks.py runs them),
-or, for a look without processes, `ThreadedRanks`, the ranks as threads of one process. The
-split is exercise 14: `shard_ranges`, `shard_column`, `shard_row` and `row_parallel` are its
-seams.
+`shard(model, rank, size)` is a rank's part of a model, its row-parallel layers calling
+torch.distributed's all-reduce (`all_reduce`; ranks.py runs them) or `ThreadedRanks`' (the ranks
+as threads). Seams (exercise 14): `shard_ranges`, `shard_column`, `shard_row`, `row_parallel`.
 
     parts = [shard(model, r, 2, ThreadedRanks(2).reduce(r)) for r in range(2)]
 """

@@ -1,38 +1,18 @@
 """Step 13 - the decode step compiled in pieces, split at attention.
 
-A decode step at a small batch is a few matrix-vector products per layer and, between them, a
-dozen small operations (the norms, the rotary embedding, the SwiGLU gate, the residual adds, a
-quantized layer's scaling): each one dispatched from Python, each writing its output to memory
-for the next to read back. Step 06's compiled decoder fuses a whole step, but it needs the
-cache in static buffers and compiles for minutes on a 30-layer model. vLLM compiles its models
-piecewise instead: the graph is split at attention, which stays a call of its own, and each
-piece between two attentions is compiled (on a GPU, also captured as a CUDA graph).
-
-`PiecewiseDecoder(model)` does that here (the continuous engine's decoder="pieces", on any
-cache). A decode step runs three kinds of compiled piece: `before` (the first layer's norm, its
-q, k and v projections, RoPE), `between` (the rest of a layer: the output projection, the
-residual, the norm, the MLP, the residual; then the next layer's `before`) and `last` (the rest
-of the last layer, the final norm, the head): 31 calls for 30 layers. The cache's update and the
-attention stay eager between them (the model's `Attention.decode`), so any cache works: slots,
-a paged pool, a prefix cache. Every layer runs the same code at the same shapes, so a piece is
-compiled once for all the layers, with the layer's weights as inputs: one program for each
-power of two of rows (a batch is padded up to the next), a few seconds each on first use, or
-ahead with `warm_up(max_rows)` (bench calls it before any run). A server starts sooner: it
-serves at once and compiles the buckets, smallest first, in a thread while it serves
-(`compile_next`, one bucket a call), and with `eager_until_compiled` set, a step whose bucket
-is not compiled yet runs the model's own eager step instead of waiting for a compilation. A
-prefill, a chunk or speculation's verification (more than one token a row) runs the model as
-it is.
-
-A program is traced with make_fx and compiled by TorchInductor directly (`program`), not by
-torch.compile: torch.compile would check its guards (the inputs' shapes, the modules'
-settings) before each of the step's 31 calls, about 50 microseconds each on a CPU, a tenth of
-an int8 step of SmolLM2. The decoder knows its shapes already: it picks the program by piece
-and rows.
-
-The pieces compute what the layer computes, up to the order of additions in the fused loops:
-in float64 the tokens are the eager step's. They serve any weights (float, int8, int4); for
-float weights on a CPU, fused_layer.py goes further and makes each layer one C call.
+vLLM compiles its models piecewise: the graph is split at attention, which stays a call of its
+own, and each piece between two attentions is compiled. `PiecewiseDecoder(model)` does that here
+(the continuous engine's decoder="pieces", on any cache). A decode step runs three kinds of
+compiled piece: `before` (a layer's norm, q, k and v projections, RoPE), `between` (the rest of
+a layer, then the next layer's `before`) and `last` (the rest of the last layer, the final norm,
+the head). The cache's update and the attention stay eager between them (`Attention.decode`).
+A piece is compiled once for all the layers, their weights as inputs: one program for each
+power of two of rows (a batch is padded up), on first use or ahead with `warm_up(max_rows)`. A
+server compiles the buckets in a thread while it serves (`compile_next`), and with
+`eager_until_compiled` a step whose bucket is not compiled yet runs the model's eager step. A
+step of more than one token a row runs the model as it is. A program is traced with make_fx
+and compiled by TorchInductor directly (`program`), without torch.compile's guards. The pieces
+compute what the layer computes, up to the order of additions in the fused loops.
 """
 
 import time

@@ -1,47 +1,18 @@
 """Step 13 - quantized weights: a linear layer that keeps its weight in 8 or 4 bits.
 
-A decode step at a small batch reads every weight of the model to make one token per request,
-so its time is about the weights' bytes over the memory's bandwidth. Fewer bytes per weight,
-fewer bytes per token: int8 reads a quarter of float32's, int4 an eighth (plus a scale per
-group). A weight is stored as a small integer q and read back as q * scale + zero, its group's
-scale and zero point (weight quantization, as gpt-fast and llama.cpp do it).
-
-`QuantLinear` holds W (N, K) in groups of `group_size` along its input dimension K:
-  8 bits: q int8 (N, K), W[n, k] = q[n, k] * scale[n, g]            (g = k // group_size)
-  4 bits: q uint8 (N, G, group_size / 2), two weights a byte: the low nibble is the group's
-          element j, the high nibble element j + group_size / 2 (GGUF's own layout), and
-          W[n, k] = q * scale[n, g] + zero[n, g], q in 0 .. 15.
-int8 per output channel is one group the width of the row (`quantize_int8`); int4 is groups of
-32 with their minimum and step (`quantize_int4`); GGUF's Q8_0, Q4_0 and Q4_1 blocks are the same
-layouts with groups of 32, so a GGUF file's weights are kept as the file has them
-(`from_gguf`), not expanded to float32.
-
-Five ways to compute y = x W^T (`QuantLinear.kernel`):
-- "int8mm" (int8 with one scale per row, on a CPU): the activations are quantized too, each
-  row by its own largest magnitude, and the product is an integer one (exact in int32),
-  scaled back: what llama.cpp's Q8_0 products do. A few rows (a decode step, `FUSED_ROWS` at
-  most) run cpu_kernels' C loop, more (a prefill) the library's integer product
-  (`int_matmul`) where the CPU multiplies 8-bit integers fast, else the C loop still: the
-  same result, bit for bit.
-- "int4a8" (4 bits with zero points, on a CPU): each group of the activations rounded to
-  int8 steps (`rounded_activations`) and multiplied with the nibbles as integers, what
-  llama.cpp's Q4_1 products do: cpu_kernels' C loop for a few rows; for more (or without a C
-  compiler, or in float64), the library's product of the rounded activations and the
-  de-quantized weight, which is the same sum in another order.
-- "int8a8" (8 bits in groups, GGUF's Q8_0, on a CPU): the same for 8-bit weights, what
-  llama.cpp's Q8_0 products do.
-- "fused" (the others: another device, 4 bits without zero points): a few rows run one fused
-  loop that reads each weight once, as its integer, and turns it into a float in registers
-  (torch.compile of `fused_matmul`, compiled per layer shape on first use); reading fewer bytes
-  is the whole gain. Many rows (a prefill): the weight is de-quantized to the activations'
-  dtype and the math library's product runs, compute-bound there, the de-quantization paid
-  once for all the rows.
-- "eager": de-quantize every time (no compiler needed: the reference the others are checked
-  against).
-Each row's result depends on that row alone in all five, so batching changes nothing.
-
-The embeddings stay in float: a lookup reads one row per token, not the whole table; a head
-tied to them gets a quantized copy of its own.
+A decode step's time is about the weights' bytes over the memory's bandwidth: fewer bytes per
+weight, fewer bytes per token. A weight is stored as a small integer q and read back as
+q * scale + zero, its group's scale and zero point (as gpt-fast and llama.cpp do it).
+`QuantLinear` holds W (N, K) in groups of `group_size` along K: int8 per output channel
+(`quantize_int8`), int4 in groups of 32 with their minimum and step (`quantize_int4`, in GGUF's
+nibble layout), and GGUF's Q8_0, Q4_0 and Q4_1 blocks as the file has them (`from_gguf`).
+`QuantLinear.kernel` is one of five ways to compute y = x W^T: "int8mm", "int4a8" and "int8a8"
+(on a CPU) quantize the activations too and multiply integers, as llama.cpp's products do
+(cpu_kernels' C loops for a few rows); "fused" (elsewhere) reads each weight once, as its
+integer (torch.compile of `fused_matmul`), or de-quantizes once for many rows; "eager"
+de-quantizes every time, the reference the others are checked against. Each row's result
+depends on that row alone in all five. The embeddings stay in float; a head tied to them gets a
+quantized copy of its own.
 """
 
 import torch

@@ -1,23 +1,23 @@
 """Step 14 - the ranks: a split model's processes, rank 0 saying what each step runs.
 
-The runtime is the field's own, `torch.distributed`, here its gloo backend between CPU
-processes (several GPUs would take NCCL, the same calls; not built here). Rank 0 is the
-engine's process: it runs the scheduler and the token stage, and sends each step's plan (the
-token ids, and the rows' slots, lengths and block tables: `step_plan`) to the other ranks over
-ZeroMQ, the way vLLM's and nano-vllm's model runners send theirs; every rank then runs the same
-forward pass on its shard (parallel.shard) and on a cache of its own heads that follows rank 0's
-books (`mirror_cache`, `follow`), the all-reduces in step, and rank 0 gathers the logits. On
-one machine the other ranks are spawned processes (`Ranks`); across machines every rank starts
-under `torchrun` (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment) and joins
-the same group (`serve_torchrun_rank`). `ParallelModel` is what the engine holds: a model, to
-the engine, like any other (`parallel_model` keeps one a model). A rank that dies or fails to
-start ends the engine with one error that names it (`RankFailed`).
+The runtime is `torch.distributed`, here its gloo backend between CPU processes (several GPUs
+would take NCCL, the same calls; not built here). Rank 0 is the engine's process: it runs the
+scheduler and the token stage, and sends each step's plan (the token ids, and the rows' slots,
+lengths and block tables: SlotCache.planned_step) to the other ranks over ZeroMQ, as vLLM's and
+nano-vllm's model runners do; every rank then runs the same forward pass on its shard
+(parallel.shard) and on a cache of its own heads made from rank 0's spec (`mirror_cache`) that
+follows rank 0's books (SlotCache.follow), and rank 0 gathers the logits. On one machine the
+other ranks are spawned processes (`Ranks`); across machines every rank starts under `torchrun`
+and joins the same group (`serve_torchrun_rank`). `ParallelModel` is what the engine holds: a
+model like any other (`parallel_model`). A rank that dies or fails to start ends the engine with
+one error that names it (`RankFailed`).
 
     make_engine(model, EngineConfig(8, tensor_parallel_size=2))   # holds ParallelModel(model, 2)
 """
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import multiprocessing
@@ -29,14 +29,15 @@ import socket
 import time
 import traceback
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tinyllm.core.kv_spec import CacheSpec, make_cache, spec_of
 from tinyllm.core.model import Transformer, unpacked
+from tinyllm.core.slot_cache import SlotCache
 from tinyllm.ext import parallel
 from tinyllm.ext.parallel import TALK, shard
 
@@ -44,55 +45,14 @@ RANK_TIMEOUT_S = 120       # a rank that does not join, or answer within a step,
 START_TIMEOUT_S = 120      # spawned ranks that have not joined by then failed to start
 
 
-# ---- the step's plan, and a rank's copy of the cache -------------------------------------------
-@dataclass
-class StepPlan:
-    """What a rank needs of rank 0's cache to run a step: the rows' slots and new tokens (as
-    plan_step took them), the tokens each slot holds, and a paged cache's block tables of the
-    rows (None for slots)."""
-    rows: list[int]
-    q_lens: list[int]
-    lens: list[int]
-    tables: list[list[int]] | None
-
-
-def step_plan(cache) -> StepPlan:
-    """The plan of the step the cache has planned (plan_step), read from its books."""
-    rows, q_lens = cache._planned()
-    tables = None if not hasattr(cache, "tables") else [list(cache.tables[s]) for s in rows]
-    return StepPlan(list(rows), list(q_lens), [cache.lens[s] for s in rows], tables)
-
-
-def cache_spec(cache) -> tuple:
-    """What makes a cache like this one on another rank: its kind and sizes, and its dtype."""
-    dtype = cache.k[0].dtype
-    if hasattr(cache, "tables"):
-        return ("paged", cache.n_slots, cache.max_len, dtype, cache.n_blocks, cache.block_size)
-    return ("slots", cache.n_slots, cache.max_len, dtype)
-
-
-def mirror_cache(part: Transformer, spec: tuple, device=None):
-    """A rank's cache of its own KV heads, with the sizes of rank 0's (cache_spec): its books
-    are set from each step's plan (`follow`), its keys and values are its own."""
-    from tinyllm.core.paged_kv import PagedKVCache
-    from tinyllm.core.slot_cache import SlotKVCache
-
+# ---- a rank's copy of the cache -----------------------------------------------------------------
+def mirror_cache(part: Transformer, spec: CacheSpec, device=None) -> SlotCache:
+    """A rank's cache of its own KV heads, with the sizes of rank 0's (its spec): its books
+    follow each step's plan (SlotCache.follow), its keys and values are its own."""
     cfg = part.cfg
-    kind, n_slots, max_len, dtype, *paged = spec
-    if kind == "paged":
-        return PagedKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, paged[0],
-                            paged[1], max_len, dtype, device)
-    return SlotKVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, max_len, dtype,
-                       device)
-
-
-def follow(cache, plan: StepPlan) -> None:
-    """Set a rank's cache to rank 0's books for the step's rows, and plan the step."""
-    for i, s in enumerate(plan.rows):
-        cache.active[s], cache.lens[s] = True, plan.lens[i]
-        if plan.tables is not None:
-            cache.tables[s] = plan.tables[i]
-    cache.plan_step(plan.rows, plan.q_lens)
+    own = dataclasses.replace(spec, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads,
+                              head_dim=cfg.head_dim, prefix_cache=False, name_at_admission=False)
+    return make_cache(own, device)
 
 
 # ---- the processes -----------------------------------------------------------------------------
@@ -358,7 +318,7 @@ class ParallelModel(nn.Module):
 
     def attach(self, cache) -> None:
         """The engine's cache, on rank 0: every rank makes a cache of its own heads like it."""
-        self.cache, self.spec = cache, cache_spec(cache)
+        self.cache, self.spec = cache, spec_of(cache)
         if self.ranks is not None and (self.ranks.broken is not None or self.ranks is not _group):
             self.ranks = None                           # a new engine starts a new group
         if self.ranks is not None:
@@ -370,7 +330,7 @@ class ParallelModel(nn.Module):
         if cache is not None and cache is not self.cache:
             raise ValueError("this ParallelModel's ranks hold another engine's cache: one engine "
                              "at a time (attach the cache first)")
-        plan = None if cache is None else step_plan(cache)
+        plan = None if cache is None else cache.planned_step()
         self.ranks.send(("layers", self.id, idx.cpu(), plan))
         with self.in_step():
             return self.shard.layers_pass(idx, cache)
@@ -476,7 +436,7 @@ def serve_rank(rank: int, size: int, next_shard) -> None:
                     _, mid, idx, plan = message
                     cache = None if plan is None else caches[mid]
                     if plan is not None:
-                        follow(cache, plan)
+                        cache.follow(plan)
                     models[mid].layers_pass(idx, cache)
                 elif kind == "head":
                     gather_logits(models[message[1]], message[2], size, dst=False)

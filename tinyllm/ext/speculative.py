@@ -1,27 +1,16 @@
 """Step 11 - speculative decoding: guess k tokens cheaply, check every guess in one target pass,
 keep the agreed run and one token more, roll the rest back.
 
-A proposer guesses each decoding request's next tokens. `NgramProposer` looks the request's
-last n tokens up earlier in its own context and proposes what followed them there (prompt
-lookup: no second model; vLLM's `prompt_lookup_max/min`). `DraftProposer` runs a smaller model
-(`early_exit`: the target cut to its first layers, which needs no second checkpoint; or another
-checkpoint with the same tokenizer) with its own KV cache, a slot per engine slot.
-
-The target then computes every guess of every decoding request in one ragged pass: a row brings
-its last token and its k guesses, k + 1 positions, and position j's logits judge guess j.
-`verify` reads the verdict through the token stage, position by position, each row with its
-history so far (so penalties and logprobs see what solo generation would): a greedy request
-keeps a guess while it is the token the target picks there, so its output is the solo output
-exactly; a sampled one keeps guess x with probability min(1, p(x) / q(x)) and otherwise draws
-from max(0, p - q), normalised (p the target's distribution, q the proposer's), which leaves the
-output distributed as the target's. A lookup's q is one-hot: there the row draws the target's
-own token at each position, with the one uniform number a plain step would use, and keeps the
-guess while they agree (kept with chance p(x), and where it falls the token drawn is one of p
-without x: the same rule), so a seeded request makes its plain tokens, guesses or none. The
-first position where a guess falls gives one token of the target's own; with every guess kept,
-the position after the last does: 1 to k + 1 tokens per request per target pass. The caches then
-roll back the positions of the guesses that fell (`rollback`), never into a block a prefix cache
-shares (those hold computed context only).
+`NgramProposer` proposes what followed the request's last n tokens earlier in its own context
+(prompt lookup; vLLM's `prompt_lookup_max/min`). `DraftProposer` runs a smaller model
+(`early_exit`: the target cut to its first layers; or a checkpoint with the same tokenizer) with
+its own KV cache, a slot per engine slot. The target computes every guess of every decoding
+request in one ragged pass, k + 1 positions a row, and `verify` reads the verdict through the
+token stage, each row with its history so far: a greedy request keeps a guess while it is the
+token the target picks, so its output is the solo output exactly; a sampled one keeps guess x
+with probability min(1, p(x) / q(x)) and otherwise draws from max(0, p - q), normalised, so its
+output is distributed as the target's. A pass gives 1 to k + 1 tokens a request; the caches
+then roll back the guesses that fell (`rollback`), never into a block a prefix cache shares.
 
 Seams: `accept_greedy`, `accept_sampled` and `roll_back` (exercise 11).
 """

@@ -2,39 +2,16 @@
 
 A request may carry a `Constraint` (`Sampling.constraint`): a JSON schema, any JSON object, a
 regular expression or a Lark grammar. A grammar backend compiles it for the model's tokenizer
-(once per constraint: compiled grammars are cached) and gives each request a `Matcher` of its
-own, which says which tokens may come next (`bitmask`: one bit per token, 32 to an int32 word,
-the layout of llguidance, XGrammar and vLLM), moves on with each token the request keeps
-(`consume`) and moves back over the guesses speculation drops (`rollback`). The mask is one
-more logits processor (logits_processors.GrammarMask): the step's constrained rows' bitmasks
-are stacked (B, ceil(V / 32)) and applied at once (`apply_bitmask`), a disallowed token's logit
-becoming -inf; the tokenizer's EOS is allowed only where the grammar accepts, and once the
-grammar is complete, or after an EOS, EOS is all it allows: a constrained request ends with its
-grammar, and one that ignores EOS goes on with EOS alone (its text stays the grammar's) to its
-max_new_tokens, as solo generation does.
-
-The matcher follows its sequence: it has consumed exactly the tokens the sequence has made,
-each counted (an EOS too), and a token its mask refuses changes nothing (`consume` says False).
-A preemption keeps those tokens (only their keys and values are computed again), so it keeps
-the matcher as it is; speculation's proposer and verification move it over the guesses to read
-each position's mask, then back by as many; a finished or aborted request drops it.
-
-A backend's `check` says, before a request is taken, why it refuses a constraint (the server
-answers 400 with that sentence): besides what does not compile, what it could not enforce. A
-matcher whose library fails mid-answer all the same (a limit met) is in error (`is_error`) and
-allows EOS alone, so nothing unconstrained is ever written.
-
-A grammar is written over characters, a mask over tokens: one token is several bytes, and it is
-allowed only if all of them can come next, one after another. `DFA` is a grammar small enough
-to write by hand, an automaton over bytes; `walk` moves it over one token's bytes and
-`token_mask` tries every token of the vocabulary from a state, which is the whole idea and
-also why the libraries precompile a grammar against the vocabulary (a token trie) instead.
-
-`LLGuidance` is the backend the engine and the server use, over llguidance (one of vLLM's and
-SGLang's, and light to install); `DFAGrammars` is a second one, the hand-written automata of a
-few constraints, behind the same calls: `check`, `matcher`, and the matcher's `bitmask`,
-`consume`, `rollback`, `is_error` (XGrammar would plug in the same way).
-
+(cached) and gives each request a `Matcher`, which says which tokens may come next (`bitmask`:
+one bit per token, 32 to an int32 word, the layout of llguidance, XGrammar and vLLM), moves on
+with each token the request keeps (`consume`: False for one its mask refuses) and back over the
+guesses speculation drops (`rollback`). logits_processors.GrammarMask applies the step's masks
+at once (`apply_bitmask`); EOS is allowed only where the grammar accepts, and is all it allows
+once the grammar is complete. A backend's `check` says why it refuses a constraint (the
+server's 400); a matcher whose library fails mid-answer is in error (`is_error`) and allows EOS
+alone. `DFA` is a hand-written automaton over bytes: `walk` moves it over a token's bytes and
+`token_mask` tries every token from a state. `LLGuidance` is the engine's and server's backend;
+`DFAGrammars` serves a few constraints by hand-written automata behind the same calls.
 Seams: `walk`, `token_mask` (exercise 12).
 """
 

@@ -1,38 +1,18 @@
 """Step 10 - the API's request bodies, checked as the OpenAI API checks them.
 
 A body's fields are of three kinds. Those the server reads (`FIELDS`): the prompt or messages,
-max_tokens, the sampler's (temperature, top_p, top_k, min_p, seed), the token stage's
-(presence, frequency and repetition penalties, logit_bias, stop_token_ids, min_tokens,
-ignore_eos), n choices, logprobs (completions' an int; chat's a bool with top_logprobs),
-completions' echo and vLLM's prompt_logprobs, stop strings, stream, and the constraint on the
-answer (12: OpenAI's response_format, vLLM's structured_outputs and guided_*). Those OpenAI's
-API or vLLM's define that it takes only at a value that changes nothing (`NO_OPS`: `tools: []`,
-`best_of` equal to n, `guided_decoding_backend` naming this one, `use_beam_search: false`, ...), as
-clients and benchmarks send them: any other value gets a 400 that names the field and says it
-is not supported. Any other field gets a 400 that names it. A value out of its range gets a
-400 naming the field and the range: OpenAI's ranges where OpenAI says them (n in [1, 128], a
-logit bias in [-100, 100]), at most 20 alternatives a token (vLLM's default bound), and the
-engine's checks (`Sampling`, `check_token_stage`: its message names the setting, which names
-the field). A chat message's content is a string or a list of text parts, joined with
-newlines as vLLM joins them. A stream's stream_options ask for its usage at its end
-(include_usage) and in every chunk (continuous_usage_stats, vLLM's, which guidellm sends):
-`usage_of`.
-
-Structured output (12): `constraint_of` reads the one constraint a body asks for as the
-engine's `Constraint` (a JSON schema, kept in the client's key order, as the answer's
-properties follow it; any JSON object; a regex; a Lark grammar, GBNF converted to Lark, a
-choice of strings written as one), with the field that asks it; two in one body get a 400.
-`check_constraint` asks the grammar backend before the request goes to the engine: what it
-refuses (what does not compile, and what it would take and not enforce) gets a 400 naming that
-field, with the backend's sentence.
-
-A prompt is refused by its size before it is tokenized: no token covers more characters than
-the tokenizer's longest, so a text longer than max_len times that cannot fit. Tokenizing and
-rendering the chat template (`prompt_ids`) is slow for a long prompt: the server calls it off
-its event loop. `to_request` turns a checked body into what it asks (`Asked`): the engine's
-Request, its stop strings, the prompt's text to echo, vLLM's prompt_logprobs; the sampling
-fields it leaves out take the model's defaults (`with_defaults`; served.py says which). Used by
-server.py; builds on the engine's Request and Sampling.
+max_tokens, the sampler's and the token stage's settings, n, logprobs, echo, vLLM's
+prompt_logprobs, stop strings, stream and the constraint on the answer (12). Those OpenAI's or
+vLLM's API define that it takes only at a value that changes nothing (`NO_OPS`: `tools: []`,
+`best_of` equal to n, ...): any other value gets a 400 that names the field. Any other field
+gets a 400 that names it; a value out of its range gets a 400 naming the field and the range
+(OpenAI's, vLLM's, the engine's checks). `usage_of` reads a stream's stream_options.
+`constraint_of` reads the one constraint a body asks for as the engine's `Constraint`, with the
+field that asks it; `check_constraint` asks the grammar backend, and a refusal is a 400 naming
+that field. A prompt too long to fit is refused by its size before it is tokenized;
+`prompt_ids` tokenizes it and renders the chat template, off the server's event loop.
+`to_request` turns a checked body into what it asks (`Asked`); the sampling fields it leaves out
+take the model's defaults (`with_defaults`). Used by server.py.
 """
 
 import json

@@ -1,32 +1,18 @@
 """Step 12 - constraint checks: the grammar backend's word on a constraint, in a process of its own.
 
-Before a constrained request goes to the engine, the grammar backend checks its constraint
-(api.check_constraint: it compiles the grammar and walks its first tokens). A big one takes
-CPU-seconds (a choice of 100,000 strings, 22), and llguidance crashes on a few (a Lark grammar
-of 3,000 rules, each calling the next, ends its process with SIGSEGV). Checked on the HTTP side,
-in the thread pool that parses every body and tokenizes every prompt, it would starve plain
-requests and run on after its client went away.
-So `ConstraintChecks` hands each check to a worker process (`CheckWorker`, spawned as the
-engine's process is, with its own copy of the backend), one check at a time per worker, each
-worker driven by a thread of the checks' own (never the event loop's default pool):
-
-- a constraint over api.MAX_CONSTRAINT bytes, or any with no backend, is refused at once, before
-  any worker sees it;
+A grammar backend's check (api.check_constraint) may take CPU-seconds, or crash llguidance; on
+the HTTP side it would starve plain requests and run on after its client went away. So
+`ConstraintChecks` hands each check to a worker process (`CheckWorker`, with its own copy of
+the backend), one check at a time per worker, each worker driven by a thread of the checks' own:
+- a constraint over api.MAX_CONSTRAINT bytes, or any with no backend, is refused at once;
 - at most max_waiting checks wait for a worker: one more gets a 429;
-- a check may spend budget_s of its worker's CPU time, counted by the kernel: before each check
-  the worker sets RLIMIT_CPU to the CPU-seconds it has spent plus budget_s, rounded up (the
-  limit counts whole seconds), and past it the kernel ends it (SIGXCPU). CPU time, not wall
-  time: a busy machine slows a check down and never turns a good constraint into a refusal.
-  The parent reads the exit code, refuses the constraint, and a fresh worker starts;
-- a worker that a signal ends on a constraint (a crash of llguidance) refuses it the same way;
-  one that exits (it could not start) is the server's fault, a 500;
-- a client that goes away (`gone()`, asked every POLL_S) ends its check: a waiting one leaves
-  the line, a running one's worker is killed at once and a fresh one started; `check` raises
+- a check may spend budget_s of its worker's CPU time (RLIMIT_CPU), never wall time; past it,
+  or on a signal that ends the worker, the constraint is refused and a fresh worker starts; a
+  worker that could not start is the server's fault, a 500;
+- a client that goes away (`gone()`, asked every POLL_S) ends its check: `check` raises
   APIError 499, which the server answers to no one.
-
-The workers run at a lower priority (NICENESS, set as each starts, before it imports torch): on
-a small, busy machine the engine and the HTTP side get the cores first. Builds on 12 (the
-grammar backend) and 10 (the server's APIError); server.py holds one `ConstraintChecks`.
+The workers run at a lower priority (NICENESS). Builds on 12 (the grammar backend) and 10 (the
+server's APIError); server.py holds one `ConstraintChecks`.
 """
 
 import asyncio

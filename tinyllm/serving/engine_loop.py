@@ -1,25 +1,16 @@
 """Step 10 - the engine loop: the HTTP side's handle on the engine's process, and its supervisor.
 
 The engine runs in a process of its own (engine_core.py), as vLLM's engine core does, joined to
-the HTTP side by two ZeroMQ sockets that carry the typed messages of messages.py: `Add(key,
-request)` and `Abort(key)` go in; after each step one `StepReport` comes back, with the step's
-tokens (and the logprobs of those that ask for them), the requests refused or failed, the
-engine's load, its KV use and its cache's verdict on its books. ZeroMQ moves a message whole,
-of any size, and the HTTP side's sockets are asyncio sockets (pyzmq's): a message of several MB
-never blocks the event loop.
-
-`EngineProcess` starts the process, holds the sockets and judges it (watchdog.py: ok, busy,
-hung or dead, from its processes and a shared clock, never from a message that should have
-come in time). `EngineLoop` keeps each request's choices as `Ticket`s: it sends them in, and
-its listening task hands each step's tokens to their requests' queues (`dispatch`). A failure
-stays as small as it can: a request that cannot be sent, or that the engine cannot read or
-add, fails alone, and a step that raises fails the requests it held. When the engine fails as
-a whole (it says so), hangs or dies, the loop supervises: the requests the engine held fail
-with a 500 that says why, a new engine process starts with the same engine, and the requests
-it had not taken yet (`Outbox`) go to the new one. vLLM and SGLang exit instead and leave the
-restart to an orchestrator; a course's server runs on a laptop with none, so it restarts
-itself, and gives up (a 503 from then on) after MAX_RESTARTS restarts that brought no token.
-server.py builds the OpenAI API on this loop.
+the HTTP side by two ZeroMQ sockets that carry messages.py's messages: `Add(key, request)` and
+`Abort(key)` go in; after each step one `StepReport` comes back. The HTTP side's sockets are
+asyncio sockets (pyzmq's), so a large message never blocks the event loop. `EngineProcess`
+starts the process, holds the sockets and judges it (watchdog.py: ok, busy, hung or dead).
+`EngineLoop` keeps each request's choices as `Ticket`s: it sends them in, and its listening
+task hands each step's tokens to their requests' queues (`dispatch`). A request that cannot be
+sent, read or added fails alone; a step that raises fails the requests it held. When the engine
+fails as a whole, hangs or dies, the requests it held fail with a 500 that says why, a new
+engine process starts, and the requests it had not taken yet (`Outbox`) go to it; after
+MAX_RESTARTS restarts that brought no token it gives up (a 503 from then on).
 
 Seam: `dispatch` (exercise 10).
 """

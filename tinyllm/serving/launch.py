@@ -4,20 +4,13 @@
 
 `serve_main` reads the flags (the server's own, then EngineConfig's), checks that a decoder
 that compiles C or C++ on a CPU finds its compiler (`cannot_compile`), reads the model's
-sampling defaults (served.model_defaults, as --generation-config says), loads the checkpoint
-(tinyllm.build.load: the weights as --quant says; the C kernels, where they are not built yet,
-built in a thread while the steps attend without them), makes the engine with the grammar
-backend (12), and launches the server (`Launched`): uvicorn in a thread of its own, the engine
-started first on its event loop. No request waits for a compilation: 06's compiled step
-compiles bucket by bucket before the line "serving ...", a line for each; 13's pieces compile
-while it serves, their steps eager until then (engine_core.warm_up). Before them, one line
-says what is served: the weights, the decoder, the speculation, the KV cache, the token budget
-and the sampling defaults (served.banner; /health says the same). Ctrl-C or SIGTERM stops the
-server: requests in flight end with an error, then the engine, and the command exits 0. An
-engine that dies or hangs (a step with no CPU for --engine-timeout seconds) is started again
-by the server itself, a line on the terminal saying each restart. What cannot be served (a
-setting the engine refuses, a missing compiler, an engine that cannot start) ends the command
-with one line that says why, and a non-zero status.
+sampling defaults (served.model_defaults), loads the checkpoint (tinyllm.build.load), makes the
+engine with the grammar backend (12), and launches the server (`Launched`): uvicorn in a thread
+of its own, the engine started first on its event loop. No request waits for a compilation. One
+line says what is served (served.banner). Ctrl-C or SIGTERM stops the server: requests in
+flight end with an error, then the engine, and the command exits 0. An engine that dies or
+hangs is started again by the server itself, a line saying each restart. What cannot be served
+ends the command with one line that says why, and a non-zero status.
 """
 
 import argparse

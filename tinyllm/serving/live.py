@@ -2,28 +2,16 @@
 
     python -m tinyllm serve --kv paged --prefix-cache    # then open http://127.0.0.1:8000/
 
-The server's page (page/index.html, page.js, page.css) draws the engine as it serves: the slots
-as rows, the paged pool as a grid of blocks, a strip of recent steps and the counters a serving
-engineer watches. It is fed by server-sent events (GET /engine/events) of frames that the engine
-process builds from its own state, read only.
-
-The engine pays nothing for a page nobody opened. While no page is open, the engine builds no
-frame: the HTTP side tells it with a `Watch` message when the first page opens and when the last
-closes. While pages watch, the engine's `Sampler` builds one frame at most every EVERY_S seconds
-(a person follows no faster), one more when the engine goes idle, so that an idle engine is
-drawn as it is, and one of the step that wakes it. A frame is small: a dict of numbers and
-lists (`frame`), ready for JSON, riding on that step's report. The step it samples lends the
-engine a `StepPlan` through its trace seam (the continuous engine's `trace`, step 04), which
-hears the tokens each slot computes.
-
-On the HTTP side, `Pages` counts each page as it opens (MAX_PAGES at most, the next one a 503)
-and fans each frame, and a beat when no frame came, out to every open page as one event written
-once, each page a bounded asyncio queue: a slow page drops its oldest events and never holds up
-the engine or the other pages, and a page that reads nothing is dropped after DROP_S. It adds
-the counters (throughput, TTFT and inter-token percentiles, KV use, acceptance, requests served,
-429s) from the server's Prometheus metrics, over the last WINDOW_S seconds. A frame carries
-request keys and counts only; the token ids of prompts and answers come only when the server
-was started with --show-prompts, and are turned into text here.
+The server's page (page/index.html, page.js, page.css) draws the engine as it serves, fed by
+server-sent events (GET /engine/events) of frames the engine process builds from its own state,
+read only. While no page is open the engine builds no frame (a `Watch` message says when pages
+open and close); while pages watch, its `Sampler` builds one frame at most every EVERY_S
+seconds, one more when the engine goes idle, and one of the step that wakes it. A frame
+(`frame`) is a small dict, ready for JSON, riding on that step's report; the step lends it a
+`StepPlan` through the engine's trace seam. `Pages` counts the open pages (MAX_PAGES at most,
+the next one a 503) and fans each frame out to each as a bounded asyncio queue: a slow page
+drops its oldest events, one that reads nothing is dropped after DROP_S. It adds counters from
+the server's Prometheus metrics over WINDOW_S seconds. Token ids come only with --show-prompts.
 """
 
 import asyncio
@@ -195,7 +183,7 @@ def slot_entry(engine, slot: int, seq, key_of: dict[int, int], plan: StepPlan | 
         "did": plan.computed[slot] if plan is not None and slot < len(plan.computed) else 0,
         "grammar": seq.matcher is not None,
     }
-    if hasattr(engine.cache, "tables"):
+    if engine.cache.n_blocks is not None:
         entry["table"] = list(engine.cache.tables[slot])
     return entry
 
@@ -204,7 +192,7 @@ def pool_of(cache) -> list[int] | None:
     """A paged pool's blocks (05), each as the block tables holding it (0: free; 2 or more:
     shared by a prefix cache, 08), or -1 for a cached block nobody holds (evictable); None for
     a cache without blocks (04's slots)."""
-    if not hasattr(cache, "tables"):
+    if cache.n_blocks is None:
         return None
     holders = held_counts(cache.tables, cache.n_blocks)
     if cache.prefix is not None:
@@ -216,7 +204,7 @@ def pool_of(cache) -> list[int] | None:
 def block_counts(cache) -> tuple[int, int] | None:
     """A paged pool's (blocks held by block tables, cached blocks nobody holds), counted from
     its free lists at no cost; None for a cache without blocks."""
-    if not hasattr(cache, "tables"):
+    if cache.n_blocks is None:
         return None
     cached = 0 if cache.prefix is None else len(cache.prefix.evictable)
     return cache.n_blocks - cache.allocator.n_free() - cached, cached

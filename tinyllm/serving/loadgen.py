@@ -3,19 +3,13 @@
     python -m tinyllm loadgen --url http://127.0.0.1:8000/v1 --rate 4 --requests 64
     python -m tinyllm loadgen --url ... --rate 1,2,4,8 --json      # a sweep: latency against load
 
-It speaks only the OpenAI API (streamed `/v1/completions`, read with httpx as plain server-sent
-events, so the client costs far less than the server it measures), so the same command measures
-tinyllm's server, vLLM's, SGLang's, llama.cpp's or `transformers serve`. Requests arrive
-open-loop: at Poisson times of the given rate, whether or not the server keeps up (a server
-that falls behind shows it in its latencies, not by slowing the clients down), or at a fixed
-concurrency (--concurrency N: N clients, each sending its next request when one ends).
-
-Per request it records the time of every streamed chunk, and reports what vLLM's benchmark
-reports: request throughput, output tokens per second, and at p50 / p90 / p99 the time to first
-token (TTFT), the time per output token after the first (TPOT), the gaps between chunks (ITL)
-and end-to-end latency; goodput is the rate of requests that met the SLO (--slo-ttft-ms,
---slo-tpot-ms). Against tinyllm's server, --watchers N holds N pages of its live view open
-meanwhile (live.py), to measure what watching costs.
+It speaks only the OpenAI API (streamed `/v1/completions`, read with httpx), so the same command
+measures tinyllm's server, vLLM's, SGLang's, llama.cpp's or `transformers serve`. Requests
+arrive open-loop at Poisson times of the given rate, or at a fixed concurrency (--concurrency
+N). It reports what vLLM's benchmark reports: request throughput, output tokens per second, and
+at p50 / p90 / p99 TTFT, TPOT, ITL and end-to-end latency; goodput is the rate of requests that
+met the SLO (--slo-ttft-ms, --slo-tpot-ms). --watchers N holds N pages of tinyllm's live view
+open meanwhile (live.py).
 
 Seam: `percentile` (exercise 10).
 """

@@ -1,28 +1,17 @@
 """Step 10 - log-probabilities as the API spells them.
 
-The engine gives a token's logprobs as a `TokenLogprobs`: its id, its log-probability under the
-model (the raw log-softmax, before penalties and temperature, as vLLM gives it) and the top
-alternatives, (id, logprob) pairs, likeliest first. An answer spells them in one of three
-shapes:
-
-- completions, OpenAI's legacy format: `{"tokens": [str], "token_logprobs": [float],
-  "top_logprobs": [{str: float}], "text_offset": [int]}`, one entry a token. A token's
-  top_logprobs holds its k likeliest alternatives and the token itself (so up to k + 1
-  entries, as OpenAI and vLLM give them); text_offset is where each token's string starts,
-  counted over the strings before it. An echoed prompt's first token has null for both: nothing
-  predicts it.
-- chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
-  "bytes"}]}]}`, top_logprobs the k likeliest alternatives.
-- vLLM's prompt_logprobs: a list, one entry a prompt token, the first null, each
-  `{"<id>": {"logprob", "rank", "decoded_token"}}` for the prompt token and its k likeliest
-  alternatives; rank is 1 for the likeliest, null for a prompt token outside the top k (the
-  engine does not say its rank).
-
-A token is spelled by its bytes (`TokenTexts`): a byte-level BPE's vocabulary entry mapped back
-to its bytes, a SentencePiece byte token (`<0x41>`) its byte, a special token as it is written
-(`<|endoftext|>`). Its string is those bytes as UTF-8, a byte that is part of a character split
-across tokens shown as U+FFFD (as vLLM shows it); chat's "bytes" has the exact bytes. JSON has
-no -infinity: a logprob is shown as -9999.0 at least, as vLLM shows it.
+The engine gives a token's logprobs as a `TokenLogprobs`: its id, its log-probability (the raw
+log-softmax, before penalties and temperature, as vLLM gives it) and the top alternatives,
+likeliest first. An answer spells them in one of three shapes:
+- completions (OpenAI's legacy format): `{"tokens", "token_logprobs", "top_logprobs",
+  "text_offset"}`, one entry a token, top_logprobs holding the k likeliest and the token itself;
+  an echoed prompt's first token has null for both;
+- chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`;
+- vLLM's prompt_logprobs: one entry a prompt token, the first null, each
+  `{"<id>": {"logprob", "rank", "decoded_token"}}`, rank null outside the top k.
+A token is spelled by its bytes (`TokenTexts`); its string is those bytes as UTF-8, a split
+character shown as U+FFFD (as vLLM shows it); chat's "bytes" has the exact bytes. A logprob is
+shown as -9999.0 at least (JSON has no -infinity), as vLLM shows it.
 """
 
 import re

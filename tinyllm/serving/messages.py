@@ -1,24 +1,16 @@
 """Step 10 - the messages between the server and its engine process, and how they cross.
 
-The HTTP side (`engine_loop.EngineLoop`) and the engine's own process
-(`engine_core.engine_process`) speak over two ZeroMQ sockets, as vLLM's engine core and
-SGLang's scheduler speak to their front ends: one carries requests to the engine, the other its
-news back. The messages are small frozen dataclasses: `Add`, `Abort`, `Watch` and `Stop` go to
-the engine; `Warming` lines while its decode step compiles, `Ready`, one `StepReport` per step and
-`Failed` come back. No message says that the engine lives: the server watches its processes
-(watchdog.py), so a long step never reads as a dead engine.
-Each side matches on the message's type. A request is called by its key, a number the HTTP side
-gives it and both sides know; a request of n choices is n sequences, keys key, key + 1, ...,
-each with tokens of its own. The engine's own request ids never leave its process. Logprobs
-cross as the engine's `TokenLogprobs`, frozen dataclasses too.
-
-A message crosses pickled (`dumps`), as one ZeroMQ message: ZeroMQ sends and delivers a
-message whole, whatever its size, so a reader never sees half of one. A message to the engine
-is two frames (`to_engine`): the keys it concerns, then the message, so that an Add the engine
-cannot unpickle still fails its own request, and nothing else.
-
-A `Watch` tells the engine that pages of the server's live view are open (live.py): only then
-does a report carry a frame of the engine's state, at most every few hundred milliseconds.
+The HTTP side (`engine_loop.EngineLoop`) and the engine's process (`engine_core.engine_process`)
+speak over two ZeroMQ sockets, as vLLM's engine core and SGLang's scheduler speak to their front
+ends. The messages are small frozen dataclasses: `Add`, `Abort`, `Watch` and `Stop` go to the
+engine; `Warming` lines, `Ready`, one `StepReport` per step and `Failed` come back. No message
+says that the engine lives (watchdog.py watches its processes). A request is called by its key,
+a number both sides know; a request of n choices is n sequences, keys key, key + 1, ... The
+engine's own request ids never leave its process; logprobs cross as `TokenLogprobs`. A message
+crosses pickled (`dumps`), as one ZeroMQ message, which ZeroMQ delivers whole. A message to the
+engine is two frames (`to_engine`): the keys it concerns, then the message, so that an Add the
+engine cannot unpickle still fails its own request, and nothing else. A `Watch` says that pages
+of the live view are open (live.py): only then does a report carry a frame of the engine.
 """
 
 import copyreg

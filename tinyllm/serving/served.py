@@ -9,20 +9,17 @@ its blocks and whether a prefix cache shares them) and the token budget a step
 
 `ModelDefaults` are the sampling values the fields a request leaves out take, as vLLM's
 `--generation-config auto` applies a checkpoint's generation_config.json: `model_defaults` reads
-them from the checkpoint where it states them (a directory's generation_config.json, a GGUF
-file's general.sampling.* keys), and takes llama-server's (LLAMA_SERVER) where it states none,
-since a small model sampled at OpenAI's temperature 1 with nothing cut wanders off (SmolLM2
-answered "What is the capital of France?" with gibberish 2 times in 6 that way); llama-server's
-cuts keep it among its likelier tokens. `--generation-config vllm` serves none (OpenAI's
-defaults, as vLLM's flag of that name does); a request's own fields always win
-(api.with_defaults).
+them from the checkpoint where it states them (generation_config.json, a GGUF file's
+general.sampling.* keys), and takes llama-server's (LLAMA_SERVER) where it states none.
+`--generation-config vllm` serves none (OpenAI's defaults, as vLLM's flag of that name does); a
+request's own fields always win (api.with_defaults).
 """
 
 from pathlib import Path
 from typing import NamedTuple
 
-from tinyllm.build import cache_sizes
 from tinyllm.checkpoints.loading import generation_defaults
+from tinyllm.core.kv_spec import spec_of
 from tinyllm.serving.api import COMPLETIONS, APIError, sampling_of
 
 # llama-server's sampling defaults (llama.cpp's common_params_sampling: temperature 0.8, the 40
@@ -103,11 +100,14 @@ def speculation(engine) -> str:
 def kv_cache(engine) -> dict:
     """The KV cache: its kind, slots, positions a request and MiB; a paged pool's block size
     and blocks, and whether a prefix cache shares them."""
-    kind, max_len, blocks, slots, *paged = cache_sizes(engine.cache)
-    st = engine.stats
-    out = {"kind": kind, "slots": slots, "max_len": max_len}
-    if kind == "paged":
-        out |= {"block_size": paged[0], "blocks": blocks, "prefix_cache": paged[1]}
+    spec, st = spec_of(engine.cache), engine.stats
+    out = {"kind": spec.kind, "slots": spec.n_slots, "max_len": spec.max_len}
+    if spec.kind == "paged":
+        out |= {
+            "block_size": spec.block_size,
+            "blocks": spec.n_blocks,
+            "prefix_cache": spec.prefix_cache,
+        }
     return out | {"mib": round(st.kv_reserved_tokens * st.kv_bytes_per_token / 2**20, 1)}
 
 

@@ -2,40 +2,17 @@
 
     python -m tinyllm serve [--model DIR] [--port 8000] [--slots 16] [--kv paged] ...  # launch.py
 
-`POST /v1/completions` and `POST /v1/chat/completions` (streamed as server-sent events, or one
-JSON body), `POST /tokenize` and `POST /detokenize` (as vLLM has them), `GET /v1/models`,
-`GET /health` and `GET /metrics` (Prometheus), on FastAPI and uvicorn, as vLLM and SGLang
-serve; and at `GET /` a page that draws the engine as it serves, fed by `GET /engine/events`
-(live.py).
-
-Two processes, as in vLLM: the engine runs in one of its own, and the HTTP side (uvicorn's event
-loop) holds it through an `EngineLoop` (engine_loop.py: the sockets, the tickets, each step's
-tokens to their requests). Each HTTP request is one
-coroutine: it reads the body a chunk at a time (a 413 past max_body bytes), checks it as api.py
-says (a 400 naming the field: every field OpenAI's and vLLM's APIs define is read, or taken
-where its value changes nothing, or refused where it would ask for what the server does not do),
-has the grammar backend check the constraint it asks for, if any (12: the engine's backend,
-LLGuidance, which launch.py gives it), in a worker process of its own (checks.py: bounded in
-size, CPU-seconds and waiting checks, ended when its client leaves; a 400 naming the field when
-it refuses), tokenizes its prompt off the event loop (a prompt too long to fit is refused by
-its size first), and submits one `Request`. A request of n choices is n sequences in the
-engine, each its own key here (a 429 when max_waiting sequences would wait, a 400 when n alone
-is more). It then reads its queue (`Answer`), turning each
-choice's tokens into text a settled piece at a time (textstream.py, each choice with the stop
-strings), with their logprobs when asked, and streams them as server-sent events (one plain
-choice by `sse_events`; any other, or any with vLLM's continuous_usage_stats, the usage so far
-in every chunk, by responses.choice_events) or collects them into one body (responses.py;
-logprobs spelled as logprobs.py says). A client that goes away aborts every choice of its
-request: their slots and blocks are free before the next step, and nothing else in flight
-notices; a request that the engine fails on fails alone. `/health` says whether the
-engine serves, is busy (a long step: a slow engine is a live one), restarts or has failed
-(engine_loop.py supervises it, watchdog.py judges it), whether its KV cache's books are sound
-and what it serves (served.py: weights, decoder, speculation, cache); it answers
-at once whatever the other requests are doing. The sampling fields a request leaves out take the
-model's defaults (served.py), which `/v1/models` shows. Every error is an
-OpenAI-style JSON body, a server's fault a 500 that says what failed.
-
-Seam: `sse_events` (exercise 10; its `dispatch` is engine_loop.py's).
+`POST /v1/completions` and `POST /v1/chat/completions` (streamed as server-sent events, or one JSON
+body), `POST /tokenize` and `POST /detokenize` (as vLLM has them), `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus) and at `GET /` the live page (live.py), on FastAPI and uvicorn. As in
+vLLM, the engine runs in a process of its own, held through an `EngineLoop` (engine_loop.py). Each
+HTTP request is one coroutine: it reads the body (a 413 past max_body bytes), checks it as api.py
+says (a 400 naming the field), has its constraint checked (checks.py), tokenizes its prompt off the
+event loop, submits one `Request` (a 429 when max_waiting sequences would wait), reads its queue
+(`Answer`) and streams the text as server-sent events (`sse_events`) or collects one body
+(responses.py). A client that goes away aborts its request; a request the engine fails on fails
+alone. `/health` answers at once whether the engine serves, is busy, restarts or has failed; every
+error is an OpenAI-style JSON body. Seam: `sse_events` (exercise 10).
 """
 
 import asyncio

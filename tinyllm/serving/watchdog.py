@@ -1,24 +1,17 @@
 """Step 10 - the engine's watchdog: a slow engine is a live one; a dead or hung one is told apart.
 
-A busy machine is the normal case: a step that takes a millisecond on a quiet machine may take
-a minute on a loaded one. So the server never judges the engine by a message it should have
-sent in time. The engine process marks its loop on a `StepClock` in shared memory (as each
-turn begins, and as each idle wait ends), and the HTTP side reads that clock and the engine's
-processes themselves from the system (alive, stopped, their CPU seconds): no step, however
-long, and no lock it holds, makes a live engine look dead. `Watchdog.judge` says:
-
+A step may take a minute on a loaded machine, so the server never judges the engine by a message
+it should have sent in time. The engine process marks its loop on a `StepClock` in shared
+memory, and the HTTP side reads that clock and the engine's processes from the system (alive,
+stopped, their CPU seconds). `Watchdog.judge` says:
 - ok: the loop came round lately (within BUSY_S, and BUSY_TIMES the usual turn);
-- busy: a turn runs longer than that, or one of the engine's processes is stopped (a rank of
-  a split model, step 14, or the engine's own): the turn's age, and what is stopped;
+- busy: a turn runs longer than that, or one of the engine's processes (a rank too) is stopped;
 - hung: the loop has not come round for longer than the engine timeout, and the engine's
-  processes together had less than HUNG_CPU_SHARE of a core meanwhile: it waits for what never
-  comes (a stopped process, a lost peer). A turn that computes is never hung, however long: a
-  timeout is for what never returns;
+  processes together had less than HUNG_CPU_SHARE of a core meanwhile: a turn that computes is
+  never hung;
 - dead: its process ended, or one it started (a rank).
-
 The server (engine_loop.EngineLoop) restarts an engine that is hung or dead; /health says ok
-and busy with a 200. Where the system has no /proc, CPU seconds and stopped processes are not
-read: a turn older than the timeout is then hung.
+and busy with a 200. Where the system has no /proc, a turn older than the timeout is hung.
 """
 
 import os
