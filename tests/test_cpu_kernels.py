@@ -343,13 +343,16 @@ def test_the_operators_refuse_what_their_loops_cannot_read():
 
 
 def test_the_sources_ship_with_the_package_and_are_what_build_compiles(tmp_path, monkeypatch):
-    """The C and C++ sources are files of the installed package, which pyproject's package-data
-    ships, and build() hands those files to the compilers (compilers that record what they are
-    given: the C one makes its object, the C++ one fails, so nothing is kept)."""
+    """The C and C++ sources and the C files' header are files of the installed package, which
+    pyproject's package-data ships, and build() hands those files to the compilers (compilers
+    that record what they are given: the C one makes each object, the C++ one fails, so
+    nothing is kept)."""
     tomllib = pytest.importorskip("tomllib")
     csrc = resources.files("tinyllm") / "ext" / "csrc"
-    sources = sorted(f.name for f in csrc.iterdir() if f.name.endswith((".c", ".cpp")))
-    assert sources == ["kernels.c", "ops.cpp"]
+    sources = sorted(f.name for f in csrc.iterdir() if f.name.endswith((".c", ".h", ".cpp")))
+    c_files = ["attention.c", "f32.c", "int4.c", "int8.c", "layer.c"]
+    assert sources == sorted([*c_files, "common.h", "ops.cpp"])
+    assert [p.name for p in cpu_kernels.sources()] == sorted([*c_files, "common.h"])
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     shipped = pyproject["tool"]["setuptools"]["package-data"]["tinyllm"]
     for name in sources:
@@ -361,14 +364,19 @@ def test_the_sources_ship_with_the_package_and_are_what_build_compiles(tmp_path,
     for name, variable, status in (("cc", "CC", 0), ("cxx", "CXX", 1)):
         script = tmp_path / name
         script.write_text(
-            f'#!/bin/sh\necho "$@" > {tmp_path / name}.args\n'
+            f'#!/bin/sh\necho "$@" >> {tmp_path / name}.args\n'
             f'while [ $# -gt 0 ]; do [ "$1" = -o ] && touch "$2"; shift; done\nexit {status}\n'
         )
         script.chmod(0o755)
         monkeypatch.setenv(variable, str(script))
     assert cpu_kernels.build(["-O3"], "tinyllm_probe") is None
-    assert str(csrc / "kernels.c") in (tmp_path / "cc.args").read_text().split()
-    assert str(csrc / "ops.cpp") in (tmp_path / "cxx.args").read_text().split()
+    given = (tmp_path / "cc.args").read_text().splitlines()  # a line a call
+    assert [line.split()[line.split().index("-c") + 1] for line in given] == [
+        str(csrc / name) for name in c_files
+    ]
+    objects = [line.split()[line.split().index("-o") + 1] for line in given]
+    linked = (tmp_path / "cxx.args").read_text().split()
+    assert str(csrc / "ops.cpp") in linked and all(o in linked for o in objects)
     assert not list((tmp_path / "kernels").glob("*.so"))
 
 

@@ -10,9 +10,9 @@ the cache holds the keys (its `layout`, as vLLM's paged attention); `decode_laye
 decoder layers' decode step in one call (fused_layer.py), its weights one `layers(...)` object.
 Each product takes the weights that read the same x, so x is read once; every row's result
 depends on that row alone, and the integer products give the same bits on every path
-(`integer_path()` names the machine's). The loops are csrc/kernels.c, made PyTorch operators
-(`torch.ops.tinyllm.*`) by csrc/ops.cpp; `library()` compiles them once per machine into the
-cache directory and loads them. Where nothing compiles it is None and quant.py uses PyTorch's.
+(`integer_path()` names the machine's). The loops are csrc/'s C files, a family each (common.h
+shares their helpers, as ggml-cpu lays out its sources), made PyTorch operators by ops.cpp;
+`library()` compiles them once a machine and loads them (None where nothing compiles).
 """
 
 import hashlib
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from tinyllm.core.config import cache_dir
 
-CSRC = Path(__file__).with_name("csrc")  # kernels.c (the loops), ops.cpp (their operators)
+CSRC = Path(__file__).with_name("csrc")  # the loops' .c files and common.h, ops.cpp (operators)
 FAILURES: list[str] = []  # what the compiler said of each build that failed, in this process
 
 
@@ -47,28 +47,37 @@ def compilers() -> tuple[str, str] | None:
 FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 
 
+def sources() -> list[Path]:
+    """The loops' C sources: every .c file of csrc/ (a family of kernels each: f32.c, int8.c,
+    int4.c, attention.c, layer.c) and .h file (common.h, the helpers they share), by name."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".h"))
+
+
 def kept(flags: list[str], namespace: str = "tinyllm") -> Path | None:
     """Where the kernels built with these flags are kept in the cache directory, named by a
-    hash of both files, the flags, the compilers and torch's version (None: no compilers)."""
+    hash of the sources (sources()' names and bytes, in their order, then ops.cpp), the flags,
+    the compilers and torch's version (None: no compilers)."""
     found = compilers()
     if found is None:
         return None
-    key = b"\0".join([(CSRC / "kernels.c").read_bytes(), (CSRC / "ops.cpp").read_bytes(),
+    key = b"\0".join([*(part for p in sources() for part in (p.name.encode(), p.read_bytes())),
+                      (CSRC / "ops.cpp").read_bytes(),
                       *(s.encode() for s in (*found, *flags, namespace, torch.__version__))])
     return cache_dir() / "kernels" / f"{namespace}-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
 
 def build(flags: list[str], namespace: str = "tinyllm"):
     """The kernels compiled with these C flags and bound as operators of torch.ops.namespace,
-    once: csrc/kernels.c and its bindings csrc/ops.cpp (C++ against torch's headers, about ten
-    seconds) kept under the cache directory by a hash of both files, the flags, the compilers
-    and torch's version, so a second process loads them in milliseconds -> torch.ops.namespace,
-    or None where they do not compile. A namespace is bound once a process."""
+    once: each C file of csrc/ to its own object, then their bindings csrc/ops.cpp (C++ against
+    torch's headers, about ten seconds) linked with the objects into one library, kept under
+    the cache directory by a hash of the sources, the flags, the compilers and torch's version
+    (kept()), so a second process loads it in milliseconds -> torch.ops.namespace, or None
+    where they do not compile. A namespace is bound once a process."""
     found, path = compilers(), kept(flags, namespace)
     if found is None:
         return None
     cc, cxx = found
-    c, cpp = CSRC / "kernels.c", CSRC / "ops.cpp"
+    cs, cpp = [p for p in sources() if p.suffix == ".c"], CSRC / "ops.cpp"
     if not path.is_file():
         print(f"tinyllm: compiling the C kernels ({' '.join(flags)}), once for this machine: "
               f"about ten seconds", file=sys.stderr)
@@ -76,13 +85,14 @@ def build(flags: list[str], namespace: str = "tinyllm"):
         openmp = ["-fopenmp"] if "-fopenmp" in flags else []
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
-            obj, out = os.path.join(tmp, "kernels.o"), os.path.join(tmp, "kernels.so")
-            steps = ([cc, *flags, "-fPIC", "-c", str(c), "-o", obj],
-                     [cxx, "-O2", "-std=c++17", "-w", "-fPIC", "-shared", str(cpp), obj, "-o", out,
-                      *openmp, f"-DTINYLLM_NS={namespace}",
-                      f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-                      f"-I{torch_dir}/include", f"-L{torch_dir}/lib", "-lc10", "-ltorch_cpu",
-                      f"-Wl,-rpath,{torch_dir}/lib", "-lm"])
+            objs = [os.path.join(tmp, f"{c.stem}.o") for c in cs]  # a family's object each
+            out = os.path.join(tmp, "kernels.so")
+            steps = [[cc, *flags, "-fPIC", "-c", str(c), "-o", obj] for c, obj in zip(cs, objs)]
+            steps.append([cxx, "-O2", "-std=c++17", "-w", "-fPIC", "-shared", str(cpp), *objs,
+                          "-o", out, *openmp, f"-DTINYLLM_NS={namespace}",
+                          f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+                          f"-I{torch_dir}/include", f"-L{torch_dir}/lib", "-lc10",
+                          "-ltorch_cpu", f"-Wl,-rpath,{torch_dir}/lib", "-lm"])
             for step in steps:
                 done = subprocess.run(step, capture_output=True, text=True)
                 if done.returncode != 0:

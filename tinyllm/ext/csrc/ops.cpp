@@ -1,6 +1,6 @@
-/* Step 13 - the C kernels of kernels.c as PyTorch operators, in the build's namespace
-   (TINYLLM_NS: tinyllm for library()), loaded by tinyllm/cpu_kernels.py: it compiles this file
-   against torch's headers and links it with kernels.c's object. Each operator checks what it
+/* Step 13 - the C kernels of csrc/'s .c files as PyTorch operators, in the build's namespace
+   (TINYLLM_NS: tinyllm for library()), loaded by tinyllm/ext/cpu_kernels.py: it compiles this
+   file against torch's headers and links it with their objects. Each operator checks what it
    is given (a wrong dtype, shape or layout is an error, not a crash), makes its output and
    runs the C loop on torch's thread count. A call costs a few microseconds from Python, as
    any operator of torch's own does. */
