@@ -602,7 +602,7 @@ class LaterDecoder(SlowDecoder):
     def __init__(self, model, record):
         super().__init__(model)
         self.record, self.done = record, []
-        self.eager_until_compiled = False
+        self.compiles_later, self.eager_until_compiled = True, False
 
     def buckets(self):
         return [1, 2, 4]

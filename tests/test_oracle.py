@@ -413,7 +413,7 @@ def run_example(data, tp_sizes=TP_SIZES) -> None:
         COVERED["refused: " + kind_of(str(e))] += 1
         event("refused by the engine")
         return
-    if hasattr(eng.decoder, "compile_next") and data.draw(st.booleans()):
+    if eng.decoder.compiles_later and data.draw(st.booleans()):
         eng.decoder.eager_until_compiled = True  # as serve runs the pieces: uncompiled rows eager
         COVERED["pieces eager until compiled"] += 1
     building = data.draw(st.integers(0, 6)) if c_attention else 0

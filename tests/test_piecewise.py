@@ -21,6 +21,7 @@ from tinyllm.build import make_engine
 from tinyllm.core.config import EngineConfig
 from tinyllm.core.continuous import ContinuousEngine
 from tinyllm.core.generate import solo
+from tinyllm.core.parts import DecodeStep
 from tinyllm.core.slot_cache import SlotKVCache
 from tinyllm.ext import piecewise
 from tinyllm.ext.piecewise import PiecewiseDecoder
@@ -232,8 +233,10 @@ def test_serve_pieces_without_a_cxx_compiler_says_so_in_one_line(tmp_path):
     assert said[0].endswith("or serve with --decoder eager"), said
 
 
-class Buckets:
+class Buckets(DecodeStep):
     """A decoder that compiles its buckets 2 and 4 one a call, noting them (compile_next's)."""
+
+    compiles_later = True
 
     def __init__(self):
         self.left, self.done = [2, 4], []

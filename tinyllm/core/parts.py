@@ -97,8 +97,12 @@ class DecodeStep:
     decoder that compiles says so (`compiles`, and compiles in `warm_up`); one that replays
     every slot (06's graphs) gets a pass of its own (`computes_every_slot`); one with a faster
     target pass for speculation (13's fused layers) offers `verify` for up to `verify_rows`; one
-    that brings its own cache (06's bucketed decoders) holds it in `slots`."""
+    that brings its own cache (06's bucketed decoders) holds it in `slots`; one that can compile
+    while it serves (13's pieces: `compiles_later`) compiles a bucket at each `compile_next`,
+    its steps eager meanwhile where `eager_until_compiled`."""
     compiles = False
+    compiles_later = False
+    eager_until_compiled = False
     computes_every_slot = False
     verify_rows: int | None = None
     slots: Any = None
@@ -111,6 +115,10 @@ class DecodeStep:
 
     def verify(self, idx: Tensor, q_lens: list[int], cache: Any) -> Tensor | None:
         """Speculation's target pass of idx (B, T) -> logits (B, T, V); None: the model's."""
+        return None
+
+    def compile_next(self) -> tuple[int, float] | None:
+        """Compile the next bucket -> (bucket, seconds); None: none is left."""
         return None
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from tinyllm.core.model import Attention, Transformer
-from tinyllm.core.slot_cache import additive
+from tinyllm.core.slot_cache import RaggedStep, additive
 from tinyllm.ext import cpu_kernels
 
 QUERY_ROWS = 32     # a packed row of at most this many new tokens attends a query at a time
@@ -81,7 +81,7 @@ def kernel_rows(cache, layer: int, x: Tensor, tokens: Tensor | None = None,
     cannot run: a cache without a layout, x not on a CPU in float32 or float64, keys of
     another dtype, or no kernels built (with wait False: not built yet, their build started).
     Made at the step's first layer, kept in cache.memo."""
-    if (not hasattr(cache, "layout") or x.device.type != "cpu"
+    if (not isinstance(cache, RaggedStep) or x.device.type != "cpu"
             or x.dtype not in (torch.float32, torch.float64)
             or not cpu_kernels.available(wait)):
         return None

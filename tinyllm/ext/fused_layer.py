@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from tinyllm.core.model import Transformer
 from tinyllm.core.parts import DecodeStep
+from tinyllm.core.slot_cache import RaggedStep
 from tinyllm.ext import cpu_kernels
 from tinyllm.ext.cpu_attention import QUERY_ROWS, kernel_rows
 from tinyllm.ext.quant import FUSED_ROWS, QuantLinear
@@ -119,7 +120,7 @@ class FusedDecoder(DecodeStep):
         FUSED_ROWS of them, a cache with a layout, in the weights' dtype (float32 where the
         products are quantized)."""
         dtype = self.model.embed_tokens.weight.dtype
-        return (rows <= FUSED_ROWS and hasattr(cache, "layout") and cache.k[0].dtype == dtype
+        return (rows <= FUSED_ROWS and isinstance(cache, RaggedStep) and cache.k[0].dtype == dtype
                 and self.stack is not None)
 
     @torch.no_grad()

@@ -141,7 +141,7 @@ class PiecewiseDecoder(DecodeStep):
     the model as it is at their first use (its layers' kernels included), in the process that
     uses them: a decoder sent to the server's engine process compiles there."""
 
-    compiles = True
+    compiles = compiles_later = True
 
     def __init__(self, model: Transformer, max_rows: int = 1):
         self.model, self.max_rows = model, max_rows     # the rows warm_up compiles for

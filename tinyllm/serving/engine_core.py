@@ -101,7 +101,7 @@ def warm_up(engine: ContinuousEngine, say) -> None:
     kind, decoder = engine.config.decoder, engine.decoder
     if not decoder.compiles:
         return
-    if hasattr(decoder, "compile_next"):
+    if decoder.compiles_later:
         decoder.eager_until_compiled = True
         rows = ", ".join(map(str, decoder.buckets()))
         say(
@@ -134,9 +134,9 @@ def compile_rest(
     sets it after its first step: the first requests' tokens come before any compiling), or
     after REST_AFTER_S without one -> the thread, or None where nothing is left. A bucket that
     cannot compile is said in one line on stderr, and the steps stay eager."""
-    compile_next = getattr(engine.decoder, "compile_next", None)
-    if compile_next is None:
+    if not engine.decoder.compiles_later:
         return None
+    compile_next = engine.decoder.compile_next
 
     def rest() -> None:
         if served is not None:
