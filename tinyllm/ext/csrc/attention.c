@@ -3,16 +3,13 @@
 
 #include "common.h"
 
+/* ---- the vector bodies (AVX2, AVX-512 where the compiler targets it) ---- */
+
 #ifdef AVX2
 ROWS_F32(1)                  /* dot_f32_1, float_gemv's one-row loop: a key's score in its order */
-#endif
 
-/* decode attention's three loops over a row's W keys, for one query head q and one KV head
-   (its rows at[j] + off), in float32 (AVX2 where it applies) and float64 (plain C). Each key's
-   score, weight and share of y is the same arithmetic wherever the key sits among the W, so a
-   row's result does not depend on the batch. scores: s[j] = q . key * scale + mask[j]
-   (dot_f32_1's order; four keys at a time), -inf where the mask hides the key -> the top */
-#ifdef AVX2
+/* four keys' scores for scores_f32 (below): q . k[r] (hd floats) -> s[r], each in dot_f32_1's
+   order */
 static void dot4_f32(const float *q, const float *k[4], float *s, int64_t hd) {
     vf a[4], b[4];
     for (int r = 0; r < 4; r++) a[r] = b[r] = vzero();
@@ -31,8 +28,37 @@ static void dot4_f32(const float *q, const float *k[4], float *s, int64_t hd) {
     }
     for (int r = 0; r < 4; r++) s[r] = finish_f32(vsum(a[r], b[r]), q, k[r], d, hd);
 }
+
+/* e^x for 8 floats: x = n ln 2 + r, e^r by Cephes' polynomial for expf, 2^n in the exponent
+   bits; 0 below -87.3 (and for -inf) */
+static __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), one = _mm256_set1_ps(1.0f);
+    __m256 gone = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, one));
+    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(gone, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
 #endif
 
+/* ---- the portable loops ---- */
+
+/* decode attention's three loops over a row's W keys, for one query head q and one KV head
+   (its rows at[j] + off), in float32 (AVX2 where it applies) and float64 (plain C). Each key's
+   score, weight and share of y is the same arithmetic wherever the key sits among the W, so a
+   row's result does not depend on the batch. scores: s[j] = q . key * scale + mask[j]
+   (dot_f32_1's order; four keys at a time), -inf where the mask hides the key -> the top */
 static float scores_f32(const float *q, const float *kc, const int64_t *at, int64_t off,
                         const float *mask, int64_t W, int64_t hd, float scale, float *s) {
     int64_t j = 0;
@@ -66,30 +92,6 @@ static double scores_f64(const double *q, const double *kc, const int64_t *at, i
     }
     return top;
 }
-
-#ifdef AVX2
-/* e^x for 8 floats: x = n ln 2 + r, e^r by Cephes' polynomial for expf, 2^n in the exponent
-   bits; 0 below -87.3 (and for -inf) */
-static __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f), one = _mm256_set1_ps(1.0f);
-    __m256 gone = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, one));
-    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                       _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(gone, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
-}
-#endif
 
 /* weights: s[j] = e^(s[j] - top), eight at a time (s has room for W rounded up to 8) -> their
    sum, in the order of j */

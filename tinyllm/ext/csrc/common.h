@@ -6,7 +6,10 @@
    GGUF's Q4), attention.c (a decode step's attention), layer.c (a decoder layer's decode step).
    Each loop is AVX2 (AVX-512's 16-float vectors for float32, VNNI for the integer products)
    where the compiler targets it, plain C that it vectorizes anywhere else. This header holds
-   the includes, the feature macros and the helpers more than one family calls. */
+   the includes, the feature macros and the helpers more than one family calls. Each file, this
+   one too, lays its loops out as ggml-cpu does: the vector bodies first, under one #ifdef AVX2,
+   then the portable loops and the kernels, which come after the vector bodies they call (an
+   #ifdef left inside such a body picks its vector path). */
 #pragma once
 
 #include <math.h>
@@ -18,35 +21,20 @@
 #define AVX2 1
 #endif
 
-static inline float half_to_float(uint16_t h) {       /* IEEE float16 bits -> float */
-#ifdef AVX2
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000 | (man << 13);                /* inf, nan */
-    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);          /* normal */
-    else if (!man) bits = sign;                                              /* zero */
-    else {                                                                   /* subnormal */
-        exp = 113;
-        while (!(man & 0x400)) { man <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
+/* ---- the vector bodies (AVX2, AVX-512 where the compiler targets it) ---- */
 
 #ifdef AVX2
+static inline float half_to_float(uint16_t h) {       /* IEEE float16 bits -> float */
+    return _cvtsh_ss(h);
+}
+
 /* the sum of a vector's 8 floats */
 static inline float hsum(__m256 s) {
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
     return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 }
-#endif
 
-#ifdef AVX2
 /* The integer products' step: 32 unsigned bytes u times 32 signed bytes v, multiplied in
    place and summed by fours into 8 int32 lanes added to acc. VNNI does it in one instruction
    (dpbusd: AVX-512's VNNI on 256-bit vectors, or AVX-VNNI); AVX2 in two (maddubs multiplies
@@ -76,26 +64,7 @@ static inline int32_t hsum_i32(__m256i s) {
     h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
     return _mm_cvtsi128_si32(h);
 }
-#endif
 
-/* the sum of 8 floats in one order, the order of a vector's sum (hsum): lanes i and i + 4,
-   then those of 0 and 2, 1 and 3, then the two */
-static inline float sum8(const float l[8]) {
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
-/* the int8 step of x (n) float: its largest magnitude / 127, at least 1e-30; a value becomes
-   x / step rounded to the nearest (ties to even), within -127 .. 127 */
-static inline float int8_step(const float *x, int64_t n) {
-    float amax = 0;
-    for (int64_t i = 0; i < n; i++) {
-        float a = fabsf(x[i]);
-        amax = a > amax ? a : amax;                   /* a max the compiler keeps in line */
-    }
-    return (amax > 1e-30f ? amax : 1e-30f) / 127.0f;
-}
-
-#ifdef AVX2
 /* quantize_groups' work for one group of n values, n a multiple of 8, 8 at a time: the same
    step, the same quotients rounded the same way (ties to even), the same sum */
 static inline int32_t quantize8(const float *x, int64_t n, float *step, int8_t *xq) {
@@ -117,7 +86,86 @@ static inline int32_t quantize8(const float *x, int64_t n, float *step, int8_t *
     }
     return hsum_i32(sum);
 }
+
+/* The float32 products' vectors: 16 floats where the compiler targets AVX-512 (its loads
+   stream a weight faster on CPUs that have it), else 8. A build adds in one order for every
+   float32 product, whatever the rows or the tile. */
+#ifdef __AVX512F__
+typedef __m512 vf;
+#define VL 16
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+static inline float vsum(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+#else
+typedef __m256 vf;
+#define VL 8
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline float vsum(__m256 a, __m256 b) { return hsum(_mm256_add_ps(a, b)); }
 #endif
+
+/* y[r * ldy] = x's row r . w (K floats) for R rows of x, each weight vector loaded once for
+   the R rows: two vectors of partial sums a row (alternate VL floats of K, so that two chains
+   of multiply-adds overlap), then their sum, then K's last K % VL terms (finish_f32) */
+#define ROWS_F32(R)                                                                         \
+static void dot_f32_##R(const float *x, const float *w, float *y, int64_t K, int64_t ldy) { \
+    vf a[R], b[R];                                                                          \
+    for (int r = 0; r < R; r++) a[r] = b[r] = vzero();                                      \
+    int64_t k = 0;                                                                          \
+    for (; k + 2 * VL <= K; k += 2 * VL) {                                                  \
+        vf w0 = vload(w + k), w1 = vload(w + k + VL);                                       \
+        for (int r = 0; r < R; r++) {                                                       \
+            a[r] = vfma(w0, vload(x + r * K + k), a[r]);                                    \
+            b[r] = vfma(w1, vload(x + r * K + k + VL), b[r]);                               \
+        }                                                                                   \
+    }                                                                                       \
+    if (k + VL <= K) {                                                                      \
+        vf w0 = vload(w + k);                                                               \
+        for (int r = 0; r < R; r++) a[r] = vfma(w0, vload(x + r * K + k), a[r]);            \
+        k += VL;                                                                            \
+    }                                                                                       \
+    for (int r = 0; r < R; r++)                                                             \
+        y[r * ldy] = finish_f32(vsum(a[r], b[r]), x + r * K, w, k, K);                      \
+}
+#endif
+
+/* ---- the portable loops ---- */
+
+#ifndef AVX2
+static inline float half_to_float(uint16_t h) {       /* IEEE float16 bits -> float */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000 | (man << 13);                /* inf, nan */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);          /* normal */
+    else if (!man) bits = sign;                                              /* zero */
+    else {                                                                   /* subnormal */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+/* the sum of 8 floats in one order, the order of a vector's sum (hsum): lanes i and i + 4,
+   then those of 0 and 2, 1 and 3, then the two */
+static inline float sum8(const float l[8]) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+/* the int8 step of x (n) float: its largest magnitude / 127, at least 1e-30; a value becomes
+   x / step rounded to the nearest (ties to even), within -127 .. 127 */
+static inline float int8_step(const float *x, int64_t n) {
+    float amax = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;                   /* a max the compiler keeps in line */
+    }
+    return (amax > 1e-30f ? amax : 1e-30f) / 127.0f;
+}
 
 /* x's MG groups of n values, each quantized to int8 by its own step sx (int8_step), into
    xq; xs (where not NULL): each group's rounded sum, times its step */
@@ -185,51 +233,6 @@ static inline float finish_f32(float s, const float *x, const float *w, int64_t 
     for (; k < K; k++) s = fmaf(x[k], w[k], s);
     return s;
 }
-
-#ifdef AVX2
-/* The float32 products' vectors: 16 floats where the compiler targets AVX-512 (its loads
-   stream a weight faster on CPUs that have it), else 8. A build adds in one order for every
-   float32 product, whatever the rows or the tile. */
-#ifdef __AVX512F__
-typedef __m512 vf;
-#define VL 16
-#define vzero() _mm512_setzero_ps()
-#define vload(p) _mm512_loadu_ps(p)
-#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
-static inline float vsum(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
-#else
-typedef __m256 vf;
-#define VL 8
-#define vzero() _mm256_setzero_ps()
-#define vload(p) _mm256_loadu_ps(p)
-#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
-static inline float vsum(__m256 a, __m256 b) { return hsum(_mm256_add_ps(a, b)); }
-#endif
-
-/* y[r * ldy] = x's row r . w (K floats) for R rows of x, each weight vector loaded once for
-   the R rows: two vectors of partial sums a row (alternate VL floats of K, so that two chains
-   of multiply-adds overlap), then their sum, then K's last K % VL terms (finish_f32) */
-#define ROWS_F32(R)                                                                         \
-static void dot_f32_##R(const float *x, const float *w, float *y, int64_t K, int64_t ldy) { \
-    vf a[R], b[R];                                                                          \
-    for (int r = 0; r < R; r++) a[r] = b[r] = vzero();                                      \
-    int64_t k = 0;                                                                          \
-    for (; k + 2 * VL <= K; k += 2 * VL) {                                                  \
-        vf w0 = vload(w + k), w1 = vload(w + k + VL);                                       \
-        for (int r = 0; r < R; r++) {                                                       \
-            a[r] = vfma(w0, vload(x + r * K + k), a[r]);                                    \
-            b[r] = vfma(w1, vload(x + r * K + k + VL), b[r]);                               \
-        }                                                                                   \
-    }                                                                                       \
-    if (k + VL <= K) {                                                                      \
-        vf w0 = vload(w + k);                                                               \
-        for (int r = 0; r < R; r++) a[r] = vfma(w0, vload(x + r * K + k), a[r]);            \
-        k += VL;                                                                            \
-    }                                                                                       \
-    for (int r = 0; r < R; r++)                                                             \
-        y[r * ldy] = finish_f32(vsum(a[r], b[r]), x + r * K, w, k, K);                      \
-}
-#endif
 
 /* the kernels one family's file defines and another's calls (layer.c's decode step) */
 void float_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const float *x,

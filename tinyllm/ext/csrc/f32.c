@@ -3,24 +3,34 @@
 
 #include "common.h"
 
+/* ---- the vector bodies (AVX2, AVX-512 where the compiler targets it) ---- */
+
 #ifdef AVX2
 ROWS_F32(1) ROWS_F32(2) ROWS_F32(4)
-#endif
 
 /* columns n0 .. n1 of y (rows ldy apart) for R rows of x (R = 4, 2 or 1) and a float32
    weight w (N, K) */
 static void rows_f32(int R, const float *x, const float *w, float *y, int64_t n0, int64_t n1,
                      int64_t K, int64_t ldy) {
     for (int64_t n = n0; n < n1; n++) {
-#ifdef AVX2
         if (R == 4) dot_f32_4(x, w + n * K, y + n, K, ldy);
         else if (R == 2) dot_f32_2(x, w + n * K, y + n, K, ldy);
         else dot_f32_1(x, w + n * K, y + n, K, ldy);
-#else
-        for (int r = 0; r < R; r++) y[r * ldy + n] = finish_f32(0, x + r * K, w + n * K, 0, K);
-#endif
     }
 }
+#endif
+
+/* ---- the portable loops ---- */
+
+#ifndef AVX2
+/* rows_f32 in plain C: each output one by one, in finish_f32's order */
+static void rows_f32(int R, const float *x, const float *w, float *y, int64_t n0, int64_t n1,
+                     int64_t K, int64_t ldy) {
+    for (int64_t n = n0; n < n1; n++) {
+        for (int r = 0; r < R; r++) y[r * ldy + n] = finish_f32(0, x + r * K, w + n * K, 0, K);
+    }
+}
+#endif
 
 /* asks for a weight row (K floats) to be brought into the cache, without waiting for it */
 static void prefetch_row(const float *w, int64_t K) {

@@ -3,13 +3,7 @@
 
 #include "common.h"
 
-/* the integer dot product of a group of 2h 4-bit values (h bytes: the low nibble of byte j is
-   value j, the high one value j + h) with 2h int8 values */
-static int32_t dot_q4(const uint8_t *q, const int8_t *x, int64_t h) {
-    int32_t acc = 0;
-    for (int64_t j = 0; j < h; j++) acc += (q[j] & 15) * (int32_t)x[j] + (q[j] >> 4) * (int32_t)x[h + j];
-    return acc;
-}
+/* ---- the vector bodies (AVX2, AVX-512 where the compiler targets it) ---- */
 
 #ifdef AVX2
 /* a group of 32 4-bit values (16 bytes at q: low nibbles, then high) . 32 int8 values at x,
@@ -21,29 +15,7 @@ static __m256i dot_group_q4(const uint8_t *q, const int8_t *x) {
                                  _mm256_set1_epi8(15));
     return dot32_add(_mm256_setzero_si256(), v, _mm256_loadu_si256((const __m256i *)x));
 }
-#endif
 
-/* one output: row n of a 4-bit weight (G groups, h bytes each; scale and zero (G)) . one row
-   of x quantized by group (xq, sx (G)), plus the zero points times its groups' sums xs (G,
-   of the rounded values); the plain path, for any h */
-static float row_q4_plain(const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
-                          const int8_t *xq, const float *sx, const float *xs, int64_t G,
-                          int64_t h) {
-    float lanes[8] = {0}, zl[8] = {0}, acc = 0;
-    int64_t g = 0;
-    for (; g + 8 <= G; g += 8) {
-        int32_t p[8];
-        for (int i = 0; i < 8; i++) p[i] = dot_q4(q + (g + i) * h, xq + (g + i) * 2 * h, h);
-        lanes_add(lanes, zl, p, scale + g, zero + g, sx + g, xs + g);
-    }
-    for (; g < G; g++)
-        acc = group_add(acc, dot_q4(q + g * h, xq + g * 2 * h, h), scale[g], sx[g], zero + g,
-                        xs[g]);
-    for (int i = 0; i < 8; i++) lanes[i] += zl[i];
-    return acc + sum8(lanes);
-}
-
-#ifdef AVX2
 /* Groups of 32 (h = 16) go two at a time: 32 bytes of q hold groups A and B, whose low
    nibbles (one AND) are A's values 0..15 and B's 0..15, the high ones (a shift, an AND) their
    values 16..31. x's groups meet them in that order: each pair of a block of 8 groups laid out
@@ -116,6 +88,36 @@ static inline __attribute__((always_inline)) void rows_q4_32(
     }
 }
 #endif
+
+/* ---- the portable loops ---- */
+
+/* the integer dot product of a group of 2h 4-bit values (h bytes: the low nibble of byte j is
+   value j, the high one value j + h) with 2h int8 values */
+static int32_t dot_q4(const uint8_t *q, const int8_t *x, int64_t h) {
+    int32_t acc = 0;
+    for (int64_t j = 0; j < h; j++) acc += (q[j] & 15) * (int32_t)x[j] + (q[j] >> 4) * (int32_t)x[h + j];
+    return acc;
+}
+
+/* one output: row n of a 4-bit weight (G groups, h bytes each; scale and zero (G)) . one row
+   of x quantized by group (xq, sx (G)), plus the zero points times its groups' sums xs (G,
+   of the rounded values); the plain path, for any h */
+static float row_q4_plain(const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
+                          const int8_t *xq, const float *sx, const float *xs, int64_t G,
+                          int64_t h) {
+    float lanes[8] = {0}, zl[8] = {0}, acc = 0;
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+        int32_t p[8];
+        for (int i = 0; i < 8; i++) p[i] = dot_q4(q + (g + i) * h, xq + (g + i) * 2 * h, h);
+        lanes_add(lanes, zl, p, scale + g, zero + g, sx + g, xs + g);
+    }
+    for (; g < G; g++)
+        acc = group_add(acc, dot_q4(q + g * h, xq + g * 2 * h, h), scale[g], sx[g], zero + g,
+                        xs[g]);
+    for (int i = 0; i < 8; i++) lanes[i] += zl[i];
+    return acc + sum8(lanes);
+}
 
 /* one output of a 4-bit weight (row_q4_plain's), on the machine's vector path where it has
    one for this h */

@@ -3,6 +3,8 @@
 
 #include "common.h"
 
+/* ---- the vector bodies (AVX2, AVX-512 where the compiler targets it) ---- */
+
 #ifdef AVX2
 /* 32 int8 weights at w . 32 int8 values at x, into acc's 8 lanes: the products take an
    unsigned side, so the weights' magnitudes meet x with the weights' signs (|w| * sign(w) x
@@ -33,16 +35,14 @@ static inline __m256i dot_q8_lanes(const int8_t *x, const int8_t *w, int64_t K) 
     if (k + 32 <= K) a0 = dot32_q8(a0, x + k, w + k);
     return _mm256_add_epi32(a0, a1);
 }
-#endif
 
-/* x (K) int8 . w (K) int8, exact in int32 */
+/* dot_q8 (the portable loops' below) on the vector path: its first K / 32 * 32 terms by
+   dot_q8_lanes, the rest one by one */
 static int32_t dot_q8(const int8_t *x, const int8_t *w, int64_t K) {
     int64_t k = 0;
     int32_t acc = 0;
-#ifdef AVX2
     acc = hsum_i32(dot_q8_lanes(x, w, K));
     k = K / 32 * 32;
-#endif
     for (; k < K; k++) acc += (int32_t)x[k] * (int32_t)w[k];
     return acc;
 }
@@ -52,10 +52,6 @@ static int32_t dot_q8(const int8_t *x, const int8_t *w, int64_t K) {
    one-row loop ran at two thirds of its speed on weights in the cache */
 #define ON_ITS_OWN __attribute__((noinline)) static
 
-/* rows of x from which the int8 products of AVX2 without VNNI go by tiles (rows4_q8_tiles) */
-#define TILE_ROWS 2
-
-#ifdef AVX2
 /* 8 rows of the int8 weight q (K apart, K a multiple of 32) at their scales (8) . one row of
    x, xq (K) at step sx -> y (8): rows_q8's outputs, the 8 integer sums in one vector (the
    row's x loaded once for the 8) and scaled as rows_q8 scales one */
@@ -70,9 +66,11 @@ ON_ITS_OWN void rows8_q8(const int8_t *q, const uint16_t *scale, const int8_t *x
     _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_cvtepi32_ps(sums8_i32(p)),
                                       _mm256_mul_ps(_mm256_set1_ps(sx), s)));
 }
-#endif
 
-#if defined(AVX2) && !defined(VNNI)
+#ifndef VNNI
+/* rows of x from which the int8 products of AVX2 without VNNI go by tiles (rows4_q8_tiles) */
+#define TILE_ROWS 2
+
 /* the sums of 4 vectors' 8 int32 lanes: lane i holds p[i]'s */
 static inline __m128i sums4_i32(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
     __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
@@ -118,6 +116,39 @@ ON_ITS_OWN void rows4_q8_tiles(const int8_t *q, const uint16_t *scale, int64_t M
     for (int i = 0; m < M && i < 4; i++)               /* an odd last row, one dot each */
         y[m * ldy + i] = (float)dot_q8(xq + m * K, q + i * K, K)
                          * (sx[m] * half_to_float(scale[i]));
+}
+#endif
+
+/* row_q8 for groups of 32 (GGUF's Q8_0 blocks): a 256-bit product a group */
+static float row_q8_32(const int8_t *q, const uint16_t *scale, const int8_t *xq,
+                       const float *sx, int64_t G) {
+    __m256 a = _mm256_setzero_ps();
+    float acc = 0;
+    int64_t k = 0;
+    for (; k + 8 <= G; k += 8) {
+        __m256i p[8];
+        for (int i = 0; i < 8; i++)
+            p[i] = dot32_q8(_mm256_setzero_si256(), xq + (k + i) * 32, q + (k + i) * 32);
+        __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + k))),
+                                 _mm256_loadu_ps(sx + k));
+        a = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(sums8_i32(p)), a);
+    }
+    for (; k < G; k++)
+        acc = group_add(acc, hsum_i32(dot32_q8(_mm256_setzero_si256(), xq + k * 32, q + k * 32)),
+                        scale[k], sx[k], NULL, 0);
+    return acc + hsum(a);                                 /* hsum adds in sum8's order */
+}
+#endif
+
+/* ---- the portable loops ---- */
+
+#ifndef AVX2
+/* x (K) int8 . w (K) int8, exact in int32 */
+static int32_t dot_q8(const int8_t *x, const int8_t *w, int64_t K) {
+    int64_t k = 0;
+    int32_t acc = 0;
+    for (; k < K; k++) acc += (int32_t)x[k] * (int32_t)w[k];
+    return acc;
 }
 #endif
 
@@ -190,28 +221,6 @@ static float row_q8_plain(const int8_t *q, const uint16_t *scale, const int8_t *
         acc = group_add(acc, dot_q8(xq + k * g, q + k * g, g), scale[k], sx[k], NULL, 0);
     return acc + sum8(lanes);
 }
-
-#ifdef AVX2
-/* row_q8 for groups of 32 (GGUF's Q8_0 blocks): a 256-bit product a group */
-static float row_q8_32(const int8_t *q, const uint16_t *scale, const int8_t *xq,
-                       const float *sx, int64_t G) {
-    __m256 a = _mm256_setzero_ps();
-    float acc = 0;
-    int64_t k = 0;
-    for (; k + 8 <= G; k += 8) {
-        __m256i p[8];
-        for (int i = 0; i < 8; i++)
-            p[i] = dot32_q8(_mm256_setzero_si256(), xq + (k + i) * 32, q + (k + i) * 32);
-        __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + k))),
-                                 _mm256_loadu_ps(sx + k));
-        a = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(sums8_i32(p)), a);
-    }
-    for (; k < G; k++)
-        acc = group_add(acc, hsum_i32(dot32_q8(_mm256_setzero_si256(), xq + k * 32, q + k * 32)),
-                        scale[k], sx[k], NULL, 0);
-    return acc + hsum(a);                                 /* hsum adds in sum8's order */
-}
-#endif
 
 /* one output of an 8-bit grouped weight (row_q8_plain's), on the machine's vector path where
    it has one for this g */

@@ -3,6 +3,9 @@
 
 #include "common.h"
 
+/* ---- the portable loops (no vector bodies of its own: its products are f32.c's, int8.c's
+   and int4.c's, its attention attention.c's) ---- */
+
 /* y (M, N) = x (M, K) @ W^T in float64 for the W weights w[i] (Ns[i], K) stacked, in plain C:
    each output summed in the order of k (the float64 twin of float_gemv, for the oracle) */
 static void double_gemv(int64_t M, int64_t W, const int64_t *Ns, int64_t K, const double *x,
