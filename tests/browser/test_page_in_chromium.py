@@ -163,16 +163,16 @@ def test_the_live_page_draws_the_engine_as_metrics_sees_it(browser, tmp_path):
     try:
         open_page(browser, server.base + "/")
         wait_until(browser, lambda s: s["status"] == "live")
-        loads = [
-            loadgen(server.base, "shared-prefix", "6", 150),
-            loadgen(server.base, "longtail", "8", 200),
+        loads = [  # a minute of arrivals whatever the machine's speed: the page sees it busy
+            loadgen(server.base, "shared-prefix", "6", 360),
+            loadgen(server.base, "longtail", "8", 480),
         ]
+        busy = lambda s: int(s["step"]) > 300 and int(s["slotsBusy"]) >= 4  # noqa: E731
+        wait_until(browser, lambda s: busy(s) and int(s["blocksShared"]) > 0)
         met = drawn_against_metrics(browser)
         assert any(int(p["blocksShared"]) for p in met) or wait_until(
             browser, lambda s: int(s["blocksShared"]) > 0
         )
-        busy = lambda s: int(s["step"]) > 300 and int(s["slotsBusy"]) >= 4  # noqa: E731
-        wait_until(browser, lambda s: busy(s) and int(s["blocksShared"]) > 0)
         shot = tmp_path / "live-page.png"
         browser.save_screenshot(str(shot))
         if os.environ.get("LIVE_SCREENSHOT"):
