@@ -275,16 +275,20 @@ async def faults(server: subprocess.Popen, base: str, args, soak: Soak, until: f
             await asyncio.sleep(pause)
             with contextlib.suppress(ProcessLookupError):  # a hung one was ended meanwhile
                 os.kill(pid, signal.SIGCONT)
-        soak.faults.append((kind, t0, await ok_again(base, t0)))
+        gone = pid if kind.startswith("kill") else None
+        soak.faults.append((kind, t0, await ok_again(base, t0, gone)))
 
 
-async def ok_again(base: str, since: float) -> float:
-    """When /health says ok again after a fault (it may say busy, or restarting, meanwhile)."""
+async def ok_again(base: str, since: float, gone: int | None = None) -> float:
+    """When /health says ok again after a fault (it may say busy, or restarting, meanwhile),
+    naming no longer the killed process `gone`: a kill's first /health may still say ok, before
+    the watchdog looks, and the restart it is due comes after."""
     async with httpx.AsyncClient(timeout=600.0) as http:
         while True:
             try:
                 r = await http.get(base + "/health")
-                if r.status_code == 200 and r.json()["status"] == "ok":
+                said = r.json() if r.status_code == 200 else {}
+                if said.get("status") == "ok" and gone not in said.get("processes", {}).values():
                     return time.monotonic()
             except httpx.HTTPError:
                 pass
