@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from tinyllm.core.generate import autocast_for
 from tinyllm.core.logits_processors import process
 from tinyllm.core.model import Transformer
-from tinyllm.core.model_runner import ModelRunner, sample
+from tinyllm.core.model_runner import ModelRunner, last_token, sample
 from tinyllm.core.parts import StepOutput, StepPlan
 from tinyllm.core.requests import Sequence, TokenLogprobs, is_done
 from tinyllm.core.sampling import draw, is_greedy, sampling_probs
@@ -521,7 +521,7 @@ class Speculator:
             if guesses[i] and not self.cache.reserve(seq.slot, 1 + len(guesses[i])):
                 guesses[i], drafts[i] = [], None
         if any(guesses):
-            last = [s.tokens[-1] if s.tokens else s.request.prompt[-1] for s in seqs]
+            last = [last_token(s) for s in seqs]
             logits = runner.verify(seqs, [[t] + g for t, g in zip(last, guesses)])
             plain = [i for i, g in enumerate(guesses) if not g]
             some = [i for i, g in enumerate(guesses) if g]
